@@ -1,0 +1,140 @@
+"""Objects by URI: ``gs://bucket/name`` through the real GCS client, or a plain local path.
+
+The GCS client honours ``STORAGE_EMULATOR_HOST``, so the cloud and the local emulator differ only by
+endpoint.  Local paths exist so that the same jobs (tokenize, train) run on files a user points at.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import IO, Any
+
+GS = "gs://"
+
+
+def is_gcs(uri: str) -> bool:
+    return uri.startswith(GS)
+
+
+def split_gs(uri: str) -> tuple[str, str]:
+    """``gs://b/a/c`` -> ``("b", "a/c")``; raises ValueError on anything else."""
+    if not is_gcs(uri):
+        raise ValueError(f"not a gs:// URI: {uri!r}")
+    bucket, _, name = uri[len(GS) :].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {uri!r}")
+    return bucket, name
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URI or path segments with single slashes."""
+    out = base.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
+
+
+@lru_cache(maxsize=4)
+def _client(emulator: str | None, project: str | None) -> Any:
+    from google.cloud import storage
+
+    if emulator:
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=project or "local", credentials=AnonymousCredentials())
+    return storage.Client(project=project)
+
+
+def storage_client() -> Any:
+    """A GCS client for the current environment (emulator when STORAGE_EMULATOR_HOST is set)."""
+    return _client(os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("GOOGLE_CLOUD_PROJECT"))
+
+
+def _blob(uri: str) -> Any:
+    bucket, name = split_gs(uri)
+    return storage_client().bucket(bucket).blob(name)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    uri: str
+    size: int
+    generation: int | None = None
+    md5_hash: str | None = None
+
+
+def read_bytes(uri: str) -> bytes:
+    if is_gcs(uri):
+        return bytes(_blob(uri).download_as_bytes())
+    return Path(uri).read_bytes()
+
+
+def open_read(uri: str) -> IO[bytes]:
+    """A streaming reader: memory stays bounded by the buffer, not the object."""
+    if is_gcs(uri):
+        return _blob(uri).open("rb")  # type: ignore[no-any-return]
+    return open(uri, "rb")
+
+
+def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+    if is_gcs(uri):
+        _blob(uri).upload_from_string(data, content_type=content_type)
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def upload_file(local: str | Path, uri: str) -> None:
+    if is_gcs(uri):
+        _blob(uri).upload_from_filename(str(local))
+        return
+    Path(uri).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(local, uri)
+
+
+def download_file(uri: str, local: str | Path) -> None:
+    Path(local).parent.mkdir(parents=True, exist_ok=True)
+    if is_gcs(uri):
+        _blob(uri).download_to_filename(str(local))
+        return
+    shutil.copyfile(uri, local)
+
+
+def exists(uri: str) -> bool:
+    if is_gcs(uri):
+        return bool(_blob(uri).exists())
+    return Path(uri).exists()
+
+
+def stat(uri: str) -> ObjectInfo:
+    if is_gcs(uri):
+        bucket, name = split_gs(uri)
+        blob = storage_client().bucket(bucket).get_blob(name)
+        if blob is None:
+            raise FileNotFoundError(uri)
+        return ObjectInfo(uri, int(blob.size or 0), blob.generation, blob.md5_hash)
+    return ObjectInfo(uri, Path(uri).stat().st_size)
+
+
+def list_uris(prefix: str) -> Iterator[str]:
+    """Every object under a prefix (a folder, locally), in name order."""
+    if is_gcs(prefix):
+        bucket, name = split_gs(prefix)
+        for blob in storage_client().list_blobs(bucket, prefix=name):
+            yield f"{GS}{bucket}/{blob.name}"
+        return
+    root = Path(prefix)
+    if root.is_file():
+        yield str(root)
+        return
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            yield str(p)

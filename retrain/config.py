@@ -1,0 +1,115 @@
+"""All of retrain's settings in one typed place.
+
+Every component (functions, workflow arguments, jobs, the local stack) reads its configuration from
+environment variables named ``RETRAIN_*`` through :func:`load`; the cloud deployment sets them in
+Terraform and the local stack sets them for the processes it starts.  Emulator endpoints use the
+client libraries' own variables (``FIRESTORE_EMULATOR_HOST``, ``PUBSUB_EMULATOR_HOST``,
+``STORAGE_EMULATOR_HOST``), so the same code talks to the cloud or to an emulator.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class Settings:
+    project: str = "retrain-local"
+    """Google Cloud project id."""
+    region: str = "us-central1"
+    """Region of the workflow, functions, Dataflow jobs and the GKE cluster."""
+    landing_bucket: str = "retrain-landing"
+    """Bucket where new training data lands; its finalize events start runs."""
+    landing_prefix: str = "incoming/"
+    """Only objects under this prefix are training data."""
+    artifacts_bucket: str = "retrain-artifacts"
+    """Bucket for tokenized shards, reports and checkpoints (never triggers a run)."""
+    dataset: str = "default"
+    """Dataset name used when an event does not name one."""
+    seal_marker: str = "_SUCCESS"
+    """An object with this base name seals the open batch of its dataset."""
+    workflow: str = "retrain"
+    """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
+    jobset_topic: str = "jobset-events"
+    """Pub/Sub topic the notifier publishes JobSet terminal states to."""
+    cluster: str = "retrain"
+    """GKE cluster name."""
+    node_pool: str = "a3-dws"
+    """The DWS queued-provisioning GPU node pool."""
+    namespace: str = "default"
+    """Kubernetes namespace of training JobSets."""
+    local_queue: str = "dws-local-queue"
+    """Kueue LocalQueue the JobSets are submitted to."""
+    machine_type: str = "a3-highgpu-8g"
+    """GPU machine type of the node pool."""
+    gpus_per_node: int = 8
+    """GPUs per node of that machine type."""
+    nodes: int = 1
+    """Nodes a run trains on."""
+    price_per_node_hour: float = 88.49
+    """Estimated on-demand price of one node-hour, for the run record's cost estimate (USD)."""
+    image: str = "nvcr.io/nvidia/nemo:24.12"
+    """Container image of the training job."""
+    trainer: str = "nemo"
+    """What the JobSet runs: nemo (the cloud), gpt (small CPU GPT, local) or datacheck (no torch)."""
+    max_steps: int = 60
+    """Training steps per run."""
+    provision_timeout_s: int = 3600
+    """How long a run waits for DWS capacity before it fails."""
+    train_timeout_s: int = 86400
+    """How long a run waits for the training JobSet to finish."""
+    # --- local stack only ---
+    provision_delay_s: float = 2.0
+    """Local DWS twin: seconds before a ProvisioningRequest is answered."""
+    state_dir: str = ".retrain"
+    """Local stack: where emulator data, logs and the stack's endpoints file live."""
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def landing_uri(self) -> str:
+        return f"gs://{self.landing_bucket}/{self.landing_prefix}"
+
+    @property
+    def artifacts_uri(self) -> str:
+        return f"gs://{self.artifacts_bucket}"
+
+
+def _coerce(value: str, like: object) -> object:
+    if isinstance(like, bool):
+        return value.lower() in ("1", "true", "yes")
+    if isinstance(like, int):
+        return int(value)
+    if isinstance(like, float):
+        return float(value)
+    return value
+
+
+def load(env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from ``RETRAIN_<FIELD>`` variables, defaults elsewhere; bad values fail loudly."""
+    env = os.environ if env is None else env
+    defaults = Settings()
+    values: dict[str, object] = {}
+    for f in fields(Settings):
+        if f.name == "extra":
+            continue
+        key = "RETRAIN_" + f.name.upper()
+        if key in env:
+            try:
+                values[f.name] = _coerce(env[key], getattr(defaults, f.name))
+            except ValueError as e:
+                raise ValueError(f"{key}={env[key]!r}: {e}") from None
+    if "project" not in values and env.get("GOOGLE_CLOUD_PROJECT"):
+        values["project"] = env["GOOGLE_CLOUD_PROJECT"]
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def to_env(settings: Settings) -> dict[str, str]:
+    """The inverse of :func:`load`, for processes the local stack starts."""
+    out = {}
+    for f in fields(Settings):
+        if f.name == "extra":
+            continue
+        out["RETRAIN_" + f.name.upper()] = str(getattr(settings, f.name))
+    return out
