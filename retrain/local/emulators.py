@@ -7,6 +7,7 @@ when it prints its "started" line, and stopped by signalling that group, so no J
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -105,39 +106,80 @@ class ManagedProcess:
         try:
             with urllib.request.urlopen(self.probe_url, timeout=2):
                 return True
-        except (OSError, urllib.error.URLError):
+        except urllib.error.HTTPError:
+            return True  # it answered: up, whatever it thinks of the request
+        except OSError:
             return False
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the whole group (launcher scripts fork Java), wait for all of it, then SIGKILL."""
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(grace_s)
-        except ProcessLookupError:
-            pass
+        pgid = self.proc.pid
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                try:
+                    os.killpg(pgid, 0)
+                except ProcessLookupError:
+                    self.proc.wait()
+                    return
+                time.sleep(0.05)
+        self.proc.wait()
 
 
-def firestore(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
-    """The Firestore emulator; returns the process and its FIRESTORE_EMULATOR_HOST value."""
+def firestore(
+    state_dir: Path, port: int | None = None, import_from: Path | None = None
+) -> tuple[ManagedProcess, str]:
+    """The Firestore emulator; returns the process and its FIRESTORE_EMULATOR_HOST value.
+
+    ``import_from`` is an export folder written by :func:`export_firestore` (state kept across restarts).
+    """
     platform = sdk_platform_dir()
     if platform is None:
         raise EmulatorError("Google Cloud SDK not found")
     port = port or free_port()
+    argv = [str(platform / FIRESTORE_LAUNCHER), "--host", "127.0.0.1", "--port", str(port)]
+    if import_from is not None:
+        meta = sorted(import_from.glob("*.overall_export_metadata"))
+        if meta:
+            argv += ["--import-data", str(meta[0])]
     proc = ManagedProcess(
-        "firestore-emulator",
-        [str(platform / FIRESTORE_LAUNCHER), "--host", "127.0.0.1", "--port", str(port)],
-        state_dir / "firestore.log",
-        ready_line=r"Dev App Server is now running",
+        "firestore-emulator", argv, state_dir / "firestore.log", ready_line=r"Dev App Server is now running"
     )
     return proc, f"127.0.0.1:{port}"
+
+
+def export_firestore(host: str, project: str, into: Path) -> Path:
+    """Export the emulator's data (its own REST export); returns the export folder, replacing ``into``."""
+    staging = into.with_name(into.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    body = json.dumps(
+        {"database": f"projects/{project}/databases/(default)", "export_directory": str(staging)}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{host}/emulator/v1/projects/{project}:export",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=60):
+        pass
+    (export,) = [p for p in staging.iterdir() if p.is_dir()]
+    shutil.rmtree(into, ignore_errors=True)
+    export.rename(into)
+    shutil.rmtree(staging, ignore_errors=True)
+    return into
 
 
 def pubsub(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
@@ -156,7 +198,7 @@ def pubsub(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, st
 
 
 def gcs(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
-    """gcp-storage-emulator (in memory); returns the process and its STORAGE_EMULATOR_HOST value."""
+    """gcp-storage-emulator, storing objects under ``state_dir/gcs``; returns it and STORAGE_EMULATOR_HOST."""
     port = port or free_port()
     proc = ManagedProcess(
         "gcs-emulator",
@@ -169,10 +211,10 @@ def gcs(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
             "127.0.0.1",
             "--port",
             str(port),
-            "--in-memory",
         ],
         state_dir / "gcs.log",
         ready_line=r"Starting server",
+        env={"STORAGE_BASE": str(state_dir), "STORAGE_DIR": "gcs"},
         probe_url=f"http://127.0.0.1:{port}/storage/v1/b",
     )
     return proc, f"http://127.0.0.1:{port}"

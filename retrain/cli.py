@@ -1,0 +1,298 @@
+"""The ``retrain`` command line: the local stack, dropping data, and reading run records.
+
+Subcommands that belong to one component delegate to it (``workflows``, ``tokenize``, ``render``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from retrain import config
+from retrain.domain.runs import Run, RunStatus
+
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def local_settings() -> config.Settings:
+    """Settings for the local stack: the trainer falls back to a data check when torch is absent."""
+    settings = config.load()
+    if "RETRAIN_TRAINER" not in os.environ:
+        from retrain.train import torch_available
+
+        trainer = "gpt" if torch_available() else "datacheck"
+        if trainer == "datacheck":
+            _say(
+                "PyTorch is not installed (pip install -e '.[train]'): the run does a data-check job "
+                "instead of training"
+            )
+        settings = dataclasses.replace(settings, trainer=trainer)
+    if settings.trainer == "nemo":
+        raise SystemExit("RETRAIN_TRAINER=nemo needs GPUs; locally use gpt or datacheck")
+    return settings
+
+
+def _ledger(settings: config.Settings) -> Any:
+    from retrain.adapters.ledger import FirestoreLedger
+
+    return FirestoreLedger(settings.project)
+
+
+def format_run(run: Run) -> str:
+    lines = [f"run {run.run_id}  [{run.status}]"]
+    for label, value in (
+        ("dataset", run.dataset),
+        ("trigger", run.trigger),
+        ("snapshot", run.snapshot[:16]),
+        ("objects", run.objects),
+        ("documents", run.documents),
+        ("tokens", run.tokens),
+        ("quarantined", run.quarantined),
+        ("nodes", run.nodes),
+        ("gpu node-seconds", f"{run.gpu_node_seconds:.1f}"),
+        ("gpu-hours", f"{run.gpu_hours:.3f}"),
+        ("est. cost", f"${run.cost_usd:.2f}"),
+        ("nodes at end", run.nodes_at_end),
+        ("checkpoint", run.checkpoint),
+        ("reason", run.reason),
+        ("execution", run.execution),
+        ("created", run.created_at),
+        ("finished", run.finished_at),
+    ):
+        if value not in (None, ""):
+            lines.append(f"  {label:<17} {value}")
+    return "\n".join(lines)
+
+
+def follow(ledger: Any, run_id: str, timeout_s: float) -> Run:
+    """Print a run's progress until it ends (or the timeout passes)."""
+    deadline, seen = time.monotonic() + timeout_s, None
+    start = time.monotonic()
+    while True:
+        run = ledger.get_run(run_id)
+        if run is not None:
+            state = (run.status, run.tokens, run.nodes_at_end)
+            if state != seen:
+                extra = f" tokens={run.tokens}" if run.tokens else ""
+                _say(f"run {run_id}: {run.status}{extra} (+{time.monotonic() - start:.0f}s)")
+                seen = state
+            if run.status.terminal and run.nodes_at_end is not None:
+                return run
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} did not finish within {timeout_s:.0f}s")
+        time.sleep(1)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from retrain.local.landing import data_files, drop
+    from retrain.local.stack import LocalStack
+
+    settings = local_settings()
+    files = data_files([Path(args.data)])
+    if not files:
+        raise SystemExit(f"no data files (.txt, .jsonl, .parquet) under {args.data}")
+    _say("starting from a clean local state (the ledger is kept for `retrain runs` afterwards)")
+    with LocalStack(settings, progress=_say, fresh=True) as stack:
+        ledger = _ledger(settings)
+        before = {r.run_id for r in ledger.list_runs()}
+        drop(settings, stack.endpoints.ingest_function, files, dataset=args.dataset, progress=_say)
+        new = [r for r in ledger.list_runs() if r.run_id not in before]
+        if not new:
+            _say("no run started: this data has trained before")
+            return 1
+        run = follow(ledger, new[-1].run_id, args.timeout)
+    print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
+    return 0 if run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The body of ``retrain up``: run the stack until SIGTERM/SIGINT."""
+    from retrain.local.stack import LocalStack
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with LocalStack(local_settings(), progress=_say):
+        stop.wait()
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from retrain.local.stack import stack_file
+
+    settings = config.load()
+    path = stack_file(settings)
+    if path.exists():
+        _say(f"a local stack is already up ({path}); `retrain down` first")
+        return 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.parent / "stack.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "retrain.cli", "_serve"],
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.stderr.write(log.read_text()[-3000:])
+            _say(f"the local stack did not come up; log: {log}")
+            if proc.poll() is None:
+                proc.terminate()
+            return 1
+        time.sleep(0.5)
+    _say(f"local stack up (pid {proc.pid}); endpoints in {path}; log in {log}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from retrain.local.stack import Endpoints, stack_file
+
+    path = stack_file(config.load())
+    if not path.exists():
+        _say("no local stack is running")
+        return 0
+    pid = Endpoints.load(path).pid
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        return 0
+    for _ in range(600):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _say("local stack stopped")
+            return 0
+        time.sleep(0.1)
+    _say(f"stack (pid {pid}) did not stop in 60s")
+    return 1
+
+
+def cmd_drop(args: argparse.Namespace) -> int:
+    from retrain.local.landing import data_files, drop
+    from retrain.local.stack import attach
+
+    settings = config.load()
+    ep = attach(settings)
+    drop(
+        settings,
+        ep.ingest_function,
+        data_files([Path(p) for p in args.files]),
+        dataset=args.dataset,
+        seal=not args.no_seal,
+        progress=_say,
+    )
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from retrain.local.stack import ledger_access
+
+    settings = config.load()
+    with ledger_access(settings):
+        runs = _ledger(settings).list_runs(args.limit)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in runs], indent=2))
+        return 0
+    print(f"{'RUN':<40} {'STATUS':<13} {'OBJECTS':>7} {'TOKENS':>10} {'NODE-S':>8} {'NODES@END':>9}  REASON")
+    for r in runs:
+        print(
+            f"{r.run_id:<40} {r.status!s:<13} {r.objects:>7} {r.tokens:>10} {r.gpu_node_seconds:>8.1f} "
+            f"{'' if r.nodes_at_end is None else r.nodes_at_end:>9}  {r.reason or ''}"
+        )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from retrain.local.stack import ledger_access
+
+    settings = config.load()
+    with ledger_access(settings):
+        run = _ledger(settings).get_run(args.run_id)
+    if run is None:
+        _say(f"no run {args.run_id}")
+        return 1
+    print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="retrain", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="start the local stack, drop data, follow the run to the end")
+    d.add_argument("--data", default=str(DEFAULT_CORPUS), help="folder of .txt/.jsonl/.parquet files")
+    d.add_argument("--dataset", default=None, help="dataset name (default: the configured one)")
+    d.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the run")
+    d.add_argument("--json", action="store_true", help="print the run record as JSON")
+    d.set_defaults(fn=cmd_demo)
+
+    sub.add_parser("up", help="start the local stack in the background").set_defaults(fn=cmd_up)
+    sub.add_parser("down", help="stop the background local stack").set_defaults(fn=cmd_down)
+    sub.add_parser("_serve", help=argparse.SUPPRESS).set_defaults(fn=cmd_serve)
+
+    dr = sub.add_parser("drop", help="upload files to the landing bucket (local stack) and seal")
+    dr.add_argument("files", nargs="+")
+    dr.add_argument("--dataset", default=None)
+    dr.add_argument("--no-seal", action="store_true", help="do not drop the seal marker after the files")
+    dr.set_defaults(fn=cmd_drop)
+
+    r = sub.add_parser("runs", help="list run records")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--limit", type=int, default=100)
+    r.set_defaults(fn=cmd_runs)
+
+    st = sub.add_parser("status", help="show one run record")
+    st.add_argument("run_id")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+
+    for name, helptext in (
+        ("workflows", "run workflow files in retrain's Workflows interpreter"),
+        ("tokenize", "tokenize text into Megatron .bin/.idx datasets"),
+        ("render", "render Kubernetes manifests (render jobset ...)"),
+    ):
+        sub.add_parser(name, help=helptext, add_help=False)
+    return p
+
+
+DELEGATES = {
+    "workflows": "retrain.workflows.cli",
+    "tokenize": "retrain.tokenize.cli",
+    "render": "retrain.k8s.cli",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATES:
+        import importlib
+
+        return int(importlib.import_module(DELEGATES[argv[0]]).main(argv[1:]))
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (RuntimeError, FileNotFoundError, TimeoutError) as e:
+        _say(f"error: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Turning an incoming CloudEvent into a validated arrival, or a rejection with a reason.
+
+Delivery is at-least-once and event fields come from outside, so nothing here trusts them: the type,
+source and bucket must be the ones configured, object names are checked before they are used in any
+path or query, and anything unexpected becomes :class:`Rejected` (acknowledged, logged, never
+retried) rather than an exception the platform would redeliver forever.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GCS_FINALIZED = "google.cloud.storage.object.v1.finalized"
+GCS_SOURCE_PREFIX = "//storage.googleapis.com/projects/_/buckets/"
+
+# GCS's own limits: names are 1-1024 bytes of UTF-8; bucket names 3-63 chars (222 with dots).
+MAX_NAME_BYTES = 1024
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# Objects retrain writes itself; they must never start a run even if they land under the prefix.
+RETRAIN_OWNED_MARKERS = ("/_retrain/", "_text_document.", "_report.json", "_quarantine.jsonl")
+
+
+class Rejected(Exception):
+    """An event that is malformed or not ours: acknowledge it and log the reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ObjectArrival:
+    """A finalized object in the landing bucket, as far as retrain cares."""
+
+    event_id: str
+    bucket: str
+    name: str
+    generation: int
+    size: int
+    md5_hash: str
+    time: str
+
+    @property
+    def uri(self) -> str:
+        return f"gs://{self.bucket}/{self.name}"
+
+    @property
+    def identity(self) -> str:
+        """(bucket, name, generation): re-delivery of the same object version has the same identity."""
+        return f"{self.bucket}/{self.name}#{self.generation}"
+
+
+def check_object_name(name: object) -> str:
+    """Return ``name`` if it is safe to use as an object name, else raise Rejected."""
+    if not isinstance(name, str) or not name:
+        raise Rejected("object name missing or not a string")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise Rejected(f"object name longer than {MAX_NAME_BYTES} bytes")
+    if _CONTROL_RE.search(name):
+        raise Rejected("object name contains control characters")
+    if name.startswith("/") or any(part in ("..", ".") for part in name.split("/")):
+        raise Rejected("object name contains '.' or '..' segments or a leading '/'")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Rejected("object name is not valid UTF-8") from None
+    return name
+
+
+def _field(data: Mapping[str, Any], key: str) -> Any:
+    if key not in data:
+        raise Rejected(f"event data has no {key!r}")
+    return data[key]
+
+
+def parse_gcs_finalized(attributes: Mapping[str, Any], data: Any) -> ObjectArrival:
+    """Validate an Eventarc ``object.v1.finalized`` CloudEvent (attributes + StorageObjectData)."""
+    if attributes.get("type") != GCS_FINALIZED:
+        raise Rejected(f"unexpected event type {attributes.get('type')!r}")
+    event_id = attributes.get("id")
+    if not isinstance(event_id, str) or not event_id or len(event_id) > 256:
+        raise Rejected("event id missing or invalid")
+    if not isinstance(data, Mapping):
+        raise Rejected("event data is not a JSON object")
+    bucket = _field(data, "bucket")
+    if not isinstance(bucket, str) or not _BUCKET_RE.match(bucket):
+        raise Rejected("bucket missing or not a valid bucket name")
+    source = attributes.get("source")
+    if source != GCS_SOURCE_PREFIX + bucket:
+        raise Rejected(f"event source {source!r} does not match bucket {bucket!r}")
+    name = check_object_name(_field(data, "name"))
+    try:
+        generation = int(_field(data, "generation"))
+        size = int(data.get("size", 0))
+    except (TypeError, ValueError):
+        raise Rejected("generation or size is not an integer") from None
+    if generation <= 0 or size < 0:
+        raise Rejected("generation must be positive and size non-negative")
+    md5 = data.get("md5Hash") or ""
+    if not isinstance(md5, str) or len(md5) > 64:
+        raise Rejected("md5Hash is not a short string")
+    time = str(attributes.get("time") or data.get("updated") or "")
+    return ObjectArrival(event_id, bucket, name, generation, size, md5, time)
+
+
+def is_retrain_output(name: str) -> bool:
+    """Objects retrain wrote (shards, reports, checkpoints) never count as new data."""
+    return any(marker in "/" + name for marker in RETRAIN_OWNED_MARKERS)

@@ -1,0 +1,88 @@
+"""The plan of one run: everything the workflow needs, decided once, when the batch is sealed.
+
+The workflow stays a thin, auditable sequence of cloud calls; sizing, naming and manifests are
+decided here in typed Python and handed to it as its argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from retrain.config import Settings
+from retrain.domain.runs import Run
+
+
+def run_root(settings: Settings, run_id: str) -> str:
+    return f"{settings.artifacts_uri}/runs/{run_id}"
+
+
+def shard_root(settings: Settings) -> str:
+    """Tokenized shards live outside any run: keyed by content hash, shared by every run."""
+    return f"{settings.artifacts_uri}/shards"
+
+
+def trainer_argv(settings: Settings, report_uri: str, checkpoint_dir: str) -> list[str] | None:
+    """The command the JobSet's pods run; None means the NeMo image's default launcher."""
+    if settings.trainer == "nemo":
+        return None
+    from retrain.train import trainer_command
+
+    return trainer_command(settings.trainer, ["@" + report_uri], checkpoint_dir, settings.max_steps)
+
+
+def workflow_argument(settings: Settings, run: Run, objects: tuple[str, ...]) -> dict[str, Any]:
+    """The argument of one execution of workflows/retrain.yaml."""
+    from retrain.k8s.render import render_jobset, render_provisioning_request
+
+    root = run_root(settings, run.run_id)
+    report = f"{root}/tokenize_report.json"
+    checkpoint_dir = f"{root}/checkpoints"
+    jobset = render_jobset(
+        run.run_id,
+        nodes=settings.nodes,
+        gpus_per_node=settings.gpus_per_node,
+        image=settings.image,
+        command=trainer_argv(settings, report, checkpoint_dir),
+        data_prefix=["@" + report],
+        checkpoint_dir=checkpoint_dir,
+        max_steps=settings.max_steps,
+        queue=settings.local_queue,
+        node_pool=settings.node_pool,
+        namespace=settings.namespace,
+        callback_url="",
+    )
+    podtemplate, provreq = render_provisioning_request(
+        run.run_id,
+        nodes=settings.nodes,
+        gpus_per_node=settings.gpus_per_node,
+        namespace=settings.namespace,
+        node_pool=settings.node_pool,
+        max_run_duration_s=settings.train_timeout_s,
+    )
+    return {
+        "run_id": run.run_id,
+        "dataset": run.dataset,
+        "project": settings.project,
+        "region": settings.region,
+        "cluster": settings.cluster,
+        "node_pool": settings.node_pool,
+        "namespace": settings.namespace,
+        "nodes": settings.nodes,
+        "gpus_per_node": settings.gpus_per_node,
+        "artifacts_bucket": settings.artifacts_bucket,
+        "manifest_object": f"runs/{run.run_id}/objects.json",
+        "report_object": f"runs/{run.run_id}/tokenize_report.json",
+        "metrics_object": f"runs/{run.run_id}/checkpoints/metrics.json",
+        "objects": list(objects),
+        "shard_root": shard_root(settings),
+        "run_root": root,
+        "report": report,
+        "checkpoint_dir": checkpoint_dir,
+        "dataflow_template": f"{settings.artifacts_uri}/templates/tokenize.json",
+        "jobset": jobset,
+        "podtemplate": podtemplate,
+        "provisioning_request": provreq,
+        "provision_timeout_s": settings.provision_timeout_s,
+        "train_timeout_s": settings.train_timeout_s,
+        "price_per_node_hour": settings.price_per_node_hour,
+    }

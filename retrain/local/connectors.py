@@ -1,0 +1,266 @@
+"""The workflow's connectors, bound to the local backends.
+
+Each binding receives the connector's documented arguments and answers in the documented shape, so
+workflows/retrain.yaml runs unchanged: Firestore and GCS calls go to their emulators through the same
+REST/JSON APIs, ``gke.request`` goes to the real kube-apiserver, node-pool sizing goes to the cluster
+twin, and a Dataflow flex-template launch runs the same Beam pipeline on the FnApiRunner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import requests
+import yaml
+
+from retrain.adapters import objects
+from retrain.workflows import ConnectorRegistry, WorkflowError, http_error
+
+Args = dict[str, Any]
+
+
+def _raise_for(resp: requests.Response) -> None:
+    if resp.status_code >= 400:
+        try:
+            body: Any = resp.json()
+        except ValueError:
+            body = resp.text
+        raise WorkflowError(
+            http_error(
+                resp.status_code,
+                f"HTTP server responded with error code {resp.status_code}",
+                body=body,
+                headers=dict(resp.headers),
+            )
+        )
+
+
+# --- Firestore (REST API of the emulator) ----------------------------------------------------------
+
+
+def firestore_bindings(emulator_host: str) -> dict[str, Callable[[Args, Args], Any]]:
+    base = f"http://{emulator_host}/v1/"
+    headers = {"Authorization": "Bearer owner"}
+
+    def patch(args: Args, _: Args) -> Any:
+        params: list[tuple[str, str]] = []
+        for path in (args.get("updateMask") or {}).get("fieldPaths", []):
+            params.append(("updateMask.fieldPaths", f"`{path}`" if not path.isidentifier() else path))
+        for key, value in (args.get("currentDocument") or {}).items():
+            params.append(
+                (f"currentDocument.{key}", json.dumps(value) if isinstance(value, bool) else str(value))
+            )
+        resp = requests.patch(
+            base + args["name"], params=params, json=args.get("body") or {}, headers=headers, timeout=30
+        )
+        _raise_for(resp)
+        return resp.json()
+
+    def get(args: Args, _: Args) -> Any:
+        resp = requests.get(base + args["name"], headers=headers, timeout=30)
+        _raise_for(resp)
+        return resp.json()
+
+    return {
+        "googleapis.firestore.v1.projects.databases.documents.patch": patch,
+        "googleapis.firestore.v1.projects.databases.documents.get": get,
+    }
+
+
+# --- Cloud Storage (JSON API of the emulator, through the client library) --------------------------
+
+
+def _object_uri(args: Args, key: str) -> str:
+    name = unquote(str(args[key]))
+    return f"gs://{args['bucket']}/{name}"
+
+
+def storage_get(args: Args, _: Args) -> Any:
+    """objects.get; with alt=media the connector returns the content (decoded when it is JSON)."""
+    uri = _object_uri(args, "object")
+    try:
+        if args.get("alt") == "media":
+            data = objects.read_bytes(uri)
+            try:
+                return json.loads(data)
+            except ValueError:
+                return data.decode("utf-8", "replace")
+        info = objects.stat(uri)
+    except FileNotFoundError:
+        raise WorkflowError(http_error(404, f"No such object: {uri}")) from None
+    except Exception as e:  # the client raises google.api_core NotFound
+        if type(e).__name__ == "NotFound":
+            raise WorkflowError(http_error(404, f"No such object: {uri}")) from None
+        raise
+    return {
+        "bucket": args["bucket"],
+        "name": unquote(str(args["object"])),
+        "size": str(info.size),
+        "generation": str(info.generation),
+    }
+
+
+def storage_insert(args: Args, _: Args) -> Any:
+    uri = _object_uri(args, "name")
+    body = args.get("body")
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    objects.write_bytes(uri, data, content_type="application/json")
+    return {"bucket": args["bucket"], "name": args["name"], "size": str(len(data))}
+
+
+# --- Dataflow: flex-template launches run the Beam pipeline locally --------------------------------
+
+
+@dataclass
+class LocalDataflow:
+    """Runs each launched tokenize job as a subprocess (FnApiRunner) and reports Dataflow job states."""
+
+    log_dir: Path
+    env: Mapping[str, str]
+    jobs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def launch(self, args: Args, _: Args) -> Any:
+        launch = args["body"]["launchParameter"]
+        params = launch.get("parameters", {})
+        for required in ("manifest", "shard_root", "report"):
+            if required not in params:
+                raise WorkflowError(http_error(400, f"launchParameter.parameters.{required} is required"))
+        job_id = f"{launch.get('jobName', 'job')}-{uuid.uuid4().hex[:8]}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{job_id}.log", "wb")  # noqa: SIM115 - handed to the child
+        argv = [
+            sys.executable,
+            "-m",
+            "retrain.tokenize",
+            "--manifest",
+            params["manifest"],
+            "--shard-root",
+            params["shard_root"],
+            "--report",
+            params["report"],
+        ]
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        log.close()
+        with self.lock:
+            self.jobs[job_id] = proc
+        return {
+            "job": {
+                "id": job_id,
+                "name": launch.get("jobName"),
+                "projectId": args.get("projectId"),
+                "location": args.get("location"),
+                "currentState": "JOB_STATE_PENDING",
+            }
+        }
+
+    def get(self, args: Args, _: Args) -> Any:
+        job_id = args["jobId"]
+        with self.lock:
+            proc = self.jobs.get(job_id)
+        if proc is None:
+            raise WorkflowError(http_error(404, f"job {job_id} not found"))
+        code = proc.poll()
+        state = (
+            "JOB_STATE_RUNNING" if code is None else ("JOB_STATE_DONE" if code == 0 else "JOB_STATE_FAILED")
+        )
+        return {"id": job_id, "currentState": state}
+
+    def stop(self) -> None:
+        with self.lock:
+            for proc in self.jobs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+# --- GKE: the Kubernetes API of the envtest control plane, node pools of the twin ------------------
+
+
+@dataclass
+class KubeEndpoint:
+    server: str
+    token: str
+    ca_file: str
+
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> KubeEndpoint:
+        cfg = yaml.safe_load(path.read_text())
+        cluster = cfg["clusters"][0]["cluster"]
+        return cls(cluster["server"], cfg["users"][0]["user"]["token"], cluster["certificate-authority"])
+
+
+def gke_request_binding(kube: KubeEndpoint) -> Callable[[Args, Args], Any]:
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {kube.token}"
+    session.verify = kube.ca_file
+
+    def request(args: Args, _: Args) -> Any:
+        path = str(args["path"])
+        if not path.startswith("/") or ".." in path:
+            raise WorkflowError({"message": f"invalid path {path!r}", "tags": ["ValueError"]})
+        body = args.get("body")
+        resp = session.request(
+            str(args.get("method", "GET")),
+            kube.server + path,
+            params=args.get("query"),
+            json=body if body is not None else None,
+            timeout=float(args.get("timeout", 60)),
+        )
+        _raise_for(resp)
+        content: Any = resp.json() if resp.content else None
+        return {"body": content, "code": resp.status_code, "headers": dict(resp.headers)}
+
+    return request
+
+
+def set_autoscaling_binding(set_autoscaling: Callable[[int, int], None]) -> Callable[[Args, Args], Any]:
+    def call(args: Args, _: Args) -> Any:
+        auto = args.get("body", {}).get("autoscaling", {})
+        low = int(auto.get("totalMinNodeCount", auto.get("minNodeCount", 0)))
+        high = int(auto.get("totalMaxNodeCount", auto.get("maxNodeCount", 0)))
+        if low < 0 or high < low:
+            raise WorkflowError(http_error(400, f"invalid autoscaling bounds {low}..{high}"))
+        set_autoscaling(low, high)
+        # The connector waits for the long-running operation; the twin applies it at once.
+        return {
+            "name": f"operation-{uuid.uuid4().hex[:12]}",
+            "operationType": "SET_NODE_POOL_MANAGEMENT",
+            "status": "DONE",
+            "targetLink": args.get("name"),
+        }
+
+    return call
+
+
+def local_registry(
+    *,
+    firestore_host: str,
+    kube: KubeEndpoint,
+    dataflow: LocalDataflow,
+    set_autoscaling: Callable[[int, int], None],
+) -> ConnectorRegistry:
+    """Every connector workflows/retrain.yaml calls, bound to the local stack."""
+    registry = ConnectorRegistry()
+    for name, fn in firestore_bindings(firestore_host).items():
+        registry.register(name, fn)
+    registry.register("googleapis.storage.v1.objects.get", storage_get)
+    registry.register("googleapis.storage.v1.objects.insert", storage_insert)
+    registry.register("googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch", dataflow.launch)
+    registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.get", dataflow.get)
+    registry.register("gke.request", gke_request_binding(kube))
+    registry.register(
+        "googleapis.container.v1.projects.locations.clusters.nodePools.setAutoscaling",
+        set_autoscaling_binding(set_autoscaling),
+    )
+    return registry

@@ -1,0 +1,301 @@
+"""The whole system on one machine: real emulators, a real control plane, twins only where none exists.
+
+  GCS emulator ──finalize CloudEvent (posted by the stack, shaped like Eventarc's)──▶ functions-framework
+  (on_object_finalized) ──Firestore emulator (ledger)──▶ executions service (workflows/retrain.yaml in
+  retrain's interpreter) ──connectors──▶ local Dataflow (Beam, FnApiRunner) · kube-apiserver (envtest)
+  ◀── cluster twin (DWS provisioner, JobSet controller, kubelet) ── notifier ──▶ Pub/Sub emulator
+  ──push──▶ functions-framework (on_jobset_event) ──callback──▶ the waiting execution.
+
+The stack writes its endpoints to ``<state_dir>/stack.json`` so other commands (drop, runs, status)
+find it while it runs in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrain import config
+from retrain.adapters import objects
+from retrain.local import emulators
+from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
+
+log = logging.getLogger("retrain.stack")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FUNCTIONS_SOURCE = REPO_ROOT / "functions" / "main.py"
+WORKFLOW_FILE = REPO_ROOT / "workflows" / "retrain.yaml"
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+@dataclass
+class Endpoints:
+    """Where the running stack's parts listen; what other processes need to reach it."""
+
+    firestore: str = ""
+    pubsub: str = ""
+    storage: str = ""
+    workflows: str = ""
+    ingest_function: str = ""
+    relay_function: str = ""
+    kubeconfig: str = ""
+    pid: int = 0
+
+    def env(self) -> dict[str, str]:
+        """Environment that points the client libraries (and retrain) at this stack."""
+        return {
+            "FIRESTORE_EMULATOR_HOST": self.firestore,
+            "PUBSUB_EMULATOR_HOST": self.pubsub,
+            "STORAGE_EMULATOR_HOST": self.storage,
+            "RETRAIN_WORKFLOWS_ENDPOINT": self.workflows,
+            "KUBECONFIG": self.kubeconfig,
+        }
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.__dict__, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> Endpoints:
+        return cls(**json.loads(path.read_text()))
+
+
+def stack_file(settings: config.Settings) -> Path:
+    return Path(settings.state_dir).resolve() / "stack.json"
+
+
+def attach(settings: config.Settings) -> Endpoints:
+    """Point this process at a stack started by ``retrain up``; raises if none runs."""
+    path = stack_file(settings)
+    if not path.exists():
+        raise RuntimeError("no local stack is running: start one with `retrain up` (or use `retrain demo`)")
+    ep = Endpoints.load(path)
+    try:
+        os.kill(ep.pid, 0)
+    except ProcessLookupError:
+        raise RuntimeError(
+            f"the local stack (pid {ep.pid}) is gone: `retrain down`, then `retrain up`"
+        ) from None
+    os.environ.update(ep.env())
+    return ep
+
+
+@dataclass
+class LocalStack:
+    settings: config.Settings
+    progress: Progress = _quiet
+    fresh: bool = False
+    """Start from empty buckets and an empty ledger instead of the state kept by the last stop."""
+    pod_env: dict[str, str] = field(default_factory=dict)
+    endpoints: Endpoints = field(default_factory=Endpoints)
+    _procs: list[emulators.ManagedProcess] = field(default_factory=list)
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.settings.state_dir).resolve()
+
+    def start(self) -> Endpoints:
+        """Start every part, in dependency order; on any failure, stop what started and re-raise."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def _spawn(self, proc: emulators.ManagedProcess, timeout_s: float = 90.0) -> None:
+        self._procs.append(proc)
+        proc.start(timeout_s)
+
+    def _start(self) -> None:
+        s, ep = self.settings, self.endpoints
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        ep.pid = os.getpid()
+        reason = emulators.java_emulators_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"cannot start the local stack: {reason}")
+        from retrain.local.envtest import ControlPlane, envtest_unavailable_reason
+
+        reason = envtest_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"cannot start the local stack: {reason}")
+
+        if self.fresh:
+            for kept in (self.state_dir / "gcs", self.firestore_data):
+                shutil.rmtree(kept, ignore_errors=True)
+        self.progress("starting emulators: GCS, Firestore, Pub/Sub")
+        gcs, ep.storage = emulators.gcs(self.state_dir)
+        fs, ep.firestore = emulators.firestore(self.state_dir, import_from=self.firestore_data)
+        ps, ep.pubsub = emulators.pubsub(self.state_dir)
+        for proc in (gcs, fs, ps):
+            self._spawn(proc)
+        self._closers.append(self._keep_ledger)
+
+        self.progress("starting the Kubernetes control plane (kube-apiserver + etcd, CRDs)")
+        control_plane = ControlPlane(self.state_dir / "kube")
+        control_plane.start()
+        self._closers.append(control_plane.stop)
+        ep.kubeconfig = str(control_plane.kubeconfig)
+        os.environ.update(ep.env())
+        os.environ.update(config.to_env(s))
+
+        client = objects.storage_client()
+        for bucket in (s.landing_bucket, s.artifacts_bucket):
+            if client.lookup_bucket(bucket) is None:
+                client.create_bucket(bucket)
+
+        self.progress("starting the cluster twin (DWS provisioner, JobSet controller) and the notifier")
+        from retrain.k8s.notifier import Notifier
+        from retrain.local.cluster_twin import ClusterTwin
+
+        api = control_plane.api_client()
+        child_env = {**config.to_env(s), **ep.env(), **self.pod_env}
+        twin = ClusterTwin(
+            api,
+            namespace=s.namespace,
+            node_pool=s.node_pool,
+            machine_type=s.machine_type,
+            gpus_per_node=s.gpus_per_node,
+            provision_delay_s=s.provision_delay_s,
+            workdir=self.state_dir / "pods",
+            pod_env=child_env,
+        )
+        twin.start()
+        self._closers.append(twin.stop)
+        self.twin = twin
+
+        from google.cloud import pubsub_v1
+
+        publisher = pubsub_v1.PublisherClient()
+        topic = publisher.topic_path(s.project, s.jobset_topic)
+        with contextlib.suppress(Exception):
+            publisher.create_topic(name=topic)
+
+        def publish(data: bytes, attributes: dict[str, str]) -> None:
+            publisher.publish(topic, data, **attributes).result(timeout=30)
+
+        notifier = Notifier(api, publish, namespace=s.namespace, state_path=self.state_dir / "notifier.json")
+        notifier.start()
+        self._closers.append(notifier.stop)
+
+        self.progress("starting the workflow executions service")
+        from retrain.workflows import ExecutionsServer, load_workflow
+
+        dataflow = LocalDataflow(self.state_dir / "dataflow", child_env)
+        self._closers.append(dataflow.stop)
+        registry = local_registry(
+            firestore_host=ep.firestore,
+            kube=KubeEndpoint.from_kubeconfig(control_plane.kubeconfig),
+            dataflow=dataflow,
+            set_autoscaling=twin.set_autoscaling,
+        )
+        workflow = load_workflow(WORKFLOW_FILE)
+        server = ExecutionsServer(lambda _name: workflow, registry, {"GOOGLE_CLOUD_PROJECT_ID": s.project})
+        server.start()
+        self._closers.append(server.stop)
+        ep.workflows = server.base_url
+        os.environ["RETRAIN_WORKFLOWS_ENDPOINT"] = ep.workflows
+        self.executions = server
+
+        self.progress("starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event")
+        fn_env = {**config.to_env(s), **ep.env(), "PYTHONUNBUFFERED": "1"}
+        for target, attr in (
+            ("on_object_finalized", "ingest_function"),
+            ("on_jobset_event", "relay_function"),
+        ):
+            port = emulators.free_port()
+            proc = emulators.ManagedProcess(
+                f"function-{target}",
+                [
+                    sys.executable,
+                    "-m",
+                    "functions_framework",
+                    "--source",
+                    str(FUNCTIONS_SOURCE),
+                    "--target",
+                    target,
+                    "--signature-type",
+                    "cloudevent",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                self.state_dir / f"function-{target}.log",
+                ready_line=r"Serving Flask app|Running on|Listening",
+                env=fn_env,
+                probe_url=f"http://127.0.0.1:{port}/",
+            )
+            self._spawn(proc)
+            setattr(ep, attr, f"http://127.0.0.1:{port}")
+
+        subscriber = pubsub_v1.SubscriberClient()
+        subscription = subscriber.subscription_path(s.project, s.jobset_topic + "-to-relay")
+        with contextlib.suppress(Exception):
+            subscriber.create_subscription(
+                request={
+                    "name": subscription,
+                    "topic": topic,
+                    "push_config": {"push_endpoint": f"{ep.relay_function}/{topic}"},
+                    "ack_deadline_seconds": 60,
+                }
+            )
+        ep.save(stack_file(s))
+        self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
+        self.progress("local stack is up")
+
+    @property
+    def firestore_data(self) -> Path:
+        return self.state_dir / "firestore-data"
+
+    def _keep_ledger(self) -> None:
+        """Export the ledger so run records outlive the stack (`retrain runs` after `retrain demo`)."""
+        emulators.export_firestore(self.endpoints.firestore, self.settings.project, self.firestore_data)
+
+    def stop(self) -> None:
+        """Stop everything that started, newest first; never raises."""
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception as e:  # keep stopping the rest
+                log.warning("while stopping: %s", e)
+        while self._procs:
+            self._procs.pop().stop()
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def ledger_access(settings: config.Settings) -> Iterator[None]:
+    """Reach the ledger: the running stack's, or (when none runs) the one its last stop kept."""
+    if stack_file(settings).exists():
+        attach(settings)
+        yield
+        return
+    state_dir = Path(settings.state_dir).resolve()
+    proc, host = emulators.firestore(state_dir, import_from=state_dir / "firestore-data")
+    proc.start()
+    os.environ["FIRESTORE_EMULATOR_HOST"] = host
+    try:
+        yield
+    finally:
+        proc.stop()
