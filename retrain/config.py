@@ -63,6 +63,8 @@ class Settings:
     # --- local stack only ---
     provision_delay_s: float = 2.0
     """Local DWS twin: seconds before a ProvisioningRequest is answered."""
+    twin_faults: str = ""
+    """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
     """Local stack: where emulator data, logs and the stack's endpoints file live."""
     extra: Mapping[str, str] = field(default_factory=dict)

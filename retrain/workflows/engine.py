@@ -1,0 +1,691 @@
+"""Executes a validated workflow definition with Cloud Workflows semantics.
+
+One :class:`_Execution` per run holds the environment, the cancel flag and the connectors;
+steps run on the calling thread, parallel branches on a thread pool. Control flow (``next``,
+``return``, ``break``) travels as private exceptions so it can never be caught by ``except``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .callbacks import CallbackHub
+from .errors import (
+    ExecutionCancelled,
+    WorkflowError,
+    WorkflowSyntaxError,
+    error,
+    index_error,
+    key_error,
+    type_error,
+    value_error,
+)
+from .expressions import (
+    Call,
+    Expr,
+    FunctionRef,
+    evaluate,
+    evaluate_value,
+    expressions_in,
+    get_index,
+    get_key,
+    is_number,
+    json_safe,
+    walk,
+    wtype,
+)
+from .stdlib import FUNCTIONS, POLICIES, RetryPolicy, resolve_object
+from .syntax import Definition, ForSpec, RetrySpec, Step, Subworkflow, Target, load_source
+
+log = logging.getLogger("retrain.workflows.engine")
+
+MAX_CALL_DEPTH = 20
+MAX_STEPS = 100_000
+DEFAULT_LOCATION = "local"
+
+ConnectorFn = Callable[[dict[str, Any], dict[str, Any]], Any]
+
+
+class ConnectorRegistry:
+    """Local stand-ins for ``googleapis.*`` connectors, keyed by their full call name."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, ConnectorFn] = {}
+
+    def register(self, name: str, fn: ConnectorFn) -> None:
+        self._fns[name] = fn
+
+    def get(self, name: str) -> ConnectorFn | None:
+        return self._fns.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+    def names(self) -> list[str]:
+        return sorted(self._fns)
+
+
+# --------------------------------------------------------------------------- control-flow signals
+
+
+class _Signal(Exception):
+    pass
+
+
+class _Jump(_Signal):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+
+class _Return(_Signal):
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _End(_Signal):
+    pass
+
+
+class _Break(_Signal):
+    pass
+
+
+class _Continue(_Signal):
+    pass
+
+
+# --------------------------------------------------------------------------- scopes
+
+
+class _Scope:
+    """A variable scope. ``shared`` is set on parallel-branch roots: the writable parent names."""
+
+    def __init__(self, parent: _Scope | None = None, shared: set[str] | None = None) -> None:
+        self.vars: dict[str, Any] = {}
+        self.parent = parent
+        self.shared = shared
+
+    def find(self, name: str) -> _Scope | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            if name in scope.vars:
+                return scope
+            scope = scope.parent
+        return None
+
+
+def _in_parallel(scope: _Scope | None) -> bool:
+    while scope is not None:
+        if scope.shared is not None:
+            return True
+        scope = scope.parent
+    return False
+
+
+def _parse_execution_name(name: str) -> dict[str, str]:
+    parts = name.strip("/").split("/")
+    out: dict[str, str] = {}
+    for i in range(0, len(parts) - 1, 2):
+        out[parts[i]] = parts[i + 1]
+    return out
+
+
+def builtin_env(execution_name: str, revision: str) -> dict[str, str]:
+    """The documented built-in variables, derived from the execution's resource name."""
+    parts = _parse_execution_name(execution_name)
+    env = {
+        "GOOGLE_CLOUD_PROJECT_ID": parts.get("projects", ""),
+        "GOOGLE_CLOUD_LOCATION": parts.get("locations", DEFAULT_LOCATION),
+        "GOOGLE_CLOUD_WORKFLOW_ID": parts.get("workflows", ""),
+        "GOOGLE_CLOUD_WORKFLOW_EXECUTION_ID": parts.get("executions", ""),
+        "GOOGLE_CLOUD_WORKFLOW_REVISION_ID": revision,
+    }
+    return {k: v for k, v in env.items() if v}
+
+
+# --------------------------------------------------------------------------- evaluation context
+
+
+class _Ctx:
+    def __init__(self, ex: _Execution, scope: _Scope, depth: int) -> None:
+        self.ex = ex
+        self.scope = scope
+        self.depth = depth
+
+    def lookup(self, name: str) -> tuple[bool, Any]:
+        owner = self.scope.find(name)
+        if owner is None:
+            return False, None
+        return True, owner.vars[name]
+
+    def call_function(self, name: str, args: list[Any]) -> Any:
+        fn = FUNCTIONS.get(name)
+        if fn is not None:
+            return fn.invoke(self.ex, args)
+        sub = self.ex.definition.subworkflows.get(name)
+        if sub is not None:
+            if len(args) > len(sub.params):
+                raise type_error(f"{name}() takes at most {len(sub.params)} arguments")
+            return self.ex.call_subworkflow(
+                sub, dict(zip([p.name for p in sub.params], args, strict=False)), self.depth
+            )
+        raise type_error(f"unknown function {name}()")
+
+    def function_ref(self, name: str) -> Any:
+        if name in self.ex.definition.subworkflows:
+            return FunctionRef(name)
+        return resolve_object(name)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+class _Execution:
+    """State of one running execution; also the stdlib's Runtime."""
+
+    def __init__(
+        self,
+        workflow: Workflow,
+        connectors: ConnectorRegistry,
+        env: Mapping[str, str],
+        hub: CallbackHub | None,
+        execution_name: str,
+        cancel: threading.Event,
+    ) -> None:
+        self.workflow = workflow
+        self.definition = workflow.definition
+        self.connectors = connectors
+        self.env = env
+        self.hub = hub
+        self.execution_name = execution_name
+        self.cancel = cancel
+        self.lock = threading.RLock()
+        self.steps_run = 0
+
+    # -- Runtime interface for stdlib ------------------------------------------------------
+
+    def sleep(self, seconds: float) -> None:
+        if self.cancel.wait(max(0.0, seconds)):
+            raise ExecutionCancelled()
+
+    def check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise ExecutionCancelled()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def ev(self, value: Any, scope: _Scope, depth: int) -> Any:
+        return evaluate_value(value, _Ctx(self, scope, depth))
+
+    def call_subworkflow(self, sub: Subworkflow, args: dict[str, Any], depth: int) -> Any:
+        if depth + 1 > MAX_CALL_DEPTH:
+            raise error("RecursionError", f"maximum call depth {MAX_CALL_DEPTH} exceeded calling {sub.name}")
+        scope = _Scope()
+        for param in sub.params:
+            if param.name in args:
+                scope.vars[param.name] = copy.deepcopy(args[param.name])
+            elif param.has_default:
+                scope.vars[param.name] = self.ev(param.default, scope, depth + 1)
+            else:
+                raise type_error(f"missing argument '{param.name}' for subworkflow {sub.name}")
+        unknown = set(args) - {p.name for p in sub.params}
+        if unknown:
+            raise type_error(f"unknown argument(s) {', '.join(sorted(unknown))} for subworkflow {sub.name}")
+        try:
+            self.run_block(sub.steps, scope, depth + 1, sub.name)
+        except _Return as ret:
+            return ret.value
+        except _End:
+            return None
+        return None
+
+    # -- blocks and steps ------------------------------------------------------------------
+
+    def run_block(self, steps: list[Step], scope: _Scope, depth: int, routine: str) -> None:
+        names = {s.name: i for i, s in enumerate(steps) if not s.inline}
+        i = 0
+        while i < len(steps):
+            step = steps[i]
+            try:
+                target = self.run_step(step, scope, depth, routine)
+            except _Jump as jump:
+                if jump.target in names:
+                    i = names[jump.target]
+                    continue
+                raise
+            if target is None:
+                i += 1
+            elif target == "end":
+                raise _End()
+            elif target == "break":
+                raise _Break()
+            elif target == "continue":
+                raise _Continue()
+            elif target in names:
+                i = names[target]
+            else:
+                raise _Jump(target)
+
+    def run_step(self, step: Step, scope: _Scope, depth: int, routine: str) -> str | None:
+        self.check_cancel()
+        with self.lock:
+            self.steps_run += 1
+            if self.steps_run > MAX_STEPS:
+                raise error("ResourceLimitError", f"more than {MAX_STEPS} steps executed")
+        log.debug(
+            "%s: step %s (%s, line %d) in %s", self.execution_name, step.name, step.kind, step.line, routine
+        )
+        try:
+            return self._dispatch(step, scope, depth, routine)
+        except WorkflowError as exc:
+            if getattr(exc, "step", None) is None:
+                exc.step = step.name  # type: ignore[attr-defined]
+                exc.line = step.line  # type: ignore[attr-defined]
+                exc.routine = routine  # type: ignore[attr-defined]
+            raise
+
+    def _dispatch(self, step: Step, scope: _Scope, depth: int, routine: str) -> str | None:
+        kind = step.kind
+        if kind == "assign":
+            in_parallel = _in_parallel(scope)
+            for target, value in step.assign:
+                if in_parallel and not self._calls_subworkflow(value):
+                    # Read-modify-write of a shared variable (``total: ${total + v}``) is atomic.
+                    with self.lock:
+                        self.assign(scope, target, self.ev(value, scope, depth), depth)
+                else:
+                    self.assign(scope, target, self.ev(value, scope, depth), depth)
+            return step.next
+        if kind == "call":
+            args = self.ev(step.args, scope, depth) if step.args is not None else {}
+            result = self.call(step, args, scope, depth)
+            if step.result:
+                self.assign(scope, self.workflow.result_target(step), result, depth)
+            return step.next
+        if kind == "switch":
+            for cond in step.switch or []:
+                ok = self.ev(cond.condition, scope, depth)
+                if not isinstance(ok, bool):
+                    raise type_error(f"switch condition must be a boolean, got {wtype(ok)}")
+                if not ok:
+                    continue
+                if cond.inline is not None:
+                    inner = self._dispatch(cond.inline, scope, depth, routine)
+                    return cond.next if cond.next is not None else inner
+                if cond.steps is not None:
+                    self.run_block(cond.steps, scope, depth, routine)
+                return cond.next
+            return step.next
+        if kind == "steps":
+            self.run_block(step.steps or [], scope, depth, routine)
+            return step.next
+        if kind == "for":
+            assert step.for_ is not None
+            self.run_for(step.for_, scope, depth, routine)
+            return step.next
+        if kind == "parallel":
+            self.run_parallel(step, scope, depth, routine)
+            return step.next
+        if kind == "try":
+            self.run_try(step, scope, depth, routine)
+            return step.next
+        if kind == "raise":
+            raise WorkflowError(self.ev(step.value, scope, depth))
+        if kind == "return":
+            raise _Return(self.ev(step.value, scope, depth))
+        return step.next
+
+    def _calls_subworkflow(self, value: Any) -> bool:
+        for expr in expressions_in(value):
+            for node in walk(expr.node):
+                if isinstance(node, Call) and node.name in self.definition.subworkflows:
+                    return True
+        return False
+
+    # -- assignment ------------------------------------------------------------------------
+
+    def assign(self, scope: _Scope, target: Target, value: Any, depth: int) -> None:
+        keys = [k if isinstance(k, str) else evaluate(k, _Ctx(self, scope, depth)) for k in target.path]
+        with self.lock:
+            owner = scope.find(target.root)
+            if owner is not None:
+                s: _Scope | None = scope
+                while s is not None and s is not owner:
+                    if s.shared is not None and target.root not in s.shared:
+                        # Not shared: the branch gets its own copy (the loader rejects the
+                        # obvious cases as deployment errors, like Workflows does).
+                        if keys:
+                            scope.vars[target.root] = copy.deepcopy(owner.vars[target.root])
+                        owner = scope
+                        break
+                    s = s.parent
+            if not keys:
+                (owner or scope).vars[target.root] = copy.deepcopy(value)
+                return
+            if owner is None:
+                raise key_error(f"variable '{target.root}' is not defined")
+            container = owner.vars[target.root]
+            for key in keys[:-1]:
+                container = get_index(container, key)
+            last = keys[-1]
+            if isinstance(container, dict):
+                if not isinstance(last, str):
+                    raise type_error(f"map keys must be strings, got {wtype(last)}")
+                container[last] = copy.deepcopy(value)
+            elif isinstance(container, list):
+                if isinstance(last, bool) or not isinstance(last, int):
+                    raise type_error(f"list index must be an integer, got {wtype(last)}")
+                if last < 0 or last >= len(container):
+                    raise index_error(f"list index out of range: {last}")
+                container[last] = copy.deepcopy(value)
+            else:
+                raise type_error(f"cannot assign into {wtype(container)} ({target.text})")
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def call(self, step: Step, args: dict[str, Any], scope: _Scope, depth: int) -> Any:
+        name = step.call or ""
+        fn = FUNCTIONS.get(name)
+        if fn is not None:
+            return fn.invoke(self, kwargs=args)
+        sub = self.definition.subworkflows.get(name)
+        if sub is not None:
+            return self.call_subworkflow(sub, args, depth)
+        connector = self.connectors.get(name)
+        if connector is not None:
+            params = args.get("connector_params") or {}
+            plain = {k: v for k, v in args.items() if k != "connector_params"}
+            self.check_cancel()
+            return connector(plain, dict(params))
+        raise WorkflowSyntaxError(f"unknown function or unregistered connector {name}", step.name, step.line)
+
+    def call_ref(self, ref: Any, args: list[Any], depth: int) -> Any:
+        if not isinstance(ref, FunctionRef):
+            raise type_error(f"expected a function, got {wtype(ref)}")
+        return _Ctx(self, _Scope(), depth).call_function(ref.name, args)
+
+    # -- loops -----------------------------------------------------------------------------
+
+    def loop_items(self, spec: ForSpec, scope: _Scope, depth: int) -> list[tuple[int, Any]]:
+        if spec.in_ is not None:
+            items = self.ev(spec.in_, scope, depth)
+            if isinstance(items, dict):
+                raise type_error("for: 'in' expects a list (use keys() to iterate over a map)")
+            if not isinstance(items, list):
+                raise type_error(f"for: 'in' expects a list, got {wtype(items)}")
+            return list(enumerate(items))
+        bounds = self.ev(spec.range_, scope, depth)
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(is_number(b) for b in bounds)):
+            raise type_error("for: range must be a list of two numbers")
+        start, end = bounds
+        out: list[tuple[int, Any]] = []
+        value = start
+        while value <= end:
+            out.append((len(out), value))
+            value = value + 1
+        return out
+
+    def _bind_loop(self, spec: ForSpec, scope: _Scope, index: int, value: Any) -> None:
+        if spec.value:
+            scope.vars[spec.value] = copy.deepcopy(value)
+        if spec.index:
+            scope.vars[spec.index] = index
+
+    def run_for(self, spec: ForSpec, scope: _Scope, depth: int, routine: str) -> None:
+        for index, value in self.loop_items(spec, scope, depth):
+            it_scope = _Scope(scope)
+            self._bind_loop(spec, it_scope, index, value)
+            try:
+                self.run_block(spec.steps, it_scope, depth, routine)
+            except _Break:
+                break
+            except _Continue:
+                continue
+
+    # -- parallel --------------------------------------------------------------------------
+
+    def run_parallel(self, step: Step, scope: _Scope, depth: int, routine: str) -> None:
+        spec = step.parallel
+        assert spec is not None
+        shared = set(spec.shared)
+        for name in shared:
+            if scope.find(name) is None:
+                raise key_error(f"shared variable '{name}' is not defined before the parallel step")
+        limit = self.ev(spec.concurrency_limit, scope, depth) if spec.concurrency_limit is not None else None
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise value_error("concurrency_limit must be a positive integer")
+
+        tasks: list[tuple[str, Callable[[], None]]] = []
+        if spec.branches is not None:
+            for branch in spec.branches:
+
+                def run_branch(steps: list[Step] = branch.steps) -> None:
+                    self.run_block(steps, _Scope(scope, shared), depth, routine)
+
+                tasks.append((branch.name, run_branch))
+        else:
+            assert spec.for_ is not None
+            loop = spec.for_
+            for index, value in self.loop_items(loop, scope, depth):
+
+                def run_iteration(index: int = index, value: Any = value) -> None:
+                    it_scope = _Scope(scope, shared)
+                    self._bind_loop(loop, it_scope, index, value)
+                    self.run_block(loop.steps, it_scope, depth, routine)
+
+                tasks.append((str(index), run_iteration))
+        if not tasks:
+            return
+
+        failures: list[dict[str, Any]] = []
+        fatal: list[BaseException] = []
+
+        def guarded(branch_id: str, fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except (_Break, _Continue, _Return, _End):
+                return  # ends this branch/iteration only
+            except WorkflowError as exc:
+                with self.lock:
+                    failures.append({"id": branch_id, "error": exc.value})
+            except BaseException as exc:  # cancellation or a bug: stop everything
+                with self.lock:
+                    fatal.append(exc)
+
+        workers = min(len(tasks), limit or len(tasks))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"wf-{step.name}") as pool:
+            for branch_id, fn in tasks:
+                pool.submit(guarded, branch_id, fn)
+        if fatal:
+            cancelled = [f for f in fatal if isinstance(f, ExecutionCancelled)]
+            raise cancelled[0] if cancelled else fatal[0]
+        if failures:
+            failures.sort(key=lambda f: [t[0] for t in tasks].index(f["id"]))
+            raise WorkflowError(
+                {
+                    "message": "UnhandledBranchError: one or more branches or iterations encountered an "
+                    "unhandled runtime error",
+                    "tags": ["UnhandledBranchError"],
+                    "branches": failures,
+                    "truncated": False,
+                }
+            )
+
+    # -- try / retry / except --------------------------------------------------------------
+
+    def retry_plan(self, spec: RetrySpec, scope: _Scope, depth: int) -> tuple[Any, int, float, float, float]:
+        if spec.policy is not None:
+            policy = self.ev(spec.policy, scope, depth)
+            if isinstance(policy, RetryPolicy):
+                return (
+                    FunctionRef(policy.predicate),
+                    policy.max_retries,
+                    policy.initial_delay,
+                    policy.max_delay,
+                    policy.multiplier,
+                )
+            raise type_error(
+                f"retry: expected a retry policy such as http.default_retry, got {wtype(policy)}"
+            )
+        predicate = self.ev(spec.predicate, scope, depth)
+        if not isinstance(predicate, FunctionRef):
+            raise type_error(f"retry predicate must be a function, got {wtype(predicate)}")
+        max_retries = self.ev(spec.max_retries, scope, depth)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise value_error("max_retries must be a non-negative integer")
+        default = POLICIES["http.default_retry"]
+        nums = []
+        for value, fallback in (
+            (spec.initial_delay, default.initial_delay),
+            (spec.max_delay, default.max_delay),
+            (spec.multiplier, default.multiplier),
+        ):
+            v = fallback if value is None else self.ev(value, scope, depth)
+            if not is_number(v) or v < 0:
+                raise value_error("backoff values must be non-negative numbers")
+            nums.append(float(v))
+        return predicate, max_retries, nums[0], nums[1], nums[2]
+
+    def run_try(self, step: Step, scope: _Scope, depth: int, routine: str) -> None:
+        retries = 0
+        delay: float | None = None
+        plan: tuple[Any, int, float, float, float] | None = None
+        while True:
+            try:
+                self.run_block(step.try_ or [], scope, depth, routine)
+                return
+            except WorkflowError as exc:
+                if step.retry is not None:
+                    if plan is None:
+                        plan = self.retry_plan(step.retry, scope, depth)
+                    predicate, max_retries, initial, max_delay, multiplier = plan
+                    if retries < max_retries:
+                        should = self.call_ref(predicate, [copy.deepcopy(exc.value)], depth)
+                        if not isinstance(should, bool):
+                            raise type_error(
+                                f"retry predicate must return a boolean, got {wtype(should)}"
+                            ) from None
+                        if should:
+                            delay = initial if delay is None else delay * multiplier
+                            delay = min(delay, max_delay)
+                            log.debug(
+                                "%s: retrying step %s in %.3fs (retry %d of %d)",
+                                self.execution_name,
+                                step.name,
+                                delay,
+                                retries + 1,
+                                max_retries,
+                            )
+                            self.sleep(delay)
+                            retries += 1
+                            continue
+                if step.except_ is None:
+                    raise
+                if step.except_.as_:
+                    self.assign(scope, Target(step.except_.as_, step.except_.as_, []), exc.value, depth)
+                self.run_block(step.except_.steps, scope, depth, routine)
+                return
+
+
+# --------------------------------------------------------------------------- public API
+
+
+class Workflow:
+    """A loaded, validated workflow definition ready to run."""
+
+    def __init__(self, definition: Definition, source: str = "<string>", name: str | None = None) -> None:
+        self.definition = definition
+        self.source = source
+        self.name = name or (Path(source).stem if source != "<string>" else "workflow")
+        self.revision_id = "000001-local"
+        self._result_targets: dict[int, Target] = {}
+
+    def result_target(self, step: Step) -> Target:
+        target = self._result_targets.get(id(step))
+        if target is None:
+            from .syntax import _Builder
+
+            target = _Builder(set()).target(step.result or "", step.name, step.line)
+            self._result_targets[id(step)] = target
+        return target
+
+    @property
+    def subworkflows(self) -> list[str]:
+        return list(self.definition.subworkflows)
+
+    def run(
+        self,
+        args: Any = None,
+        *,
+        connectors: ConnectorRegistry | None = None,
+        env: Mapping[str, str] | None = None,
+        hub: CallbackHub | None = None,
+        execution_name: str | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Any:
+        """Run to completion; returns the result or raises WorkflowError / ExecutionCancelled."""
+        given_env = dict(env or {})
+        if execution_name is None:
+            project = given_env.get("GOOGLE_CLOUD_PROJECT_ID", "local-project")
+            location = given_env.get("GOOGLE_CLOUD_LOCATION", DEFAULT_LOCATION)
+            execution_name = (
+                f"projects/{project}/locations/{location}/workflows/{self.name}/executions/{uuid.uuid4()}"
+            )
+        full_env = builtin_env(execution_name, self.revision_id)
+        full_env.update(given_env)
+        ex = _Execution(
+            self,
+            connectors or ConnectorRegistry(),
+            full_env,
+            hub,
+            execution_name,
+            cancel or threading.Event(),
+        )
+        main = self.definition.main
+        call_args: dict[str, Any] = {}
+        if main.params:
+            call_args[main.params[0].name] = args
+        log.debug("%s: start", execution_name)
+        try:
+            result = ex.call_subworkflow(main, call_args, 0)
+            out = json_safe(result)
+        finally:
+            if hub is not None:
+                hub.release(execution_name)
+        log.debug("%s: finished", execution_name)
+        return out
+
+
+def load_workflow(source: str | Path, name: str | None = None) -> Workflow:
+    """Load and validate a workflow from a file path or YAML/JSON text."""
+    definition, label = load_source(source)
+    return Workflow(definition, label, name)
+
+
+def error_context(exc: WorkflowError) -> str:
+    """Where an uncaught error surfaced, in the spirit of Workflows' error ``context``."""
+    step = getattr(exc, "step", None)
+    if step is None:
+        return "RuntimeError"
+    return f'in step "{step}", routine "{getattr(exc, "routine", "main")}", line: {getattr(exc, "line", 0)}'
+
+
+__all__ = [
+    "CallbackHub",
+    "ConnectorRegistry",
+    "ExecutionCancelled",
+    "Expr",
+    "Workflow",
+    "WorkflowError",
+    "WorkflowSyntaxError",
+    "error_context",
+    "get_key",
+    "load_workflow",
+]

@@ -1,0 +1,333 @@
+"""A local Workflow Executions service speaking the shape of the REST API v1.
+
+``retrain.adapters.workflows.WorkflowsExecutions`` talks to this exactly as it talks to
+workflowexecutions.googleapis.com, so the local stack exercises the same client code, callbacks
+included (callback URLs point back at this server).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlparse
+
+from .callbacks import CallbackHub
+from .engine import ConnectorRegistry, Workflow, error_context
+from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, format_error
+
+log = logging.getLogger("retrain.workflows.server")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+class _Record:
+    def __init__(self, name: str, workflow: Workflow, argument: Any, argument_text: str) -> None:
+        self.name = name
+        self.workflow = workflow
+        self.argument = argument
+        self.argument_text = argument_text
+        self.state = "ACTIVE"
+        self.start_time = _now()
+        self.end_time: str | None = None
+        self.result: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.cancel = threading.Event()
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def resource(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "state": self.state,
+            "argument": self.argument_text,
+            "startTime": self.start_time,
+            "workflowRevisionId": self.workflow.revision_id,
+        }
+        if self.end_time:
+            out["endTime"] = self.end_time
+        if self.result is not None:
+            out["result"] = self.result
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+class ExecutionsServer:
+    """Runs executions in threads and serves them over HTTP on 127.0.0.1."""
+
+    def __init__(
+        self,
+        resolve: Callable[[str], Workflow],
+        connectors: ConnectorRegistry,
+        env: Mapping[str, str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.resolve = resolve
+        self.connectors = connectors
+        self.env = dict(env)
+        self._lock = threading.Lock()
+        self._records: dict[str, _Record] = {}
+        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
+        self._httpd.daemon_threads = True
+        host_name, real_port = self._httpd.server_address[:2]
+        self.base_url = f"http://{host_name!s}:{real_port}"
+        self.hub = CallbackHub(self.base_url)
+        self._serve_thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> ExecutionsServer:
+        if self._serve_thread is None:
+            self._serve_thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                daemon=True,
+                name="workflows-executions-server",
+            )
+            self._serve_thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            records = list(self._records.values())
+        for rec in records:
+            rec.cancel.set()
+        if self._serve_thread is not None:
+            self._httpd.shutdown()
+            self._serve_thread.join(timeout=5)
+            self._serve_thread = None
+        self._httpd.server_close()
+        for rec in records:
+            if rec.thread is not None:
+                rec.thread.join(timeout=2)
+
+    def __enter__(self) -> ExecutionsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- Python API --------------------------------------------------------------------------
+
+    def start_execution(
+        self, workflow: Workflow | str, argument: Any = None, parent: str | None = None
+    ) -> str:
+        """Start an execution; ``argument`` is a Python value (a str is taken as JSON text)."""
+        wf = self.resolve(workflow) if isinstance(workflow, str) else workflow
+        workflow_id = workflow if isinstance(workflow, str) else wf.name
+        if isinstance(argument, str):
+            text = argument
+            value = json.loads(argument) if argument else None
+        else:
+            value = argument
+            text = json.dumps(argument) if argument is not None else ""
+        if parent is None:
+            project = self.env.get("GOOGLE_CLOUD_PROJECT_ID", "local-project")
+            location = self.env.get("GOOGLE_CLOUD_LOCATION", "local")
+            parent = f"projects/{project}/locations/{location}/workflows/{workflow_id}"
+        name = f"{parent}/executions/{uuid.uuid4()}"
+        rec = _Record(name, wf, value, text)
+        with self._lock:
+            self._records[name] = rec
+        rec.thread = threading.Thread(
+            target=self._run, args=(rec,), daemon=True, name=f"execution-{name[-8:]}"
+        )
+        rec.thread.start()
+        log.info("started execution %s", name)
+        return name
+
+    def _run(self, rec: _Record) -> None:
+        env = dict(self.env)
+        parts = rec.name.split("/")
+        env["GOOGLE_CLOUD_PROJECT_ID"] = parts[1]
+        env["GOOGLE_CLOUD_LOCATION"] = parts[3]
+        state, result, err = "SUCCEEDED", None, None
+        try:
+            value = rec.workflow.run(
+                rec.argument,
+                connectors=self.connectors,
+                env=env,
+                hub=self.hub,
+                execution_name=rec.name,
+                cancel=rec.cancel,
+            )
+            result = json.dumps(value)
+        except ExecutionCancelled:
+            state = "CANCELLED"
+        except WorkflowError as exc:
+            state = "FAILED"
+            err = {
+                "payload": format_error(exc.value)
+                if not isinstance(exc.value, str)
+                else json.dumps(exc.value),
+                "context": error_context(exc),
+            }
+        except WorkflowSyntaxError as exc:
+            state = "FAILED"
+            err = {"payload": json.dumps({"message": str(exc), "tags": ["SystemError"]}), "context": str(exc)}
+        except Exception as exc:  # a bug in a connector or the interpreter: fail the execution visibly
+            log.exception("execution %s crashed", rec.name)
+            state = "FAILED"
+            err = {
+                "payload": json.dumps({"message": f"{type(exc).__name__}: {exc}", "tags": ["SystemError"]}),
+                "context": "internal error",
+            }
+        with self._lock:
+            if rec.state == "ACTIVE":
+                rec.state = "CANCELLED" if rec.cancel.is_set() and state != "SUCCEEDED" else state
+                rec.result = result if rec.state == "SUCCEEDED" else None
+                rec.error = err if rec.state == "FAILED" else None
+                rec.end_time = _now()
+        rec.done.set()
+        log.info("execution %s finished: %s", rec.name, rec.state)
+
+    def get(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self._records.get(name)
+            if rec is None:
+                raise KeyError(name)
+            return rec.resource()
+
+    def list(self, parent: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return [
+                r.resource()
+                for r in self._records.values()
+                if parent is None or r.name.startswith(parent + "/")
+            ]
+
+    def wait(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Block until the execution leaves ACTIVE; raises TimeoutError otherwise."""
+        with self._lock:
+            rec = self._records.get(name)
+        if rec is None:
+            raise KeyError(name)
+        deadline = time.monotonic() + timeout
+        while True:
+            resource = self.get(name)
+            if resource["state"] != "ACTIVE":
+                return resource
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"execution {name} still ACTIVE after {timeout}s")
+            rec.done.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def cancel(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self._records.get(name)
+            if rec is None:
+                raise KeyError(name)
+            if rec.state == "ACTIVE":
+                rec.state = "CANCELLED"
+                rec.end_time = _now()
+            rec.cancel.set()
+            return rec.resource()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("%s - %s", self.address_string(), format % args)
+
+            def _send(self, code: int, payload: Any) -> None:
+                body = json.dumps(payload).encode("utf-8")
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _fail(self, code: int, status: str, message: str) -> None:
+                self._send(code, {"error": {"code": code, "message": message, "status": status}})
+
+            def _body(self) -> bytes:
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length > 0 else b""
+
+            def _handle(self, method: str) -> None:
+                parsed = urlparse(self.path)
+                path = parsed.path
+                body = self._body()
+                if not path.startswith("/v1/"):
+                    self._fail(404, "NOT_FOUND", f"no such path {path}")
+                    return
+                if "/callbacks/" in path:
+                    headers = {k: v for k, v in self.headers.items()}
+                    if server.hub.deliver(path, method, headers, body, parsed.query):
+                        self._send(200, {})
+                    else:
+                        self._fail(404, "NOT_FOUND", f"no callback awaiting {method} at {path}")
+                    return
+                rest = path[len("/v1/") :].rstrip("/")
+                try:
+                    if method == "POST" and rest.endswith(":cancel"):
+                        self._send(200, server.cancel(rest[: -len(":cancel")]))
+                    elif rest.endswith("/executions") and method == "POST":
+                        self._create(rest[: -len("/executions")], body)
+                    elif rest.endswith("/executions") and method == "GET":
+                        self._send(200, {"executions": server.list(rest[: -len("/executions")])})
+                    elif "/executions/" in rest and method == "GET":
+                        self._send(200, server.get(rest))
+                    else:
+                        self._fail(404, "NOT_FOUND", f"no such resource {rest}")
+                except KeyError as exc:
+                    self._fail(404, "NOT_FOUND", f"execution {exc.args[0]} not found")
+
+            def _create(self, parent: str, body: bytes) -> None:
+                parts = parent.split("/")
+                if (
+                    len(parts) != 6
+                    or parts[0] != "projects"
+                    or parts[2] != "locations"
+                    or parts[4] != "workflows"
+                ):
+                    self._fail(400, "INVALID_ARGUMENT", f"bad parent {parent}")
+                    return
+                try:
+                    request = json.loads(body or b"{}")
+                    argument = request.get("argument") or ""
+                    if not isinstance(argument, str):
+                        raise ValueError("argument must be a JSON string")
+                    if argument:
+                        json.loads(argument)
+                except ValueError as exc:
+                    self._fail(400, "INVALID_ARGUMENT", f"invalid argument: {exc}")
+                    return
+                try:
+                    workflow = server.resolve(parts[5])
+                except KeyError:
+                    self._fail(404, "NOT_FOUND", f"workflow {parts[5]} not found")
+                    return
+                name = server.start_execution(workflow, argument, parent=parent)
+                self._send(200, server.get(name))
+
+            def do_GET(self) -> None:
+                self._handle("GET")
+
+            def do_POST(self) -> None:
+                self._handle("POST")
+
+            def do_PUT(self) -> None:
+                self._handle("PUT")
+
+            def do_PATCH(self) -> None:
+                self._handle("PATCH")
+
+            def do_DELETE(self) -> None:
+                self._handle("DELETE")
+
+        return Handler

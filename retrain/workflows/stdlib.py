@@ -1,0 +1,740 @@
+"""The Workflows standard library, implemented against a small runtime interface.
+
+Names, argument names and raised error tags follow cloud.google.com/workflows/docs/reference/stdlib.
+Blocking functions (HTTP, sleep, log, callbacks) are only callable from ``call`` steps, as in
+Workflows; the loader enforces that.
+"""
+
+from __future__ import annotations
+
+import base64 as _b64
+import binascii
+import json as _json
+import logging
+import math as _math
+import re
+import time as _time
+import uuid as _uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import requests
+
+from .errors import WorkflowError, error, http_error, key_error, type_error, value_error
+from .expressions import FunctionRef, check_int, is_number, json_safe, to_display_string, wtype
+
+log = logging.getLogger("retrain.workflows.sys.log")
+
+
+class Runtime(Protocol):
+    """What stdlib functions may use from the running execution."""
+
+    env: Mapping[str, str]
+    execution_name: str
+    hub: Any
+
+    def sleep(self, seconds: float) -> None: ...
+
+    def check_cancel(self) -> None: ...
+
+
+@dataclass
+class StdFunction:
+    name: str
+    fn: Callable[..., Any]
+    params: tuple[str, ...]
+    required: int
+    blocking: bool = False
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def invoke(self, rt: Runtime, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        positional = list(args or [])
+        named = dict(kwargs or {})
+        if len(positional) > len(self.params):
+            raise type_error(
+                f"{self.name}() takes at most {len(self.params)} arguments, got {len(positional)}"
+            )
+        for name in named:
+            if name not in self.params and name not in self.extra_args:
+                raise type_error(f"{self.name}() got an unexpected argument '{name}'")
+        bound = dict(zip(self.params, positional, strict=False))
+        bound.update({k: v for k, v in named.items() if k in self.params})
+        missing = [p for p in self.params[: self.required] if p not in bound]
+        if missing:
+            raise type_error(f"{self.name}() missing required argument(s): {', '.join(missing)}")
+        return self.fn(rt, **bound)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """A named retry policy object such as ``http.default_retry``."""
+
+    name: str
+    predicate: str
+    max_retries: int = 5
+    initial_delay: float = 1.0
+    max_delay: float = 60.0
+    multiplier: float = 1.25
+
+
+FUNCTIONS: dict[str, StdFunction] = {}
+POLICIES: dict[str, RetryPolicy] = {
+    "http.default_retry": RetryPolicy("http.default_retry", "http.default_retry_predicate"),
+    "http.default_retry_non_idempotent": RetryPolicy(
+        "http.default_retry_non_idempotent", "http.default_retry_predicate_non_idempotent"
+    ),
+}
+OBJECTS: dict[str, Any] = {"retry.default_backoff": {"initial_delay": 1, "max_delay": 60, "multiplier": 1.25}}
+
+
+def _register(
+    name: str,
+    params: str = "",
+    required: int | None = None,
+    blocking: bool = False,
+    extra: tuple[str, ...] = (),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    names = tuple(p for p in params.split(",") if p)
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        FUNCTIONS[name] = StdFunction(
+            name, fn, names, len(names) if required is None else required, blocking, extra
+        )
+        return fn
+
+    return deco
+
+
+def _want(value: Any, kind: str, fn: str, arg: str) -> None:
+    ok = {
+        "string": isinstance(value, str),
+        "list": isinstance(value, list),
+        "map": isinstance(value, dict),
+        "number": is_number(value),
+        "integer": isinstance(value, int) and not isinstance(value, bool),
+        "bytes": isinstance(value, bytes | bytearray),
+        "boolean": isinstance(value, bool),
+    }[kind]
+    if not ok:
+        raise type_error(f"{fn}: argument '{arg}' must be {kind}, got {wtype(value)}")
+
+
+# --------------------------------------------------------------------------- expression helpers
+
+
+@_register("default", "value,default_value")
+def _default(rt: Runtime, value: Any, default_value: Any) -> Any:
+    return default_value if value is None else value
+
+
+@_register("keys", "map")
+def _keys(rt: Runtime, map: Any) -> Any:
+    _want(map, "map", "keys", "map")
+    return list(map.keys())
+
+
+@_register("len", "value")
+def _len(rt: Runtime, value: Any) -> Any:
+    if isinstance(value, str | list | dict | bytes | bytearray):
+        return len(value)
+    raise type_error(f"len: unsupported type {wtype(value)}")
+
+
+@_register("int", "value")
+def _int(rt: Runtime, value: Any) -> Any:
+    if isinstance(value, bool):
+        raise type_error("int: cannot convert boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not _math.isfinite(value):
+            raise value_error(f"int: cannot convert {value}")
+        return check_int(int(value))
+    if isinstance(value, str):
+        try:
+            return check_int(int(value.strip()))
+        except ValueError:
+            try:
+                return check_int(int(float(value.strip())))
+            except ValueError:
+                raise value_error(f"int: cannot convert '{value}'") from None
+    raise type_error(f"int: cannot convert {wtype(value)}")
+
+
+@_register("double", "value")
+def _double(rt: Runtime, value: Any) -> Any:
+    if isinstance(value, bool):
+        raise type_error("double: cannot convert boolean")
+    if is_number(value):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise value_error(f"double: cannot convert '{value}'") from None
+    raise type_error(f"double: cannot convert {wtype(value)}")
+
+
+@_register("string", "value")
+def _string(rt: Runtime, value: Any) -> Any:
+    return to_display_string(value)
+
+
+@_register("bool", "value")
+def _bool(rt: Runtime, value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if value.lower() == "true":
+            return True
+        if value.lower() == "false":
+            return False
+        raise value_error(f"bool: cannot convert '{value}'")
+    raise type_error(f"bool: cannot convert {wtype(value)}")
+
+
+@_register("get_type", "value")
+def _get_type(rt: Runtime, value: Any) -> Any:
+    return wtype(value)
+
+
+FUNCTIONS["type"] = StdFunction("type", _get_type, ("value",), 1)
+
+
+# --------------------------------------------------------------------------- list / map
+
+
+@_register("list.concat", "objs,val")
+def _list_concat(rt: Runtime, objs: Any, val: Any) -> Any:
+    _want(objs, "list", "list.concat", "objs")
+    return [*objs, val]
+
+
+@_register("list.prepend", "objs,val")
+def _list_prepend(rt: Runtime, objs: Any, val: Any) -> Any:
+    _want(objs, "list", "list.prepend", "objs")
+    return [val, *objs]
+
+
+@_register("map.get", "map,keys")
+def _map_get(rt: Runtime, map: Any, keys: Any) -> Any:
+    if map is None:
+        return None
+    _want(map, "map", "map.get", "map")
+    path = keys if isinstance(keys, list) else [keys]
+    current: Any = map
+    for key in path:
+        if not isinstance(key, str):
+            raise type_error(f"map.get: keys must be strings, got {wtype(key)}")
+        if not isinstance(current, dict) or key not in current:
+            return None
+        current = current[key]
+    return current
+
+
+@_register("map.merge", "first,second")
+def _map_merge(rt: Runtime, first: Any, second: Any) -> Any:
+    _want(first, "map", "map.merge", "first")
+    _want(second, "map", "map.merge", "second")
+    return {**first, **second}
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(out.get(key), dict) and isinstance(value, dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@_register("map.merge_nested", "first,second")
+def _map_merge_nested(rt: Runtime, first: Any, second: Any) -> Any:
+    _want(first, "map", "map.merge_nested", "first")
+    _want(second, "map", "map.merge_nested", "second")
+    return _deep_merge(first, second)
+
+
+@_register("map.delete", "map,key")
+def _map_delete(rt: Runtime, map: Any, key: Any) -> Any:
+    _want(map, "map", "map.delete", "map")
+    _want(key, "string", "map.delete", "key")
+    return {k: v for k, v in map.items() if k != key}
+
+
+# --------------------------------------------------------------------------- text
+
+
+@_register("text.split", "source,separator")
+def _text_split(rt: Runtime, source: Any, separator: Any) -> Any:
+    _want(source, "string", "text.split", "source")
+    _want(separator, "string", "text.split", "separator")
+    if separator == "":
+        return list(source)
+    return source.split(separator)
+
+
+@_register("text.replace_all", "source,substr,repl")
+def _text_replace_all(rt: Runtime, source: Any, substr: Any, repl: Any) -> Any:
+    for arg, v in (("source", source), ("substr", substr), ("repl", repl)):
+        _want(v, "string", "text.replace_all", arg)
+    return source.replace(substr, repl)
+
+
+@_register("text.replace_all_regex", "source,regexp,repl")
+def _text_replace_all_regex(rt: Runtime, source: Any, regexp: Any, repl: Any) -> Any:
+    for arg, v in (("source", source), ("regexp", regexp), ("repl", repl)):
+        _want(v, "string", "text.replace_all_regex", arg)
+    return _compile(regexp).sub(re.sub(r"\\(\d)", r"\\g<\1>", repl), source)
+
+
+@_register("text.find_all", "source,substr")
+def _text_find_all(rt: Runtime, source: Any, substr: Any) -> Any:
+    _want(source, "string", "text.find_all", "source")
+    _want(substr, "string", "text.find_all", "substr")
+    out, start = [], 0
+    if substr == "":
+        return []
+    while (idx := source.find(substr, start)) != -1:
+        out.append({"index": idx, "match": substr})
+        start = idx + len(substr)
+    return out
+
+
+def _compile(regexp: str) -> re.Pattern[str]:
+    try:
+        return re.compile(regexp)
+    except re.error as exc:
+        raise value_error(f"invalid regular expression: {exc}") from None
+
+
+@_register("text.match_regex", "source,regexp")
+def _text_match_regex(rt: Runtime, source: Any, regexp: Any) -> Any:
+    _want(source, "string", "text.match_regex", "source")
+    _want(regexp, "string", "text.match_regex", "regexp")
+    return _compile(regexp).search(source) is not None
+
+
+@_register("text.find_all_regex", "source,regexp")
+def _text_find_all_regex(rt: Runtime, source: Any, regexp: Any) -> Any:
+    _want(source, "string", "text.find_all_regex", "source")
+    _want(regexp, "string", "text.find_all_regex", "regexp")
+    return [{"index": m.start(), "match": m.group(0)} for m in _compile(regexp).finditer(source)]
+
+
+@_register("text.to_lower", "source")
+def _text_to_lower(rt: Runtime, source: Any) -> Any:
+    _want(source, "string", "text.to_lower", "source")
+    return source.lower()
+
+
+@_register("text.to_upper", "source")
+def _text_to_upper(rt: Runtime, source: Any) -> Any:
+    _want(source, "string", "text.to_upper", "source")
+    return source.upper()
+
+
+@_register("text.substring", "source,start,end")
+def _text_substring(rt: Runtime, source: Any, start: Any, end: Any) -> Any:
+    _want(source, "string", "text.substring", "source")
+    _want(start, "integer", "text.substring", "start")
+    _want(end, "integer", "text.substring", "end")
+    start, end = max(0, start), min(len(source), end)
+    return source[start:end] if start < end else ""
+
+
+@_register("text.decode", "data,charset", required=1)
+def _text_decode(rt: Runtime, data: Any, charset: Any = "UTF-8") -> Any:
+    _want(data, "bytes", "text.decode", "data")
+    try:
+        return bytes(data).decode(str(charset))
+    except (LookupError, UnicodeDecodeError) as exc:
+        raise value_error(f"text.decode: {exc}") from None
+
+
+@_register("text.encode", "text,charset", required=1)
+def _text_encode(rt: Runtime, text: Any, charset: Any = "UTF-8") -> Any:
+    _want(text, "string", "text.encode", "text")
+    try:
+        return text.encode(str(charset))
+    except (LookupError, UnicodeEncodeError) as exc:
+        raise value_error(f"text.encode: {exc}") from None
+
+
+@_register("text.url_encode", "source")
+def _text_url_encode(rt: Runtime, source: Any) -> Any:
+    from urllib.parse import quote
+
+    _want(source, "string", "text.url_encode", "source")
+    return quote(source, safe="")
+
+
+@_register("text.url_decode", "source")
+def _text_url_decode(rt: Runtime, source: Any) -> Any:
+    from urllib.parse import unquote
+
+    _want(source, "string", "text.url_decode", "source")
+    return unquote(source)
+
+
+# --------------------------------------------------------------------------- json / base64
+
+
+def _json_text(data: Any, indent: Any = None) -> str:
+    try:
+        if isinstance(indent, dict):
+            prefix = str(indent.get("prefix", ""))
+            ind = indent.get("indent", "  ")
+            text = _json.dumps(json_safe(data), indent=ind, ensure_ascii=False)
+            return "\n".join(prefix + line for line in text.split("\n"))
+        if indent is True:
+            return _json.dumps(json_safe(data), indent=2, ensure_ascii=False)
+        return _json.dumps(json_safe(data), separators=(",", ":"), ensure_ascii=False)
+    except ValueError as exc:
+        raise value_error(f"json.encode: {exc}") from None
+
+
+@_register("json.encode", "data,indent", required=1)
+def _json_encode(rt: Runtime, data: Any, indent: Any = None) -> Any:
+    return _json_text(data, indent).encode("utf-8")
+
+
+@_register("json.encode_to_string", "data,indent", required=1)
+def _json_encode_to_string(rt: Runtime, data: Any, indent: Any = None) -> Any:
+    return _json_text(data, indent)
+
+
+@_register("json.decode", "data")
+def _json_decode(rt: Runtime, data: Any) -> Any:
+    if isinstance(data, bytes | bytearray):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise value_error(f"json.decode: {exc}") from None
+    if not isinstance(data, str):
+        raise type_error(f"json.decode: expected bytes or string, got {wtype(data)}")
+    try:
+        return _json.loads(data)
+    except ValueError as exc:
+        raise value_error(f"json.decode: {exc}") from None
+
+
+@_register("base64.encode", "data,padding", required=1)
+def _base64_encode(rt: Runtime, data: Any, padding: Any = True) -> Any:
+    _want(data, "bytes", "base64.encode", "data")
+    out = _b64.b64encode(bytes(data)).decode("ascii")
+    return out if padding else out.rstrip("=")
+
+
+@_register("base64.decode", "data,padding", required=1)
+def _base64_decode(rt: Runtime, data: Any, padding: Any = True) -> Any:
+    _want(data, "string", "base64.decode", "data")
+    text = data if padding else data + "=" * (-len(data) % 4)
+    try:
+        return _b64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise value_error(f"base64.decode: {exc}") from None
+
+
+# --------------------------------------------------------------------------- time / sys / math / uuid
+
+
+@_register("time.format", "seconds,timezone", required=1)
+def _time_format(rt: Runtime, seconds: Any, timezone: Any = None) -> Any:
+    _want(seconds, "number", "time.format", "seconds")
+    tz: Any = UTC
+    if timezone is not None:
+        try:
+            tz = ZoneInfo(str(timezone))
+        except (ZoneInfoNotFoundError, ValueError):
+            raise value_error(f"time.format: unknown timezone '{timezone}'") from None
+    dt = datetime.fromtimestamp(float(seconds), tz)
+    text = dt.isoformat(timespec="microseconds")
+    return text.replace("+00:00", "Z") if tz is UTC else text
+
+
+@_register("time.parse", "value")
+def _time_parse(rt: Runtime, value: Any) -> Any:
+    _want(value, "string", "time.parse", "value")
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    match = re.match(r"^(.*T\d\d:\d\d:\d\d)(\.\d+)?(.*)$", text)
+    if match and match.group(2) and len(match.group(2)) > 7:  # fromisoformat takes at most 6 digits
+        text = match.group(1) + match.group(2)[:7] + match.group(3)
+    try:
+        dt = datetime.fromisoformat(text)
+    except ValueError:
+        raise value_error(f"time.parse: not an RFC 3339 timestamp: '{value}'") from None
+    if dt.tzinfo is None:
+        raise value_error(f"time.parse: timestamp needs a time zone offset: '{value}'")
+    return dt.timestamp()
+
+
+@_register("sys.now")
+def _sys_now(rt: Runtime) -> Any:
+    return _time.time()
+
+
+@_register("sys.get_env", "name,default", required=1)
+def _sys_get_env(rt: Runtime, name: Any, default: Any = None) -> Any:
+    _want(name, "string", "sys.get_env", "name")
+    if default is not None:
+        _want(default, "string", "sys.get_env", "default")
+    return rt.env.get(name, default)
+
+
+@_register("sys.sleep", "seconds", blocking=True)
+def _sys_sleep(rt: Runtime, seconds: Any) -> Any:
+    _want(seconds, "number", "sys.sleep", "seconds")
+    if seconds < 0:
+        raise value_error("sys.sleep: seconds must be non-negative")
+    rt.sleep(float(seconds))
+    return None
+
+
+@_register("sys.sleep_until", "time", blocking=True)
+def _sys_sleep_until(rt: Runtime, time: Any) -> Any:
+    target = _time_parse(rt, time)
+    rt.sleep(max(0.0, target - _time.time()))
+    return None
+
+
+_SEVERITIES = {
+    "DEFAULT": logging.INFO,
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "NOTICE": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+    "ALERT": logging.CRITICAL,
+    "EMERGENCY": logging.CRITICAL,
+}
+
+
+@_register("sys.log", "data,severity,text,json,timeout", required=0, blocking=True)
+def _sys_log(
+    rt: Runtime,
+    data: Any = None,
+    severity: Any = "DEFAULT",
+    text: Any = None,
+    json: Any = None,
+    timeout: Any = None,
+) -> Any:
+    payload = next((v for v in (text, json, data) if v is not None), None)
+    level = _SEVERITIES.get(str(severity).upper())
+    if level is None:
+        raise value_error(f"sys.log: unknown severity '{severity}'")
+    message = payload if isinstance(payload, str) else _json_text(payload)
+    log.log(level, "%s", message, extra={"workflow_execution": rt.execution_name})
+    return None
+
+
+@_register("math.abs", "x")
+def _math_abs(rt: Runtime, x: Any) -> Any:
+    _want(x, "number", "math.abs", "x")
+    return check_int(abs(x)) if isinstance(x, int) else abs(x)
+
+
+@_register("math.max", "x,y")
+def _math_max(rt: Runtime, x: Any, y: Any) -> Any:
+    _want(x, "number", "math.max", "x")
+    _want(y, "number", "math.max", "y")
+    return x if x >= y else y
+
+
+@_register("math.min", "x,y")
+def _math_min(rt: Runtime, x: Any, y: Any) -> Any:
+    _want(x, "number", "math.min", "x")
+    _want(y, "number", "math.min", "y")
+    return x if x <= y else y
+
+
+@_register("math.floor", "x")
+def _math_floor(rt: Runtime, x: Any) -> Any:
+    _want(x, "number", "math.floor", "x")
+    if isinstance(x, float) and not _math.isfinite(x):
+        raise value_error("math.floor: value is not finite")
+    return check_int(_math.floor(x))
+
+
+@_register("uuid.generate")
+def _uuid_generate(rt: Runtime) -> Any:
+    return str(_uuid.uuid4())
+
+
+# --------------------------------------------------------------------------- retry predicates
+
+
+@_register("retry.always", "e")
+def _retry_always(rt: Runtime, e: Any) -> Any:
+    return True
+
+
+@_register("retry.never", "e")
+def _retry_never(rt: Runtime, e: Any) -> Any:
+    return False
+
+
+def _tags(e: Any) -> list[Any]:
+    if isinstance(e, dict) and isinstance(e.get("tags"), list):
+        return list(e["tags"])
+    return []
+
+
+def _code(e: Any) -> Any:
+    return e.get("code") if isinstance(e, dict) else None
+
+
+@_register("http.default_retry_predicate", "e")
+def _http_default_retry_predicate(rt: Runtime, e: Any) -> Any:
+    """429, 502, 503, 504, ConnectionError, ConnectionFailedError and TimeoutError."""
+    if _code(e) in (429, 502, 503, 504):
+        return True
+    return any(t in ("ConnectionError", "ConnectionFailedError", "TimeoutError") for t in _tags(e))
+
+
+@_register("http.default_retry_predicate_non_idempotent", "e")
+def _http_default_retry_predicate_non_idempotent(rt: Runtime, e: Any) -> Any:
+    """429, 503 and ConnectionFailedError only: the request may have been processed otherwise."""
+    if _code(e) in (429, 503):
+        return True
+    return "ConnectionFailedError" in _tags(e)
+
+
+# --------------------------------------------------------------------------- http
+
+
+def _encode_body(body: Any, headers: dict[str, str]) -> bytes | None:
+    if body is None:
+        return None
+    if isinstance(body, bytes | bytearray):
+        return bytes(body)
+    ctype = next((v for k, v in headers.items() if k.lower() == "content-type"), None)
+    if isinstance(body, str) and ctype is not None and "json" not in ctype.lower():
+        return body.encode("utf-8")
+    if ctype is None:
+        headers["Content-Type"] = "application/json"
+    return _json_text(body).encode("utf-8")
+
+
+def _decode_body(resp: requests.Response) -> Any:
+    ctype = resp.headers.get("Content-Type", "").lower()
+    raw = resp.content
+    if not raw:
+        return None if "json" in ctype or not ctype else ""
+    if "json" in ctype:
+        try:
+            return _json.loads(raw.decode(resp.encoding or "utf-8"))
+        except ValueError:
+            return raw.decode("utf-8", "replace")
+    if ctype.startswith("text/") or "xml" in ctype or "charset" in ctype:
+        return raw.decode(resp.encoding or "utf-8", "replace")
+    return raw
+
+
+def _query(query: Any) -> list[tuple[str, str]] | None:
+    if query is None:
+        return None
+    _want(query, "map", "http", "query")
+    out: list[tuple[str, str]] = []
+    for k, v in query.items():
+        for item in v if isinstance(v, list) else [v]:
+            out.append((k, to_display_string(item)))
+    return out
+
+
+def http_request(
+    rt: Runtime,
+    method: Any,
+    url: Any,
+    headers: Any = None,
+    query: Any = None,
+    body: Any = None,
+    auth: Any = None,
+    timeout: Any = None,
+    private_service_name: Any = None,
+) -> Any:
+    """Real HTTP through requests; ``auth`` is accepted and ignored locally (no Google tokens)."""
+    _want(url, "string", "http.request", "url")
+    _want(method, "string", "http.request", "method")
+    hdrs: dict[str, str] = {}
+    if headers is not None:
+        _want(headers, "map", "http.request", "headers")
+        hdrs = {str(k): to_display_string(v) for k, v in headers.items()}
+    data = _encode_body(body, hdrs)
+    seconds = 300.0 if timeout is None else float(timeout)
+    rt.check_cancel()
+    try:
+        resp = requests.request(
+            method.upper(), url, headers=hdrs, params=_query(query), data=data, timeout=seconds
+        )
+    except requests.exceptions.ConnectTimeout as exc:
+        raise error("ConnectionFailedError", f"connection to {url} failed: {exc}") from None
+    except requests.exceptions.Timeout as exc:
+        raise error("TimeoutError", f"request to {url} timed out: {exc}") from None
+    except requests.exceptions.ConnectionError as exc:
+        if isinstance(exc, requests.exceptions.ChunkedEncodingError) or "Read" in type(exc).__name__:
+            raise error("ConnectionError", f"connection to {url} broke: {exc}") from None
+        raise error("ConnectionFailedError", f"connection to {url} failed: {exc}") from None
+    except requests.exceptions.RequestException as exc:
+        raise error("ConnectionError", f"request to {url} failed: {exc}") from None
+    result = {"body": _decode_body(resp), "code": resp.status_code, "headers": dict(resp.headers)}
+    if not 200 <= resp.status_code < 300:
+        raise WorkflowError(http_error(resp.status_code, body=result["body"], headers=result["headers"]))
+    return result
+
+
+_HTTP_ARGS = "url,headers,query,body,auth,timeout,private_service_name"
+for _method in ("get", "post", "put", "patch", "delete"):
+
+    def _make(method: str) -> Callable[..., Any]:
+        def call(rt: Runtime, **kw: Any) -> Any:
+            return http_request(rt, method.upper(), **kw)
+
+        return call
+
+    FUNCTIONS[f"http.{_method}"] = StdFunction(
+        f"http.{_method}", _make(_method), tuple(_HTTP_ARGS.split(",")), 1, blocking=True
+    )
+FUNCTIONS["http.request"] = StdFunction(
+    "http.request", http_request, ("method", *_HTTP_ARGS.split(",")), 2, blocking=True
+)
+
+
+# --------------------------------------------------------------------------- callbacks
+
+
+@_register("events.create_callback_endpoint", "http_callback_method", required=0, blocking=True)
+def _create_callback_endpoint(rt: Runtime, http_callback_method: Any = "POST") -> Any:
+    if rt.hub is None:
+        raise error("SystemError", "callbacks need a CallbackHub (run through ExecutionsServer or pass hub=)")
+    _want(http_callback_method, "string", "events.create_callback_endpoint", "http_callback_method")
+    return rt.hub.create_endpoint(rt.execution_name, http_callback_method)
+
+
+@_register("events.await_callback", "callback,timeout", required=1, blocking=True)
+def _await_callback(rt: Runtime, callback: Any, timeout: Any = 43200) -> Any:
+    if rt.hub is None:
+        raise error("SystemError", "callbacks need a CallbackHub")
+    _want(callback, "map", "events.await_callback", "callback")
+    if "url" not in callback:
+        raise key_error("events.await_callback: callback has no url")
+    _want(timeout, "number", "events.await_callback", "timeout")
+    return rt.hub.await_callback(callback, float(timeout), cancel=getattr(rt, "cancel", None))
+
+
+def resolve_object(name: str) -> Any:
+    """A named function/policy/object used as a value, or None."""
+    if name in FUNCTIONS:
+        return FunctionRef(name)
+    if name in POLICIES:
+        return POLICIES[name]
+    if name in OBJECTS:
+        return dict(OBJECTS[name])
+    return None

@@ -1,0 +1,100 @@
+"""The whole loop on one machine, through the real CLI: drop data, get a trained run, GPUs back to zero.
+
+Everything is real but the GKE data plane and Cloud Workflows (twins); see README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from retrain.local import emulators
+from retrain.local.envtest import envtest_unavailable_reason
+
+pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared")) / "corpus"
+
+
+@pytest.fixture(autouse=True)
+def _needs_everything() -> None:
+    for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
+        if reason:
+            pytest.skip(reason)
+
+
+def small_corpus(into: Path) -> Path:
+    """Two books, cut to ~60 KB each: enough for real tokens and training, quick on two cores."""
+    into.mkdir()
+    for name in ("the-devil-s-dictionary_972.txt", "the-complete-angler-1653_9198.txt"):
+        text = (CORPUS / name).read_text(encoding="utf-8")
+        (into / name).write_text(text[20_000:80_000], encoding="utf-8")
+    return into
+
+
+def retrain(args: list[str], state: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "retrain.cli", *args],
+        env={
+            **os.environ,
+            "RETRAIN_STATE_DIR": str(state),
+            "RETRAIN_MAX_STEPS": "20",
+            "RETRAIN_PROVISION_DELAY_S": "1",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+
+
+def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    demo = retrain(["demo", "--data", str(small_corpus(tmp_path / "data")), "--json"], state)
+    assert demo.returncode == 0, demo.stderr[-4000:]
+    run = json.loads(demo.stdout)
+    assert run["status"] == "succeeded", run
+    assert run["tokens"] > 10_000 and run["documents"] == 2 and run["objects"] == 2
+    assert run["nodes_at_end"] == 0 and run["gpu_node_seconds"] > 0
+    assert run["checkpoint"], run
+    for needle in ("tokenizing", "provisioning", "training", "succeeded"):
+        assert needle in demo.stderr  # progress was shown
+
+    # the record outlives the stack
+    runs = retrain(["runs", "--json"], state)
+    assert runs.returncode == 0, runs.stderr
+    (listed,) = json.loads(runs.stdout)
+    assert listed["run_id"] == run["run_id"] and listed["status"] == "succeeded"
+    for key in (
+        "run_id",
+        "status",
+        "trigger",
+        "objects",
+        "documents",
+        "tokens",
+        "gpu_node_seconds",
+        "nodes_at_end",
+        "checkpoint",
+        "reason",
+    ):
+        assert key in listed
+
+
+def test_failed_provisioning_still_ends_at_zero_nodes_with_a_reason(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    demo = retrain(
+        ["demo", "--data", str(small_corpus(tmp_path / "data")), "--json"],
+        state,
+        RETRAIN_TWIN_FAULTS="provisioning=fail",
+    )
+    assert demo.returncode == 1, demo.stderr[-4000:]
+    run = json.loads(demo.stdout)
+    assert run["status"] == "failed" and "DWS" in run["reason"], run
+    assert run["nodes_at_end"] == 0 and run["tokens"] > 0

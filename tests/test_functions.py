@@ -1,0 +1,170 @@
+"""The ingest Cloud Function served by the real functions-framework, with the real Firestore emulator
+and retrain's executions service: CloudEvents in, one workflow execution per sealed snapshot out."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.local import emulators
+from retrain.local.landing import finalized_event
+from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+
+pytestmark = pytest.mark.emulators
+
+REPO = Path(__file__).resolve().parents[1]
+ECHO = """
+main:
+  params: [args]
+  steps:
+    - done:
+        return: ${args.run_id}
+"""
+
+
+@pytest.fixture(scope="module")
+def project() -> str:
+    return f"fn-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def executions() -> Iterator[ExecutionsServer]:
+    workflow = load_workflow(ECHO)
+    server = ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {})
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def function_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fn") / "function.log"
+
+
+@pytest.fixture(scope="module")
+def function_url(
+    function_log: Path,
+    firestore_host: str,
+    executions: ExecutionsServer,
+    project: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    port = emulators.free_port()
+    proc = emulators.ManagedProcess(
+        "ingest-function",
+        [
+            sys.executable,
+            "-m",
+            "functions_framework",
+            "--source",
+            str(REPO / "functions" / "main.py"),
+            "--target",
+            "on_object_finalized",
+            "--signature-type",
+            "cloudevent",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        function_log,
+        ready_line=r"Serving Flask app|Running on|Listening",
+        env={
+            "FIRESTORE_EMULATOR_HOST": firestore_host,
+            "RETRAIN_PROJECT": project,
+            "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
+            "RETRAIN_LANDING_BUCKET": "land",
+            "RETRAIN_TRAINER": "datacheck",
+        },
+        probe_url=f"http://127.0.0.1:{port}/",
+    )
+    proc.start()
+    yield f"http://127.0.0.1:{port}"
+    proc.stop()
+
+
+def resource(name: str, generation: int = 1, md5: str | None = None) -> dict[str, Any]:
+    return {
+        "kind": "storage#object",
+        "bucket": "land",
+        "name": name,
+        "generation": str(generation),
+        "metageneration": "1",
+        "size": "100",
+        "md5Hash": md5 or f"md5-{name}",
+        "updated": "2026-11-21T00:00:00.000Z",
+        "contentType": "text/plain",
+    }
+
+
+def post(url: str, res: dict[str, Any], **header_overrides: str) -> requests.Response:
+    headers, body = finalized_event(res)
+    headers.update(header_overrides)
+    return requests.post(url, headers=headers, data=body, timeout=60)
+
+
+def test_events_become_one_execution_per_sealed_snapshot(
+    function_url: str, executions: ExecutionsServer, project: str
+) -> None:
+    ds = f"d{uuid.uuid4().hex[:6]}"
+    names = [f"incoming/{ds}/part-{i}.jsonl" for i in range(3)]
+    for name in names:
+        assert post(function_url, resource(name)).status_code == 200
+    assert post(function_url, resource(names[0])).status_code == 200  # redelivery
+    assert post(function_url, resource(f"incoming/{ds}/_SUCCESS")).status_code == 200
+
+    runs = [r for r in FirestoreLedger(project).list_runs() if r.dataset == ds]
+    assert len(runs) == 1 and runs[0].objects == 3 and runs[0].trigger == "gcs-marker"
+    execution = executions.wait(runs[0].execution, timeout=30)
+    assert execution["state"] == "SUCCEEDED"
+    assert json.loads(execution["result"]) == runs[0].run_id
+    argument = json.loads(execution["argument"])
+    assert argument["objects"] == [f"gs://land/{n}" for n in names]
+    assert argument["jobset"]["metadata"]["labels"]["retrain.dev/run-id"] == runs[0].run_id
+
+    # the same data again, under new generations: acknowledged, but no second run
+    for name in names:
+        post(function_url, resource(name, generation=2, md5=f"md5-{name}"))
+    post(function_url, resource(f"incoming/{ds}/_SUCCESS", generation=2))
+    assert len([r for r in FirestoreLedger(project).list_runs() if r.dataset == ds]) == 1
+
+
+@pytest.mark.parametrize(
+    ("res", "headers"),
+    [
+        (resource("incoming/../../etc/passwd"), {}),
+        (resource("incoming/a\x01b"), {}),
+        (
+            {**resource("incoming/x"), "bucket": "someone-elses"},
+            {"ce-source": "//storage.googleapis.com/projects/_/buckets/someone-elses"},
+        ),
+        (resource("incoming/x"), {"ce-source": "//storage.googleapis.com/projects/_/buckets/spoofed"}),
+        ({"bucket": "land"}, {}),
+    ],
+)
+def test_bad_events_are_acknowledged_and_do_nothing(
+    function_url: str, function_log: Path, project: str, res: dict[str, Any], headers: dict[str, str]
+) -> None:
+    events = FirestoreLedger(project).db.collection("events")
+    before = len(events.get())
+    if "name" not in res:
+        h, _ = finalized_event(resource("incoming/x"))
+        resp = requests.post(function_url, headers=h, data=json.dumps(res), timeout=30)
+    else:
+        resp = post(function_url, res, **headers)
+    assert resp.status_code == 200  # acknowledged: no redelivery loop
+    assert len(events.get()) == before
+    assert "rejected event" in function_log.read_text().splitlines()[-1]
+
+
+def test_not_a_cloudevent_is_a_client_error(function_url: str) -> None:
+    resp = requests.post(function_url, data=b"hello", headers={"content-type": "text/plain"}, timeout=30)
+    assert 400 <= resp.status_code < 500

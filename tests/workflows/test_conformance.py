@@ -1,0 +1,78 @@
+"""Runs every documented-behaviour workflow under conformance/ and checks its declared outcome.
+
+Each YAML file states its expectation in header comments (``# expect: JSON``,
+``# expect_error: JSON`` and optionally ``# args: JSON``); JSON definitions use a ``.expect``
+sidecar holding the same keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retrain.workflows import WorkflowError, load_workflow
+
+HERE = Path(__file__).parent / "conformance"
+CASES = sorted(p for p in HERE.iterdir() if p.suffix in (".yaml", ".json"))
+EXECUTION = "projects/proj-1/locations/us-central1/workflows/wf/executions/exec-1"
+
+
+def expectations(path: Path) -> dict[str, Any]:
+    if path.suffix == ".json":
+        return dict(json.loads(path.with_suffix(".json.expect").read_text()))
+    out: dict[str, Any] = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        for key in ("args", "expect", "expect_error"):
+            prefix = f"# {key}:"
+            if line.startswith(prefix):
+                out[key] = json.loads(line[len(prefix) :])
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality that tells 1 from 1.0 from true, like Workflows' typed values."""
+    if type(a) is not type(b) and not (isinstance(a, int | float) and isinstance(b, int | float)):
+        return False
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, float) or isinstance(b, float):
+        return type(a) is type(b) and a == b
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def test_cases_exist() -> None:
+    assert len(CASES) >= 30
+    for case in CASES:
+        exp = expectations(case)
+        assert ("expect" in exp) != ("expect_error" in exp), f"{case.name} must declare one outcome"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
+def test_conformance(case: Path) -> None:
+    exp = expectations(case)
+    wf = load_workflow(case)
+    if "expect" in exp:
+        result = wf.run(exp.get("args"), execution_name=EXECUTION)
+        assert same(result, exp["expect"]), f"{case.name}: got {result!r}, expected {exp['expect']!r}"
+        return
+    with pytest.raises(WorkflowError) as info:
+        wf.run(exp.get("args"), execution_name=EXECUTION)
+    want, got = exp["expect_error"], info.value.value
+    if isinstance(want, str):
+        assert got == want
+        return
+    assert isinstance(got, dict), got
+    for key, value in want.items():
+        if key == "tags":
+            assert set(value) <= set(got.get("tags", [])), got
+        else:
+            assert same(got.get(key), value), got

@@ -1,0 +1,176 @@
+"""Load-time validation: bad definitions fail with the step name and line number."""
+
+from __future__ import annotations
+
+import pytest
+
+from retrain.workflows import WorkflowSyntaxError, load_workflow
+
+
+def syntax_error(src: str) -> WorkflowSyntaxError:
+    with pytest.raises(WorkflowSyntaxError) as info:
+        load_workflow(src)
+    return info.value
+
+
+def test_unknown_step_key_names_step_and_line() -> None:
+    err = syntax_error(
+        """\
+main:
+  steps:
+    - first:
+        assign:
+          - x: 1
+    - second:
+        call: sys.log
+        argz:
+          text: hi
+"""
+    )
+    assert err.step == "second"
+    assert err.line == 8
+    assert "argz" in str(err) and "second" in str(err) and "line 8" in str(err)
+
+
+def test_unknown_step_shape() -> None:
+    err = syntax_error("- a:\n    assign:\n      - x: 1\n- weird:\n    frobnicate: true\n")
+    assert (err.step, err.line) == ("weird", 4)
+
+
+def test_unknown_function_in_call_step() -> None:
+    err = syntax_error("- a:\n    assign:\n      - x: 1\n- b:\n    call: text.nonexistent\n")
+    assert (err.step, err.line) == ("b", 4)
+    assert "text.nonexistent" in str(err)
+
+
+def test_unknown_function_in_expression() -> None:
+    err = syntax_error("- a:\n    return: ${foo.bar(1)}\n")
+    assert (err.step, err.line) == ("a", 1)
+    assert "foo.bar" in str(err)
+
+
+def test_blocking_function_not_allowed_in_expression() -> None:
+    err = syntax_error('- a:\n    return: ${http.get("http://127.0.0.1:1")}\n')
+    assert err.step == "a" and "call step" in str(err)
+
+
+def test_bad_expression_syntax() -> None:
+    err = syntax_error("- a:\n    assign:\n      - x: 1\n      - y: ${x +}\n")
+    assert (err.step, err.line) == ("a", 4)
+
+
+def test_unknown_next_target() -> None:
+    err = syntax_error("- a:\n    next: nowhere\n")
+    assert err.step == "a" and "nowhere" in str(err)
+
+
+def test_break_outside_loop() -> None:
+    err = syntax_error("- a:\n    next: break\n")
+    assert "break" in str(err)
+
+
+def test_combined_step_kinds_rejected() -> None:
+    err = syntax_error("- a:\n    assign:\n      - x: 1\n    return: 2\n")
+    assert err.step == "a"
+
+
+def test_duplicate_step_names() -> None:
+    err = syntax_error("- a:\n    assign:\n      - x: 1\n- a:\n    return: 1\n")
+    assert (err.step, err.line) == ("a", 4)
+
+
+def test_subworkflow_argument_checks() -> None:
+    src = """\
+main:
+  steps:
+    - c:
+        call: sub
+        args:
+          wrong: 1
+sub:
+  params: [x]
+  steps:
+    - r:
+        return: ${x}
+"""
+    err = syntax_error(src)
+    assert err.step == "c" and "wrong" in str(err)
+    err = syntax_error(src.replace("          wrong: 1\n", "").replace("        args:\n", ""))
+    assert "missing" in str(err)
+
+
+def test_parallel_requires_shared_for_parent_variables() -> None:
+    err = syntax_error(
+        """\
+- init:
+    assign:
+      - total: 0
+- p:
+    parallel:
+      branches:
+        - b1:
+            steps:
+              - w:
+                  assign:
+                    - total: 1
+"""
+    )
+    assert err.step == "b1" and "total" in str(err)
+
+
+def test_shared_variable_must_be_declared_before() -> None:
+    err = syntax_error(
+        "- p:\n    parallel:\n      shared: [nope]\n      branches:\n"
+        "        - b:\n            steps:\n              - s:\n                  assign:\n"
+        "                    - nope: 1\n"
+    )
+    assert err.step == "p" and "nope" in str(err)
+
+
+def test_unsupported_exception_policy() -> None:
+    err = syntax_error(
+        "- p:\n    parallel:\n      exception_policy: failFast\n      branches:\n"
+        "        - b:\n            steps:\n              - s:\n                  return: 1\n"
+    )
+    assert "exception_policy" in str(err)
+
+
+def test_retry_needs_predicate_and_max_retries() -> None:
+    err = syntax_error("- t:\n    try:\n      call: sys.now\n    retry:\n      max_retries: 2\n")
+    assert err.step == "t" and "predicate" in str(err)
+
+
+def test_main_missing_and_invalid_yaml() -> None:
+    assert "main" in str(syntax_error("other:\n  steps:\n    - a:\n        return: 1\n"))
+    err = syntax_error("- a:\n    return: [1,\n")
+    assert "YAML" in str(err)
+
+
+def test_for_requires_in_or_range() -> None:
+    err = syntax_error("- l:\n    for:\n      value: v\n      steps:\n        - s:\n            return: 1\n")
+    assert err.step == "l"
+
+
+def test_json_definition_and_implicit_main() -> None:
+    wf = load_workflow('[{"a": {"assign": [{"x": 2}]}}, {"b": {"return": "${x * 21}"}}]')
+    assert wf.run() == 42
+
+
+def test_lines_are_tracked_in_nested_steps() -> None:
+    src = """\
+main:
+  steps:
+    - outer:
+        steps:
+          - inner:
+              try:
+                steps:
+                  - deep:
+                      call: no.such.thing
+              except:
+                steps:
+                  - h:
+                      return: 1
+"""
+    err = syntax_error(src)
+    assert (err.step, err.line) == ("deep", 8)
