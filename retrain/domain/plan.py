@@ -37,6 +37,14 @@ def workflow_argument(settings: Settings, run: Run, objects: tuple[str, ...]) ->
     root = run_root(settings, run.run_id)
     report = f"{root}/tokenize_report.json"
     checkpoint_dir = f"{root}/checkpoints"
+    podtemplate, provreq = render_provisioning_request(
+        run.run_id,
+        nodes=settings.nodes,
+        gpus_per_node=settings.gpus_per_node,
+        namespace=settings.namespace,
+        node_pool=settings.node_pool,
+        max_run_duration_s=settings.train_timeout_s,
+    )
     jobset = render_jobset(
         run.run_id,
         nodes=settings.nodes,
@@ -49,15 +57,7 @@ def workflow_argument(settings: Settings, run: Run, objects: tuple[str, ...]) ->
         queue=settings.local_queue,
         node_pool=settings.node_pool,
         namespace=settings.namespace,
-        callback_url="",
-    )
-    podtemplate, provreq = render_provisioning_request(
-        run.run_id,
-        nodes=settings.nodes,
-        gpus_per_node=settings.gpus_per_node,
-        namespace=settings.namespace,
-        node_pool=settings.node_pool,
-        max_run_duration_s=settings.train_timeout_s,
+        provisioning_request=provreq["metadata"]["name"],
     )
     return {
         "run_id": run.run_id,

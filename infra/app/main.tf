@@ -1,0 +1,69 @@
+data "terraform_remote_state" "platform" {
+  backend = "gcs"
+  config = {
+    bucket = var.state_bucket
+    prefix = var.platform_state_prefix
+  }
+}
+
+locals {
+  platform  = data.terraform_remote_state.platform.outputs
+  repo_root = abspath("${path.module}/../..")
+
+  # Service-account emails (sa) and resource ids (sa_id) of the platform's components.
+  sa    = local.platform.service_accounts
+  sa_id = local.platform.service_account_ids
+
+  dataflow_image         = var.dataflow_image != "" ? var.dataflow_image : "${local.platform.artifact_registry}/tokenize:latest"
+  dataflow_template_path = "gs://${local.platform.artifacts_bucket}/${var.dataflow_template_object}"
+  dataflow_temp_location = "gs://${local.platform.artifacts_bucket}/dataflow/tmp"
+
+  # The settings every component reads through retrain.config.load(): functions (environment),
+  # the workflow (user_env_vars, at most 20), pods (ConfigMap, envFrom).
+  retrain_env = {
+    RETRAIN_PROJECT             = var.project_id
+    RETRAIN_REGION              = var.region
+    RETRAIN_LANDING_BUCKET      = local.platform.landing_bucket
+    RETRAIN_LANDING_PREFIX      = var.landing_prefix
+    RETRAIN_ARTIFACTS_BUCKET    = local.platform.artifacts_bucket
+    RETRAIN_DATASET             = var.default_dataset
+    RETRAIN_SEAL_MARKER         = var.seal_marker
+    RETRAIN_WORKFLOW            = var.workflow_name
+    RETRAIN_JOBSET_TOPIC        = local.platform.jobset_topic
+    RETRAIN_CLUSTER             = local.platform.cluster_name
+    RETRAIN_NODE_POOL           = local.platform.gpu_node_pool
+    RETRAIN_NAMESPACE           = local.platform.k8s_namespace
+    RETRAIN_LOCAL_QUEUE         = var.local_queue
+    RETRAIN_MACHINE_TYPE        = local.platform.gpu_machine_type
+    RETRAIN_GPUS_PER_NODE       = tostring(local.platform.gpus_per_node)
+    RETRAIN_NODES               = tostring(var.nodes_per_run)
+    RETRAIN_PRICE_PER_NODE_HOUR = tostring(var.price_per_node_hour)
+    RETRAIN_IMAGE               = var.training_image
+    RETRAIN_TRAINER             = var.trainer
+    RETRAIN_MAX_STEPS           = tostring(var.max_steps)
+    RETRAIN_PROVISION_TIMEOUT_S = tostring(var.provision_timeout_s)
+    RETRAIN_TRAIN_TIMEOUT_S     = tostring(var.train_timeout_s)
+  }
+
+  # Deployment facts the workflow needs beyond retrain.config.Settings.
+  deployment_env = {
+    RETRAIN_DATAFLOW_TEMPLATE        = local.dataflow_template_path
+    RETRAIN_DATAFLOW_TEMP_LOCATION   = local.dataflow_temp_location
+    RETRAIN_DATAFLOW_SERVICE_ACCOUNT = local.sa.dataflow
+    RETRAIN_DATAFLOW_SUBNETWORK      = local.platform.subnetwork
+    RETRAIN_TRAINING_KSA             = local.platform.training_ksa
+  }
+
+  # Workflows accepts at most 20 user environment variables: the ones the workflow reads.
+  workflow_env = merge(
+    {
+      for k, v in local.retrain_env : k => v if contains([
+        "RETRAIN_PROJECT", "RETRAIN_REGION", "RETRAIN_ARTIFACTS_BUCKET", "RETRAIN_CLUSTER",
+        "RETRAIN_NODE_POOL", "RETRAIN_NAMESPACE", "RETRAIN_LOCAL_QUEUE", "RETRAIN_MACHINE_TYPE",
+        "RETRAIN_GPUS_PER_NODE", "RETRAIN_NODES", "RETRAIN_IMAGE", "RETRAIN_TRAINER",
+        "RETRAIN_MAX_STEPS", "RETRAIN_PROVISION_TIMEOUT_S", "RETRAIN_TRAIN_TIMEOUT_S",
+      ], k)
+    },
+    local.deployment_env,
+  )
+}

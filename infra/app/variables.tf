@@ -1,0 +1,304 @@
+# ---------------------------------------------------------------------------------------------
+# Where the platform is
+# ---------------------------------------------------------------------------------------------
+
+variable "project_id" {
+  type        = string
+  description = "Project retrain is deployed to (same as the platform stage)."
+}
+
+variable "region" {
+  type        = string
+  description = "Region of the functions, the workflow and the Scheduler jobs (same as the platform stage)."
+  default     = "us-central1"
+}
+
+variable "state_bucket" {
+  type        = string
+  description = "Terraform state bucket created by the bootstrap stage; the platform stage's outputs are read from it."
+}
+
+variable "platform_state_prefix" {
+  type        = string
+  description = "State prefix of the platform stage in the state bucket."
+  default     = "retrain/platform"
+}
+
+variable "name_prefix" {
+  type        = string
+  description = "Prefix of function, subscription and Scheduler job names."
+  default     = "retrain"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{0,19}$", var.name_prefix))
+    error_message = "name_prefix: 1-20 characters, lowercase letters, digits and hyphens, starting with a letter."
+  }
+}
+
+variable "labels" {
+  type        = map(string)
+  description = "Labels put on every resource of this stage that takes labels."
+  default = {
+    app   = "retrain"
+    stage = "app"
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# Sources in this repository (paths relative to the repository root)
+# ---------------------------------------------------------------------------------------------
+
+variable "functions_source_dir" {
+  type        = string
+  description = "Directory of the Cloud Functions source (main.py + requirements.txt), relative to the repository root."
+  default     = "functions"
+}
+
+variable "workflow_source" {
+  type        = string
+  description = "Cloud Workflows definition, relative to the repository root."
+  default     = "workflows/retrain.yaml"
+}
+
+variable "dataflow_metadata" {
+  type        = string
+  description = "Flex-template metadata (parameters) JSON, relative to the repository root; used when the file exists."
+  default     = "dataflow/metadata.json"
+}
+
+variable "k8s_manifests_dir" {
+  type        = string
+  description = "Directory of the Kubernetes manifests (Kueue queues, notifier, RBAC), relative to the repository root."
+  default     = "k8s"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Cloud Functions
+# ---------------------------------------------------------------------------------------------
+
+variable "functions_runtime" {
+  type        = string
+  description = "Cloud Functions (gen2) runtime."
+  default     = "python311"
+}
+
+variable "function_memory" {
+  type        = string
+  description = "Memory of each function instance."
+  default     = "512M"
+}
+
+variable "function_timeout_seconds" {
+  type        = number
+  description = "Request timeout of the functions (event-driven gen2 functions allow at most 540 s)."
+  default     = 120
+
+  validation {
+    condition     = var.function_timeout_seconds >= 1 && var.function_timeout_seconds <= 540
+    error_message = "function_timeout_seconds must be between 1 and 540."
+  }
+}
+
+variable "function_max_instances" {
+  type        = number
+  description = "Upper bound of instances per function."
+  default     = 10
+}
+
+variable "run_http_invokers" {
+  type        = list(string)
+  description = "IAM members (user:, group:, serviceAccount:) allowed to call the run_http manual trigger. Never allUsers/allAuthenticatedUsers."
+  default     = []
+
+  validation {
+    condition     = alltrue([for m in var.run_http_invokers : !contains(["allUsers", "allAuthenticatedUsers"], m)])
+    error_message = "run_http is never publicly invokable: allUsers and allAuthenticatedUsers are rejected."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# Event sources
+# ---------------------------------------------------------------------------------------------
+
+variable "bigquery_trigger_region" {
+  type        = string
+  description = "Eventarc location of the BigQuery audit-log trigger (\"global\" receives events from every dataset location)."
+  default     = "global"
+}
+
+variable "bigquery_method_name" {
+  type        = string
+  description = "BigQuery audit-log methodName that triggers on_bigquery_event."
+  default     = "google.cloud.bigquery.v2.JobService.InsertJob"
+}
+
+variable "bigquery_resource_pattern" {
+  type        = string
+  description = "Optional path pattern on resourceName (e.g. projects/P/datasets/D/tables/*) narrowing the BigQuery trigger; empty: every resource."
+  default     = ""
+}
+
+variable "push_max_delivery_attempts" {
+  type        = number
+  description = "Push deliveries to a function before the message goes to the dead-letter topic (5-100)."
+  default     = 10
+
+  validation {
+    condition     = var.push_max_delivery_attempts >= 5 && var.push_max_delivery_attempts <= 100
+    error_message = "Pub/Sub allows 5 to 100 delivery attempts."
+  }
+}
+
+variable "scheduler_time_zone" {
+  type        = string
+  description = "Time zone of the Scheduler job schedules."
+  default     = "Etc/UTC"
+}
+
+variable "scheduler_jobs" {
+  type = map(object({
+    schedule    = string
+    description = string
+  }))
+  description = "Periodic jobs; each publishes {\"job\": <key>} to the Scheduler ticks topic, which on_scheduler_tick receives."
+  default = {
+    seal = {
+      schedule    = "*/15 * * * *"
+      description = "Seal open batches that have been idle long enough and start their runs."
+    }
+    sweeper = {
+      schedule    = "0 * * * *"
+      description = "Re-drive batches and runs whose events were lost (no execution started, no callback seen)."
+    }
+    reaper = {
+      schedule    = "*/30 * * * *"
+      description = "Fail runs past their provisioning/training deadline and scale the GPU pool back to zero."
+    }
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# Workflow and run settings (RETRAIN_* environment of functions, workflow and pods)
+# ---------------------------------------------------------------------------------------------
+
+variable "workflow_name" {
+  type        = string
+  description = "Name of the Cloud Workflow (RETRAIN_WORKFLOW)."
+  default     = "retrain"
+}
+
+variable "workflow_call_log_level" {
+  type        = string
+  description = "Workflows call logging level."
+  default     = "LOG_ERRORS_ONLY"
+}
+
+variable "landing_prefix" {
+  type        = string
+  description = "Only objects under this prefix of the landing bucket are training data (RETRAIN_LANDING_PREFIX)."
+  default     = "incoming/"
+}
+
+variable "default_dataset" {
+  type        = string
+  description = "Dataset name used when an event does not name one (RETRAIN_DATASET)."
+  default     = "default"
+}
+
+variable "seal_marker" {
+  type        = string
+  description = "Object base name that seals the open batch of its dataset (RETRAIN_SEAL_MARKER)."
+  default     = "_SUCCESS"
+}
+
+variable "local_queue" {
+  type        = string
+  description = "Kueue LocalQueue JobSets are submitted to (RETRAIN_LOCAL_QUEUE)."
+  default     = "dws-local-queue"
+}
+
+variable "nodes_per_run" {
+  type        = number
+  description = "GPU nodes a run trains on (RETRAIN_NODES); at most the platform's gpu_max_nodes."
+  default     = 1
+}
+
+variable "price_per_node_hour" {
+  type        = number
+  description = "Estimated price of one GPU node-hour in USD, for the run record's cost estimate (RETRAIN_PRICE_PER_NODE_HOUR)."
+  default     = 88.49
+}
+
+variable "training_image" {
+  type        = string
+  description = "Container image of the training JobSet (RETRAIN_IMAGE)."
+  default     = "nvcr.io/nvidia/nemo:24.12"
+}
+
+variable "trainer" {
+  type        = string
+  description = "What the JobSet runs (RETRAIN_TRAINER): nemo in the cloud."
+  default     = "nemo"
+}
+
+variable "max_steps" {
+  type        = number
+  description = "Training steps per run (RETRAIN_MAX_STEPS)."
+  default     = 60
+}
+
+variable "provision_timeout_s" {
+  type        = number
+  description = "How long a run waits for DWS capacity before it fails (RETRAIN_PROVISION_TIMEOUT_S)."
+  default     = 3600
+}
+
+variable "train_timeout_s" {
+  type        = number
+  description = "How long a run waits for the training JobSet to finish (RETRAIN_TRAIN_TIMEOUT_S)."
+  default     = 86400
+}
+
+# ---------------------------------------------------------------------------------------------
+# Dataflow flex template
+# ---------------------------------------------------------------------------------------------
+
+variable "dataflow_image" {
+  type        = string
+  description = "Flex-template launcher image of the tokenization pipeline. Empty: <artifact registry>/tokenize:latest."
+  default     = ""
+}
+
+variable "dataflow_template_object" {
+  type        = string
+  description = "Object path of the flex-template spec in the artifacts bucket."
+  default     = "templates/tokenize.json"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+# ---------------------------------------------------------------------------------------------
+
+variable "apply_kubernetes" {
+  type        = bool
+  description = "Install Kueue, JobSet, the retrain namespace objects and k8s/ manifests with Terraform. False: do it with the documented kubectl step (infra/README.md)."
+  default     = true
+}
+
+variable "kueue_version" {
+  type        = string
+  description = "Kueue release installed in the cluster (ProvisioningRequest admission checks for DWS)."
+  default     = "v0.10.2"
+}
+
+variable "jobset_version" {
+  type        = string
+  description = "JobSet controller release installed in the cluster."
+  default     = "v0.7.2"
+}
+
+variable "settings_config_map" {
+  type        = string
+  description = "Name of the ConfigMap holding the RETRAIN_* settings in the retrain namespace (for envFrom in k8s/ manifests)."
+  default     = "retrain-settings"
+}

@@ -1,0 +1,327 @@
+# One service account per component, each holding only the roles it needs. Grants are made on the
+# narrowest resource that IAM supports (bucket, topic, repository, service account); only roles
+# that exist solely at project level (Firestore, Dataflow, GKE, Eventarc, logging, Workflows
+# invocation) are granted on the project. No primitive role, no default compute account.
+# tests/infra/test_terraform.py holds the expected table and fails on any drift.
+
+# ---------------------------------------------------------------------------------------------
+# Service accounts
+# ---------------------------------------------------------------------------------------------
+
+resource "google_service_account" "gke_nodes" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-gke-nodes"
+  display_name = "retrain GKE nodes"
+  description  = "Node identity of both GKE node pools (logs, metrics, image pulls). Pods use Workload Identity, not this account."
+}
+
+resource "google_service_account" "functions" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-functions"
+  display_name = "retrain Cloud Functions"
+  description  = "Runtime identity of the retrain Cloud Functions: records batches in Firestore and starts workflow executions."
+}
+
+resource "google_service_account" "events" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-events"
+  display_name = "retrain event delivery"
+  description  = "Identity Eventarc triggers (GCS finalize, BigQuery audit log) and the JobSet push subscription invoke functions with."
+}
+
+resource "google_service_account" "scheduler" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-scheduler"
+  display_name = "retrain scheduler ticks"
+  description  = "Identity the Scheduler-ticks push subscription invokes on_scheduler_tick with."
+}
+
+resource "google_service_account" "workflow" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-workflow"
+  display_name = "retrain workflow"
+  description  = "Identity of the retrain Cloud Workflow: launches Dataflow, sizes the DWS pool, creates ProvisioningRequests and JobSets."
+}
+
+resource "google_service_account" "dataflow" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-dataflow"
+  display_name = "retrain Dataflow workers"
+  description  = "Worker identity of the tokenization flex-template jobs."
+}
+
+resource "google_service_account" "notifier" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-notifier"
+  display_name = "retrain JobSet notifier"
+  description  = "Workload Identity of the in-cluster notifier that publishes JobSet terminal states."
+}
+
+resource "google_service_account" "training" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-training"
+  display_name = "retrain training workload"
+  description  = "Workload Identity of the training JobSet pods: reads shards, writes checkpoints."
+}
+
+resource "google_service_account" "builder" {
+  project      = var.project_id
+  account_id   = "${var.name_prefix}-builder"
+  display_name = "retrain function builds"
+  description  = "Cloud Build identity that builds the Cloud Functions (instead of the default compute account)."
+}
+
+# ---------------------------------------------------------------------------------------------
+# Custom role: resize the DWS pool and nothing else GKE-administrative
+# ---------------------------------------------------------------------------------------------
+
+# nodePools.setAutoscaling needs container.clusters.update, which roles/container.developer lacks;
+# roles/container.clusterAdmin would add create/delete of clusters and IAM-relevant settings.
+resource "google_project_iam_custom_role" "node_pool_scaler" {
+  project     = var.project_id
+  role_id     = "retrainNodePoolScaler"
+  title       = "retrain node pool scaler"
+  description = "Lets the retrain workflow change the DWS node pool's autoscaling limits and follow the operation."
+  permissions = [
+    "container.clusters.get",
+    "container.clusters.update",
+    "container.operations.get",
+  ]
+}
+
+# ---------------------------------------------------------------------------------------------
+# GKE nodes
+# ---------------------------------------------------------------------------------------------
+
+resource "google_project_iam_member" "gke_nodes_default_node_sa" {
+  project = var.project_id
+  role    = "roles/container.defaultNodeServiceAccount"
+  member  = "serviceAccount:${google_service_account.gke_nodes.email}"
+}
+
+resource "google_artifact_registry_repository_iam_member" "gke_nodes_reader" {
+  project    = var.project_id
+  location   = google_artifact_registry_repository.retrain.location
+  repository = google_artifact_registry_repository.retrain.name
+  role       = "roles/artifactregistry.reader"
+  member     = "serviceAccount:${google_service_account.gke_nodes.email}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Cloud Functions runtime
+# ---------------------------------------------------------------------------------------------
+
+resource "google_project_iam_member" "functions_datastore_user" {
+  project = var.project_id
+  role    = "roles/datastore.user"
+  member  = "serviceAccount:${google_service_account.functions.email}"
+}
+
+# Workflows has no per-workflow IAM policy; the project holds only the retrain workflow.
+resource "google_project_iam_member" "functions_workflows_invoker" {
+  project = var.project_id
+  role    = "roles/workflows.invoker"
+  member  = "serviceAccount:${google_service_account.functions.email}"
+}
+
+resource "google_storage_bucket_iam_member" "functions_landing_viewer" {
+  bucket = google_storage_bucket.landing.name
+  role   = "roles/storage.objectViewer"
+  member = "serviceAccount:${google_service_account.functions.email}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Event delivery (Eventarc + JobSet push subscription); run.invoker on the functions is in app/
+# ---------------------------------------------------------------------------------------------
+
+resource "google_project_iam_member" "events_event_receiver" {
+  project = var.project_id
+  role    = "roles/eventarc.eventReceiver"
+  member  = "serviceAccount:${google_service_account.events.email}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Workflow
+# ---------------------------------------------------------------------------------------------
+
+resource "google_project_iam_member" "workflow_dataflow_developer" {
+  #checkov:skip=CKV_GCP_49:Creating and watching the tokenization jobs needs dataflow.developer (project-level only). Running them as a service account is granted separately, on the Dataflow worker account alone (workflow_acts_as_dataflow).
+  project = var.project_id
+  role    = "roles/dataflow.developer"
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+# Kubernetes API connector (gke.request): ProvisioningRequests and JobSets in the cluster.
+resource "google_project_iam_member" "workflow_container_developer" {
+  project = var.project_id
+  role    = "roles/container.developer"
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+resource "google_project_iam_member" "workflow_node_pool_scaler" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.node_pool_scaler.name
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+resource "google_project_iam_member" "workflow_datastore_user" {
+  project = var.project_id
+  role    = "roles/datastore.user"
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+resource "google_project_iam_member" "workflow_log_writer" {
+  project = var.project_id
+  role    = "roles/logging.logWriter"
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+# Launch Dataflow jobs that run as the Dataflow worker account, and no other account.
+resource "google_service_account_iam_member" "workflow_acts_as_dataflow" {
+  service_account_id = google_service_account.dataflow.name
+  role               = "roles/iam.serviceAccountUser"
+  member             = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+resource "google_storage_bucket_iam_member" "workflow_artifacts_viewer" {
+  bucket = google_storage_bucket.artifacts.name
+  role   = "roles/storage.objectViewer"
+  member = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+resource "google_storage_bucket_iam_member" "workflow_artifacts_creator" {
+  bucket = google_storage_bucket.artifacts.name
+  role   = "roles/storage.objectCreator"
+  member = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Dataflow workers
+# ---------------------------------------------------------------------------------------------
+
+resource "google_project_iam_member" "dataflow_worker" {
+  project = var.project_id
+  role    = "roles/dataflow.worker"
+  member  = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+resource "google_storage_bucket_iam_member" "dataflow_landing_viewer" {
+  bucket = google_storage_bucket.landing.name
+  role   = "roles/storage.objectViewer"
+  member = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+# Shards out, plus Dataflow staging/temp files under dataflow/ that the job deletes again.
+resource "google_storage_bucket_iam_member" "dataflow_artifacts_admin" {
+  bucket = google_storage_bucket.artifacts.name
+  role   = "roles/storage.objectAdmin"
+  member = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+# The flex-template launcher VM pulls the template image as the worker account.
+resource "google_artifact_registry_repository_iam_member" "dataflow_reader" {
+  project    = var.project_id
+  location   = google_artifact_registry_repository.retrain.location
+  repository = google_artifact_registry_repository.retrain.name
+  role       = "roles/artifactregistry.reader"
+  member     = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# JobSet notifier (Workload Identity)
+# ---------------------------------------------------------------------------------------------
+
+resource "google_pubsub_topic_iam_member" "notifier_publisher" {
+  project = var.project_id
+  topic   = google_pubsub_topic.jobset_events.name
+  role    = "roles/pubsub.publisher"
+  member  = "serviceAccount:${google_service_account.notifier.email}"
+}
+
+resource "google_service_account_iam_member" "notifier_workload_identity" {
+  service_account_id = google_service_account.notifier.name
+  role               = "roles/iam.workloadIdentityUser"
+  member             = "serviceAccount:${local.workload_pool}[${var.k8s_namespace}/${var.notifier_ksa}]"
+
+  depends_on = [google_container_cluster.retrain] # the identity pool exists once the cluster does
+}
+
+# ---------------------------------------------------------------------------------------------
+# Training workload (Workload Identity)
+# ---------------------------------------------------------------------------------------------
+
+resource "google_storage_bucket_iam_member" "training_artifacts_admin" {
+  bucket = google_storage_bucket.artifacts.name
+  role   = "roles/storage.objectAdmin"
+  member = "serviceAccount:${google_service_account.training.email}"
+}
+
+resource "google_service_account_iam_member" "training_workload_identity" {
+  service_account_id = google_service_account.training.name
+  role               = "roles/iam.workloadIdentityUser"
+  member             = "serviceAccount:${local.workload_pool}[${var.k8s_namespace}/${var.training_ksa}]"
+
+  depends_on = [google_container_cluster.retrain]
+}
+
+# ---------------------------------------------------------------------------------------------
+# Function builds
+# ---------------------------------------------------------------------------------------------
+
+resource "google_project_iam_member" "builder_log_writer" {
+  project = var.project_id
+  role    = "roles/logging.logWriter"
+  member  = "serviceAccount:${google_service_account.builder.email}"
+}
+
+resource "google_artifact_registry_repository_iam_member" "builder_writer" {
+  project    = var.project_id
+  location   = google_artifact_registry_repository.retrain.location
+  repository = google_artifact_registry_repository.retrain.name
+  role       = "roles/artifactregistry.writer"
+  member     = "serviceAccount:${google_service_account.builder.email}"
+}
+
+resource "google_storage_bucket_iam_member" "builder_sources_viewer" {
+  bucket = google_storage_bucket.function_sources.name
+  role   = "roles/storage.objectViewer"
+  member = "serviceAccount:${google_service_account.builder.email}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Google-managed service agents
+# ---------------------------------------------------------------------------------------------
+
+# Eventarc's Cloud Storage triggers need the project's GCS service agent to publish to Pub/Sub.
+data "google_storage_project_service_account" "gcs" {
+  project = var.project_id
+}
+
+resource "google_project_iam_member" "gcs_agent_pubsub_publisher" {
+  project = var.project_id
+  role    = "roles/pubsub.publisher"
+  member  = "serviceAccount:${data.google_storage_project_service_account.gcs.email_address}"
+}
+
+# Pub/Sub forwards undeliverable push messages to the dead-letter topic as its service agent
+# (the subscriber grant on the source subscriptions is made in app/, next to them).
+resource "google_pubsub_topic_iam_member" "pubsub_agent_dead_letter_publisher" {
+  project = var.project_id
+  topic   = google_pubsub_topic.dead_letter.name
+  role    = "roles/pubsub.publisher"
+  member  = local.pubsub_service_agent
+}
+
+# Pub/Sub mints the OIDC tokens of authenticated push deliveries (needed on projects created
+# before April 2021; harmless elsewhere). Scoped to the two push identities only.
+resource "google_service_account_iam_member" "pubsub_agent_events_token_creator" {
+  service_account_id = google_service_account.events.name
+  role               = "roles/iam.serviceAccountTokenCreator"
+  member             = local.pubsub_service_agent
+}
+
+resource "google_service_account_iam_member" "pubsub_agent_scheduler_token_creator" {
+  service_account_id = google_service_account.scheduler.name
+  role               = "roles/iam.serviceAccountTokenCreator"
+  member             = local.pubsub_service_agent
+}

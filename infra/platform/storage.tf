@@ -1,0 +1,171 @@
+# Access logs of the landing, artifacts and function-source buckets.
+resource "google_storage_bucket" "access_logs" {
+  #checkov:skip=CKV_GCP_62:This bucket is the access-log sink of the other buckets; logging the sink into itself would recurse.
+  name     = "${var.project_id}-retrain-access-logs"
+  project  = var.project_id
+  location = var.region
+  labels   = var.labels
+
+  force_destroy               = var.force_destroy
+  uniform_bucket_level_access = true
+  public_access_prevention    = "enforced"
+
+  versioning {
+    enabled = true
+  }
+
+  lifecycle_rule {
+    condition {
+      age = 365
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  lifecycle_rule {
+    condition {
+      days_since_noncurrent_time = var.noncurrent_retention_days
+    }
+    action {
+      type = "Delete"
+    }
+  }
+}
+
+# Where new training data lands. Its object-finalize events (Eventarc) start runs, so it lives in
+# the same region as the trigger.
+resource "google_storage_bucket" "landing" {
+  name     = local.landing_bucket_name
+  project  = var.project_id
+  location = var.region
+  labels   = var.labels
+
+  force_destroy               = var.force_destroy
+  uniform_bucket_level_access = true
+  public_access_prevention    = "enforced"
+
+  versioning {
+    enabled = true
+  }
+
+  logging {
+    log_bucket = google_storage_bucket.access_logs.name
+  }
+
+  # Landed objects are tokenized into the artifacts bucket; the raw copy expires.
+  lifecycle_rule {
+    condition {
+      age        = var.landing_retention_days
+      with_state = "LIVE"
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  lifecycle_rule {
+    condition {
+      days_since_noncurrent_time = var.noncurrent_retention_days
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  lifecycle_rule {
+    condition {
+      age = 1
+    }
+    action {
+      type = "AbortIncompleteMultipartUpload"
+    }
+  }
+}
+
+# Tokenized shards, run reports, checkpoints, the Dataflow flex template spec and Dataflow temp.
+# It never triggers anything.
+resource "google_storage_bucket" "artifacts" {
+  name     = local.artifacts_bucket_name
+  project  = var.project_id
+  location = var.region
+  labels   = var.labels
+
+  force_destroy               = var.force_destroy
+  uniform_bucket_level_access = true
+  public_access_prevention    = "enforced"
+
+  versioning {
+    enabled = true
+  }
+
+  logging {
+    log_bucket = google_storage_bucket.access_logs.name
+  }
+
+  lifecycle_rule {
+    condition {
+      age            = var.dataflow_temp_retention_days
+      matches_prefix = ["dataflow/"]
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  lifecycle_rule {
+    condition {
+      days_since_noncurrent_time = var.noncurrent_retention_days
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  lifecycle_rule {
+    condition {
+      age = 1
+    }
+    action {
+      type = "AbortIncompleteMultipartUpload"
+    }
+  }
+}
+
+# Zipped source of the Cloud Functions (uploaded by the app stage, read by Cloud Build).
+resource "google_storage_bucket" "function_sources" {
+  name     = "${var.project_id}-retrain-fn-sources"
+  project  = var.project_id
+  location = var.region
+  labels   = var.labels
+
+  force_destroy               = true
+  uniform_bucket_level_access = true
+  public_access_prevention    = "enforced"
+
+  versioning {
+    enabled = true
+  }
+
+  logging {
+    log_bucket = google_storage_bucket.access_logs.name
+  }
+
+  lifecycle_rule {
+    condition {
+      days_since_noncurrent_time = 7
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  lifecycle_rule {
+    condition {
+      age = 90
+    }
+    action {
+      type = "Delete"
+    }
+  }
+}

@@ -1,0 +1,21 @@
+terraform {
+  required_version = ">= 1.5.0"
+
+  required_providers {
+    google = {
+      source  = "hashicorp/google"
+      version = ">= 6.14.0, < 7.0.0"
+    }
+  }
+
+  # Partial configuration: the bucket comes from the bootstrap stage,
+  #   terraform init -backend-config="bucket=$(terraform -chdir=../bootstrap output -raw state_bucket)"
+  backend "gcs" {
+    prefix = "retrain/platform"
+  }
+}
+
+provider "google" {
+  project = var.project_id
+  region  = var.region
+}

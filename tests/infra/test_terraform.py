@@ -1,0 +1,845 @@
+"""Offline checks of the Terraform in infra/ (no providers, no cloud).
+
+The Terraform is parsed with python-hcl2 and checked for what the deployment promises:
+typed and described variables, least-privilege IAM (an exact table per service account), no
+primitive roles, no default compute service account, no public members, internal-only functions
+with a dedicated identity, and a DWS GPU pool that can reach zero nodes. `terraform fmt -check`
+and checkov run when their binaries are installed.
+
+Every check is a function returning a list of problems; the ``test_mutation_*`` tests feed it
+deliberately broken copies of the real files so that a check that can no longer fail is noticed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import hcl2  # python-hcl2
+except ImportError as e:  # a dev dependency, not optional: fail loudly rather than skip
+    raise ImportError("tests/infra needs python-hcl2 (pip install 'python-hcl2==8.1.4')") from e
+
+REPO = Path(__file__).resolve().parents[2]
+INFRA = REPO / "infra"
+STAGES = ("bootstrap", "platform", "app")
+STAGE_FILES = ("versions.tf", "variables.tf", "outputs.tf")
+
+PRIMITIVE_ROLES = {"roles/owner", "roles/editor", "roles/viewer"}
+PUBLIC_MEMBERS = {"allUsers", "allAuthenticatedUsers"}
+ENTRY_POINTS = {
+    "on_object_finalized",
+    "on_jobset_event",
+    "on_bigquery_event",
+    "on_scheduler_tick",
+    "run_http",
+}
+
+# Least privilege, one row per component service account: (role, where it is granted).
+# "project" is a project-level grant; everything else names the one resource it is granted on.
+# Any grant added, widened or moved in infra/ must be reflected here, on purpose.
+EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
+    "gke_nodes": {
+        ("roles/container.defaultNodeServiceAccount", "project"),
+        ("roles/artifactregistry.reader", "repository:retrain"),
+    },
+    "functions": {
+        ("roles/datastore.user", "project"),
+        ("roles/workflows.invoker", "project"),
+        ("roles/storage.objectViewer", "bucket:landing"),
+    },
+    "events": {
+        ("roles/eventarc.eventReceiver", "project"),
+        ("roles/run.invoker", "function:on_object_finalized"),
+        ("roles/run.invoker", "function:on_bigquery_event"),
+        ("roles/run.invoker", "function:on_jobset_event"),
+    },
+    "scheduler": {
+        ("roles/run.invoker", "function:on_scheduler_tick"),
+    },
+    "workflow": {
+        ("roles/dataflow.developer", "project"),
+        ("roles/container.developer", "project"),
+        ("custom:node_pool_scaler", "project"),
+        ("roles/datastore.user", "project"),
+        ("roles/logging.logWriter", "project"),
+        ("roles/iam.serviceAccountUser", "service_account:dataflow"),
+        ("roles/storage.objectViewer", "bucket:artifacts"),
+        ("roles/storage.objectCreator", "bucket:artifacts"),
+    },
+    "dataflow": {
+        ("roles/dataflow.worker", "project"),
+        ("roles/storage.objectViewer", "bucket:landing"),
+        ("roles/storage.objectAdmin", "bucket:artifacts"),
+        ("roles/artifactregistry.reader", "repository:retrain"),
+    },
+    "notifier": {
+        ("roles/pubsub.publisher", "topic:jobset_events"),
+    },
+    "training": {
+        ("roles/storage.objectAdmin", "bucket:artifacts"),
+    },
+    "builder": {
+        ("roles/logging.logWriter", "project"),
+        ("roles/artifactregistry.writer", "repository:retrain"),
+        ("roles/storage.objectViewer", "bucket:function_sources"),
+    },
+}
+
+# Grants to principals that are not retrain's own service accounts.
+EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
+    "pubsub_service_agent": {
+        ("roles/pubsub.publisher", "topic:dead_letter"),
+        ("roles/iam.serviceAccountTokenCreator", "service_account:events"),
+        ("roles/iam.serviceAccountTokenCreator", "service_account:scheduler"),
+        ("roles/pubsub.subscriber", "subscription:jobset_events"),
+        ("roles/pubsub.subscriber", "subscription:scheduler_ticks"),
+    },
+    "gcs_service_agent": {
+        ("roles/pubsub.publisher", "project"),
+    },
+    "ksa:notifier_ksa": {
+        ("roles/iam.workloadIdentityUser", "service_account:notifier"),
+    },
+    "ksa:training_ksa": {
+        ("roles/iam.workloadIdentityUser", "service_account:training"),
+    },
+    "var.run_http_invokers": {
+        ("roles/run.invoker", "function:run_http"),
+    },
+}
+
+EXPECTED_CUSTOM_ROLE_PERMISSIONS = {
+    "node_pool_scaler": {"container.clusters.get", "container.clusters.update", "container.operations.get"},
+}
+
+# For each IAM resource type: the attribute naming the resource the grant is made on.
+SCOPE_ATTRIBUTE = {
+    "google_project_iam_member": None,
+    "google_storage_bucket_iam_member": "bucket",
+    "google_pubsub_topic_iam_member": "topic",
+    "google_pubsub_subscription_iam_member": "subscription",
+    "google_service_account_iam_member": "service_account_id",
+    "google_artifact_registry_repository_iam_member": "repository",
+    "google_cloud_run_v2_service_iam_member": "name",
+}
+SCOPE_KIND = {
+    "google_storage_bucket": "bucket",
+    "google_pubsub_topic": "topic",
+    "google_pubsub_subscription": "subscription",
+    "google_service_account": "service_account",
+    "google_artifact_registry_repository": "repository",
+    "google_cloudfunctions2_function": "function",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _unquote(value: Any) -> Any:
+    """python-hcl2 >= 7 keeps the quotes of string literals and block labels; drop them."""
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
+        return value[1:-1]
+    return value
+
+
+def _clean(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {_unquote(k): _clean(v) for k, v in node.items() if not str(k).startswith("__")}
+    if isinstance(node, list):
+        return [_clean(v) for v in node]
+    return _unquote(node)
+
+
+def parse_hcl(text: str) -> dict[str, Any]:
+    return _clean(hcl2.loads(text))
+
+
+@dataclass(frozen=True)
+class Block:
+    stage: str
+    kind: str  # resource | data | variable | output
+    type: str  # resource/data type; "" for variables and outputs
+    name: str
+    body: Mapping[str, Any]
+
+    @property
+    def address(self) -> str:
+        return f"{self.stage}:{self.type + '.' if self.type else ''}{self.name}"
+
+
+class Model:
+    """All blocks of all stages, from {stage: {filename: text}}."""
+
+    def __init__(self, sources: Mapping[str, Mapping[str, str]]):
+        self.sources = sources
+        self.blocks: list[Block] = []
+        for stage, files in sources.items():
+            for text in files.values():
+                doc = parse_hcl(text)
+                for kind in ("resource", "data"):
+                    for entry in doc.get(kind, []):
+                        for rtype, named in entry.items():
+                            for name, body in named.items():
+                                self.blocks.append(Block(stage, kind, rtype, name, body))
+                for kind in ("variable", "output"):
+                    for entry in doc.get(kind, []):
+                        for name, body in entry.items():
+                            self.blocks.append(Block(stage, kind, "", name, body))
+
+    @classmethod
+    def from_dir(cls, root: Path) -> Model:
+        return cls(
+            {
+                stage: {p.name: p.read_text() for p in sorted((root / stage).glob("*.tf"))}
+                for stage in STAGES
+                if (root / stage).is_dir()
+            }
+        )
+
+    def with_replacement(self, stage: str, filename: str, old: str, new: str) -> Model:
+        text = self.sources[stage][filename]
+        assert old in text, f"mutation target not found in {stage}/{filename}: {old!r}"
+        sources = {s: dict(f) for s, f in self.sources.items()}
+        sources[stage][filename] = text.replace(old, new, 1)
+        return Model(sources)
+
+    def of(self, kind: str, rtype: str | None = None) -> Iterator[Block]:
+        return (b for b in self.blocks if b.kind == kind and (rtype is None or b.type == rtype))
+
+    def variable_default(self, stage: str, name: str) -> Any:
+        for b in self.of("variable"):
+            if b.stage == stage and b.name == name:
+                return b.body.get("default")
+        raise KeyError(f"{stage}: no variable {name}")
+
+
+def one(block_list: Any) -> Mapping[str, Any]:
+    """A nested block (serialized as a one-element list) or {} when absent."""
+    if isinstance(block_list, list):
+        return block_list[0] if block_list else {}
+    return block_list or {}
+
+
+def resolve(model: Model, stage: str, value: Any) -> Any:
+    """A literal, or the default of the single variable the expression is."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\$\{var\.(\w+)\}", value)
+        if m:
+            return model.variable_default(stage, m.group(1))
+    return value
+
+
+def walk(node: Any) -> Iterator[tuple[str, Any]]:
+    """(key, value) of every attribute at any depth."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield k, v
+            yield from walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from walk(v)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model.from_dir(INFRA)
+
+
+# ---------------------------------------------------------------------------------------------
+# IAM model
+# ---------------------------------------------------------------------------------------------
+
+
+def _member_key(member: str) -> str:
+    m = re.fullmatch(r"serviceAccount:\$\{google_service_account\.(\w+)\.email\}", member)
+    if m:
+        return "sa:" + m.group(1)
+    m = re.fullmatch(r"serviceAccount:\$\{local\.sa\.(\w+)\}", member)
+    if m:
+        return "sa:" + m.group(1)
+    if "pubsub_service_agent" in member or "gcp-sa-pubsub" in member:
+        return "pubsub_service_agent"
+    if "google_storage_project_service_account" in member:
+        return "gcs_service_agent"
+    m = re.search(r"workload_pool.*/\$\{var\.(\w+)\}\]", member)
+    if m:
+        return "ksa:" + m.group(1)
+    if member == "${each.value}":
+        return "each.value"
+    return "literal:" + member
+
+
+def _scope(rtype: str, body: Mapping[str, Any]) -> str:
+    attr = SCOPE_ATTRIBUTE[rtype]
+    if attr is None:
+        return "project"
+    ref = str(body.get(attr, ""))
+    m = re.search(r"(google_\w+)\.(\w+)\.", ref)
+    if not m or m.group(1) not in SCOPE_KIND:
+        return f"unresolved:{ref}"
+    return f"{SCOPE_KIND[m.group(1)]}:{m.group(2)}"
+
+
+def _roles(block: Block) -> list[str]:
+    role = str(block.body.get("role", ""))
+    m = re.fullmatch(r"\$\{google_project_iam_custom_role\.(\w+)\.(name|id)\}", role)
+    if m:
+        return ["custom:" + m.group(1)]
+    if role == "${each.value}":
+        return re.findall(r'"(roles/[^"]+)"', str(block.body.get("for_each", ""))) or [
+            f"unresolved:{block.body.get('for_each')}"
+        ]
+    return [role]
+
+
+@dataclass(frozen=True)
+class Grant:
+    principal: str
+    role: str
+    scope: str
+    address: str
+
+
+def grants(model: Model) -> tuple[list[Grant], list[str]]:
+    out: list[Grant] = []
+    problems: list[str] = []
+    for b in model.of("resource"):
+        if not re.search(r"_iam_(member|binding|policy)$", b.type):
+            continue
+        if b.type not in SCOPE_ATTRIBUTE:
+            problems.append(f"{b.address}: IAM resource type {b.type} is not understood by this test")
+            continue
+        key = _member_key(str(b.body.get("member", "")))
+        if key == "each.value":
+            key = "var." + re.sub(r"^\$\{toset\(var\.(\w+)\)\}$", r"\1", str(b.body.get("for_each", "")))
+        for role in _roles(b):
+            out.append(Grant(key, role, _scope(b.type, b.body), b.address))
+    return out, problems
+
+
+def grants_by_principal(model: Model) -> dict[str, set[tuple[str, str]]]:
+    table: dict[str, set[tuple[str, str]]] = {}
+    for g in grants(model)[0]:
+        table.setdefault(g.principal, set()).add((g.role, g.scope))
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks (each returns a list of problems)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_stage_layout(model: Model) -> list[str]:
+    problems = [f"infra/{s}/ is missing" for s in STAGES if s not in model.sources]
+    for stage, files in model.sources.items():
+        problems += [f"infra/{stage}/{f} is missing" for f in STAGE_FILES if f not in files]
+    return problems
+
+
+def check_variables_typed_and_described(model: Model) -> list[str]:
+    problems = []
+    for b in model.of("variable"):
+        if not b.body.get("type"):
+            problems.append(f"{b.address}: variable has no type")
+        if not str(b.body.get("description", "")).strip():
+            problems.append(f"{b.address}: variable has no description")
+    return problems
+
+
+def check_outputs_described(model: Model) -> list[str]:
+    return [
+        f"{b.address}: output has no description"
+        for b in model.of("output")
+        if not str(b.body.get("description", "")).strip()
+    ]
+
+
+def check_no_primitive_roles(model: Model) -> list[str]:
+    problems = []
+    for b in model.of("resource"):
+        for key, value in walk(b.body):
+            for role in PRIMITIVE_ROLES:
+                if isinstance(value, str) and re.search(re.escape(role) + r"\b", value):
+                    problems.append(f"{b.address}: primitive role {role} in {key}")
+    for stage, files in model.sources.items():
+        for name, text in files.items():
+            for role in PRIMITIVE_ROLES:
+                if f'"{role}"' in text:
+                    problems.append(f"{stage}/{name}: primitive role {role}")
+    return sorted(set(problems))
+
+
+def check_no_public_members(model: Model) -> list[str]:
+    problems = []
+    for b in model.of("resource"):
+        for key, value in walk(b.body):
+            if key in ("member", "members"):
+                for v in value if isinstance(value, list) else [value]:
+                    if any(p in str(v) for p in PUBLIC_MEMBERS):
+                        problems.append(f"{b.address}: public member {v}")
+    for b in model.of("variable"):
+        default = b.body.get("default")
+        if any(p in json.dumps(default) for p in PUBLIC_MEMBERS):
+            problems.append(f"{b.address}: default contains a public member")
+    # run_http's invoker list must reject public members at plan time.
+    invokers = [b for b in model.of("variable") if b.name == "run_http_invokers"]
+    if not invokers:
+        problems.append("app: variable run_http_invokers is missing")
+    for b in invokers:
+        conditions = json.dumps([v.get("condition") for v in b.body.get("validation", [])])
+        if not all(p in conditions for p in PUBLIC_MEMBERS):
+            problems.append(f"{b.address}: validation does not reject allUsers/allAuthenticatedUsers")
+    return problems
+
+
+def check_no_default_compute_sa(model: Model) -> list[str]:
+    problems = []
+    for stage, files in model.sources.items():
+        for name, text in files.items():
+            if re.search(
+                r"-compute@developer\.gserviceaccount\.com|google_compute_default_service_account", text
+            ):
+                problems.append(f"{stage}/{name}: refers to the default compute service account")
+    sa_ref = re.compile(r"\$\{google_service_account\.\w+\.(email|id|name)\}|\$\{local\.sa(_id)?\.\w+\}")
+    for b in model.of("resource", "google_container_cluster"):
+        if not sa_ref.fullmatch(str(one(b.body.get("node_config")).get("service_account", ""))):
+            problems.append(
+                f"{b.address}: node_config (transient default pool) lacks a dedicated service_account"
+            )
+    for b in model.of("resource", "google_container_node_pool"):
+        if not sa_ref.fullmatch(str(one(b.body.get("node_config")).get("service_account", ""))):
+            problems.append(f"{b.address}: node pool lacks a dedicated service_account")
+    for b in model.of("resource", "google_cloudfunctions2_function"):
+        if not sa_ref.fullmatch(str(one(b.body.get("build_config")).get("service_account", ""))):
+            problems.append(f"{b.address}: builds would run as the default (compute) build account")
+    for b in model.of("resource", "google_workflows_workflow"):
+        if not sa_ref.fullmatch(str(b.body.get("service_account", ""))):
+            problems.append(f"{b.address}: workflow lacks a dedicated service_account")
+    return problems
+
+
+def check_functions(model: Model) -> list[str]:
+    problems = []
+    if list(model.of("resource", "google_cloudfunctions_function")):
+        problems.append("gen1 google_cloudfunctions_function present; functions must be gen2")
+    functions = list(model.of("resource", "google_cloudfunctions2_function"))
+    entry_points = {str(one(b.body.get("build_config")).get("entry_point")) for b in functions}
+    if entry_points != ENTRY_POINTS:
+        problems.append(f"function entry points {sorted(entry_points)} != {sorted(ENTRY_POINTS)}")
+    runtime_sas = {}
+    for b in functions:
+        service = one(b.body.get("service_config"))
+        if service.get("ingress_settings") != "ALLOW_INTERNAL_ONLY":
+            problems.append(f"{b.address}: ingress_settings is {service.get('ingress_settings')!r}")
+        m = re.fullmatch(r"\$\{local\.sa\.(\w+)\}", str(service.get("service_account_email", "")))
+        if not m:
+            problems.append(f"{b.address}: no dedicated runtime service account")
+            continue
+        runtime_sas[b.name] = m.group(1)
+        trigger = one(b.body.get("event_trigger"))
+        if trigger and trigger.get("service_account_email") == service.get("service_account_email"):
+            problems.append(f"{b.address}: trigger identity should not be the runtime identity")
+    declared = {b.name for b in model.of("resource", "google_service_account")}
+    for fn, sa in runtime_sas.items():
+        if sa != "functions" or sa not in declared:
+            problems.append(f"{fn}: runs as {sa!r}, expected the dedicated 'functions' account")
+    # Only run.invoker grants on specific functions; never a function-level IAM binding to a
+    # group that could be public, and no project-wide invoker role.
+    for g in grants(model)[0]:
+        if g.role in ("roles/run.invoker", "roles/cloudfunctions.invoker") and not g.scope.startswith(
+            "function:"
+        ):
+            problems.append(f"{g.address}: {g.role} granted on {g.scope}, not on one function")
+    return problems
+
+
+def check_gpu_pool(model: Model) -> list[str]:
+    pools = [
+        b
+        for b in model.of("resource", "google_container_node_pool")
+        if one(b.body.get("queued_provisioning")).get("enabled") is True
+    ]
+    if len(pools) != 1:
+        return [f"expected exactly one queued-provisioning node pool, found {len(pools)}"]
+    b = pools[0]
+    problems = []
+
+    def expect(what: str, actual: Any, wanted: Any) -> None:
+        if actual != wanted:
+            problems.append(f"{b.address}: {what} is {actual!r}, expected {wanted!r}")
+
+    autoscaling = one(b.body.get("autoscaling"))
+    expect("autoscaling.total_min_node_count", autoscaling.get("total_min_node_count"), 0)
+    if "min_node_count" in autoscaling and resolve(model, b.stage, autoscaling["min_node_count"]) != 0:
+        problems.append(f"{b.address}: autoscaling.min_node_count keeps nodes alive")
+    max_nodes = resolve(model, b.stage, autoscaling.get("total_max_node_count"))
+    if not isinstance(max_nodes, int) or max_nodes < 1:
+        problems.append(f"{b.address}: total_max_node_count {max_nodes!r} is not a positive bound")
+    expect("autoscaling.location_policy", autoscaling.get("location_policy"), "ANY")
+    expect("initial_node_count", b.body.get("initial_node_count"), 0)
+    if "node_count" in b.body:
+        problems.append(f"{b.address}: a fixed node_count fights the autoscaler")
+    management = one(b.body.get("management"))
+    expect("management.auto_repair", management.get("auto_repair"), False)
+    expect("management.auto_upgrade", management.get("auto_upgrade"), False)
+    node = one(b.body.get("node_config"))
+    expect(
+        "reservation_affinity.consume_reservation_type",
+        one(node.get("reservation_affinity")).get("consume_reservation_type"),
+        "NO_RESERVATION",
+    )
+    machine = str(resolve(model, b.stage, node.get("machine_type")))
+    if not machine.startswith("a3-"):
+        problems.append(f"{b.address}: machine type {machine!r} is not an A3 machine")
+    if not one(node.get("guest_accelerator")):
+        problems.append(f"{b.address}: no guest_accelerator")
+    taints = node.get("taint") or []
+    if not any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NO_SCHEDULE" for t in taints):
+        problems.append(f"{b.address}: no nvidia.com/gpu NO_SCHEDULE taint")
+    return problems
+
+
+def check_sa_roles(model: Model) -> list[str]:
+    problems = list(grants(model)[1])
+    table = grants_by_principal(model)
+    declared = {b.name for b in model.of("resource", "google_service_account")}
+    if declared != set(EXPECTED_SA_ROLES):
+        problems.append(f"service accounts {sorted(declared)} != expected {sorted(EXPECTED_SA_ROLES)}")
+    for sa, expected in EXPECTED_SA_ROLES.items():
+        actual = table.get("sa:" + sa, set())
+        for extra in sorted(actual - expected):
+            problems.append(f"{sa}: unexpected grant {extra}")
+        for missing in sorted(expected - actual):
+            problems.append(f"{sa}: missing grant {missing}")
+    for principal, actual in sorted(table.items()):
+        if principal.startswith("sa:"):
+            if principal[3:] not in EXPECTED_SA_ROLES:
+                problems.append(f"grant to unknown service account {principal}: {sorted(actual)}")
+            continue
+        expected = EXPECTED_OTHER_GRANTS.get(principal)
+        if expected is None:
+            problems.append(f"grant to unexpected principal {principal}: {sorted(actual)}")
+        elif actual != expected:
+            problems.append(f"{principal}: grants {sorted(actual)} != expected {sorted(expected)}")
+    return problems
+
+
+def check_no_authoritative_iam(model: Model) -> list[str]:
+    return [
+        f"{b.address}: authoritative IAM ({b.type}) can silently drop or hide bindings; use *_iam_member"
+        for b in model.of("resource")
+        if re.search(r"_iam_(binding|policy)$", b.type)
+    ]
+
+
+def check_custom_roles(model: Model) -> list[str]:
+    problems = []
+    roles = {b.name: b for b in model.of("resource", "google_project_iam_custom_role")}
+    if set(roles) != set(EXPECTED_CUSTOM_ROLE_PERMISSIONS):
+        problems.append(f"custom roles {sorted(roles)} != {sorted(EXPECTED_CUSTOM_ROLE_PERMISSIONS)}")
+    for name, b in roles.items():
+        perms = set(b.body.get("permissions", []))
+        if perms != EXPECTED_CUSTOM_ROLE_PERMISSIONS.get(name):
+            problems.append(f"{b.address}: permissions {sorted(perms)}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests on the real tree
+# ---------------------------------------------------------------------------------------------
+
+
+def test_readme_describes_stages() -> None:
+    readme = (INFRA / "README.md").read_text()
+    for stage in STAGES:
+        assert f"infra/{stage}" in readme or f"`{stage}`" in readme, stage
+
+
+def test_stage_layout(model: Model) -> None:
+    assert check_stage_layout(model) == []
+
+
+def test_every_variable_has_type_and_description(model: Model) -> None:
+    assert len(list(model.of("variable"))) > 20
+    assert check_variables_typed_and_described(model) == []
+
+
+def test_every_output_has_description(model: Model) -> None:
+    assert check_outputs_described(model) == []
+
+
+def test_no_primitive_roles(model: Model) -> None:
+    assert check_no_primitive_roles(model) == []
+
+
+def test_no_public_members(model: Model) -> None:
+    assert check_no_public_members(model) == []
+
+
+def test_no_default_compute_service_account(model: Model) -> None:
+    assert check_no_default_compute_sa(model) == []
+
+
+def test_functions_internal_only_with_dedicated_identity(model: Model) -> None:
+    assert check_functions(model) == []
+
+
+def test_gpu_pool_is_dws_and_scales_to_zero(model: Model) -> None:
+    assert check_gpu_pool(model) == []
+
+
+def test_service_account_roles_are_exactly_least_privilege(model: Model) -> None:
+    assert check_sa_roles(model) == []
+
+
+def test_no_authoritative_iam(model: Model) -> None:
+    assert check_no_authoritative_iam(model) == []
+
+
+def test_custom_role_permissions(model: Model) -> None:
+    assert check_custom_roles(model) == []
+
+
+def test_outputs_the_cli_reads(model: Model) -> None:
+    outputs = {(b.stage, b.name) for b in model.of("output")}
+    for wanted in [
+        ("bootstrap", "state_bucket"),
+        ("platform", "cluster_name"),
+        ("platform", "gpu_node_pool"),
+        ("platform", "landing_bucket"),
+        ("platform", "artifacts_bucket"),
+        ("platform", "jobset_topic"),
+        ("platform", "service_accounts"),
+        ("app", "retrain_env"),
+        ("app", "workflow_name"),
+        ("app", "function_uris"),
+        ("app", "dataflow_template_path"),
+    ]:
+        assert wanted in outputs, wanted
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks can fail: broken copies of the real files are caught
+# ---------------------------------------------------------------------------------------------
+
+MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = [
+    (
+        "gpu pool min 1",
+        check_gpu_pool,
+        "platform",
+        "gke.tf",
+        "total_min_node_count = 0",
+        "total_min_node_count = 1",
+    ),
+    (
+        "queued provisioning off",
+        check_gpu_pool,
+        "platform",
+        "gke.tf",
+        "queued_provisioning {\n    enabled = true",
+        "queued_provisioning {\n    enabled = false",
+    ),
+    (
+        "reservation consumed",
+        check_gpu_pool,
+        "platform",
+        "gke.tf",
+        '"NO_RESERVATION"',
+        '"ANY_RESERVATION"',
+    ),
+    (
+        "function ingress all",
+        check_functions,
+        "app",
+        "functions.tf",
+        '"ALLOW_INTERNAL_ONLY"',
+        '"ALLOW_ALL"',
+    ),
+    (
+        "function as default account",
+        check_functions,
+        "app",
+        "functions.tf",
+        "service_account_email          = local.sa.functions",
+        'service_account_email          = "123-compute@developer.gserviceaccount.com"',
+    ),
+    (
+        "public invoker",
+        check_no_public_members,
+        "app",
+        "events.tf",
+        'member   = "serviceAccount:${local.sa.scheduler}"',
+        'member   = "allUsers"',
+    ),
+    (
+        "primitive role",
+        check_no_primitive_roles,
+        "platform",
+        "iam.tf",
+        '"roles/datastore.user"',
+        '"roles/editor"',
+    ),
+    (
+        "widened role",
+        check_sa_roles,
+        "platform",
+        "iam.tf",
+        '"roles/storage.objectCreator"',
+        '"roles/storage.objectAdmin"',
+    ),
+    (
+        "bucket grant moved to project",
+        check_sa_roles,
+        "platform",
+        "iam.tf",
+        'resource "google_storage_bucket_iam_member" "training_artifacts_admin" {\n'
+        "  bucket = google_storage_bucket.artifacts.name",
+        'resource "google_project_iam_member" "training_artifacts_admin" {\n  project = var.project_id',
+    ),
+    (
+        "node pool on default account",
+        check_no_default_compute_sa,
+        "platform",
+        "gke.tf",
+        "    disk_size_gb    = 100\n    service_account = google_service_account.gke_nodes.email\n",
+        "    disk_size_gb    = 100\n",
+    ),
+    (
+        "undescribed variable",
+        check_variables_typed_and_described,
+        "platform",
+        "variables.tf",
+        '  description = "GKE cluster name (RETRAIN_CLUSTER)."\n',
+        "",
+    ),
+    (
+        "untyped variable",
+        check_variables_typed_and_described,
+        "app",
+        "variables.tf",
+        'variable "trainer" {\n  type        = string\n',
+        'variable "trainer" {\n',
+    ),
+    (
+        "run_http invokers unvalidated",
+        check_no_public_members,
+        "app",
+        "variables.tf",
+        '!contains(["allUsers", "allAuthenticatedUsers"], m)',
+        "true",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("label", "check", "stage", "filename", "old", "new"), MUTATIONS, ids=[m[0] for m in MUTATIONS]
+)
+def test_mutation_is_detected(
+    model: Model,
+    label: str,
+    check: Callable[[Model], list[str]],
+    stage: str,
+    filename: str,
+    old: str,
+    new: str,
+) -> None:
+    assert check(model) == [], f"{label}: the unmodified tree must pass"
+    broken = model.with_replacement(stage, filename, old, new)
+    assert check(broken), f"{label}: the check did not notice the change"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tools: terraform fmt and checkov (offline; skipped when not installed)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_terraform_fmt_check() -> None:
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.skip("terraform binary not installed")
+    result = subprocess.run(
+        [terraform, "fmt", "-check", "-recursive", "-diff", str(INFRA)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _checkov_command() -> list[str] | None:
+    explicit = os.environ.get("CHECKOV")
+    if explicit:
+        return [explicit]
+    try:
+        import checkov  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return [sys.executable, "-m", "checkov.main"]
+    found = shutil.which("checkov")
+    return [found] if found else None
+
+
+def test_checkov_has_no_unexplained_failures(tmp_path: Path) -> None:
+    command = _checkov_command()
+    if command is None:
+        pytest.skip("checkov not installed (pip install checkov, or set CHECKOV=/path/to/checkov)")
+    env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
+    result = subprocess.run(
+        [
+            *command,
+            "-d",
+            str(INFRA),
+            "--framework",
+            "terraform",
+            "--compact",
+            "-o",
+            "json",
+            "--skip-download",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        report = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(
+            f"checkov output is not JSON (rc={result.returncode}):\n"
+            f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        )
+    reports = report if isinstance(report, list) else [report]
+    summary = {"passed": 0, "failed": 0, "skipped": 0}
+    failed: list[str] = []
+    skipped: list[dict[str, Any]] = []
+    for r in reports:
+        for k in summary:
+            summary[k] += r["summary"][k]
+        failed += [
+            f"{c['check_id']} {c['resource']} ({c['file_path']})" for c in r["results"]["failed_checks"]
+        ]
+        skipped += r["results"]["skipped_checks"]
+    assert summary["passed"] > 50, summary
+    assert failed == [], "\n".join(failed)
+    # Every suppression carries a reason worth reading.
+    unexplained = [
+        f"{c['check_id']} {c['resource']}"
+        for c in skipped
+        if len(str(c.get("check_result", {}).get("suppress_comment", "")).strip()) < 30
+    ]
+    assert unexplained == [], unexplained

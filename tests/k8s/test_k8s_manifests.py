@@ -1,0 +1,154 @@
+"""k8s/ manifests and rendered objects are accepted by the real API server, unpruned; notifier RBAC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from retrain.k8s.render import render_jobset, render_provisioning_request
+
+pytestmark = pytest.mark.envtest
+
+REPO = Path(__file__).resolve().parents[2]
+CR_PLURALS = {
+    "ResourceFlavor": "resourceflavors",
+    "ProvisioningRequestConfig": "provisioningrequestconfigs",
+    "AdmissionCheck": "admissionchecks",
+    "ClusterQueue": "clusterqueues",
+    "LocalQueue": "localqueues",
+    "JobSet": "jobsets",
+    "ProvisioningRequest": "provisioningrequests",
+}
+
+
+def subset(want: Any, got: Any, path: str = "") -> list[str]:
+    """Where ``want`` is not contained in ``got`` (the server may add defaults, never drop fields)."""
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            return [f"{path}: not an object"]
+        return [
+            e
+            for k, v in want.items()
+            for e in (subset(v, got[k], f"{path}.{k}") if k in got else [f"{path}.{k}: pruned"])
+        ]
+    if isinstance(want, list):
+        if not isinstance(got, list) or len(got) != len(want):
+            return [f"{path}: list differs"]
+        return [
+            e for i, (a, b) in enumerate(zip(want, got, strict=True)) for e in subset(a, b, f"{path}[{i}]")
+        ]
+    return [] if want == got or str(want) == str(got) else [f"{path}: {want!r} != {got!r}"]
+
+
+def create(api: Any, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
+    """Create any object of the manifests through the Python client; return what the server stored."""
+    from kubernetes import client
+
+    obj = dict(obj, metadata=dict(obj["metadata"]))
+    kind = obj["kind"]
+    if kind in CR_PLURALS:
+        group, version = obj["apiVersion"].split("/")
+        objects = client.CustomObjectsApi(api)
+        if "namespace" in obj["metadata"] or kind in ("JobSet", "ProvisioningRequest", "LocalQueue"):
+            obj["metadata"]["namespace"] = namespace
+            return dict(
+                objects.create_namespaced_custom_object(group, version, namespace, CR_PLURALS[kind], obj)
+            )
+        return dict(objects.create_cluster_custom_object(group, version, CR_PLURALS[kind], obj))
+    obj["metadata"]["namespace"] = namespace
+    if kind == "ServiceAccount":
+        out = client.CoreV1Api(api).create_namespaced_service_account(namespace, obj)
+    elif kind == "PodTemplate":
+        out = client.CoreV1Api(api).create_namespaced_pod_template(namespace, obj)
+    elif kind == "Role":
+        out = client.RbacAuthorizationV1Api(api).create_namespaced_role(namespace, obj)
+    elif kind == "RoleBinding":
+        for s in obj.get("subjects", []):
+            s["namespace"] = namespace
+        out = client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(namespace, obj)
+    elif kind == "Deployment":
+        out = client.AppsV1Api(api).create_namespaced_deployment(namespace, obj)
+    else:
+        raise AssertionError(f"unexpected kind {kind}")
+    return dict(api.sanitize_for_serialization(out))
+
+
+def test_kueue_manifests_accepted(api: Any, namespace: str) -> None:
+    for doc in yaml.safe_load_all((REPO / "k8s" / "kueue.yaml").read_text()):
+        stored = create(api, doc, namespace)
+        assert subset(doc["spec"], stored["spec"]) == [], doc["kind"]
+
+
+def test_notifier_manifests_accepted_and_least_privilege(api: Any, namespace: str) -> None:
+    from kubernetes import client
+
+    docs = list(yaml.safe_load_all((REPO / "k8s" / "notifier.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "Deployment"]
+    for doc in docs:
+        stored = create(api, doc, namespace)
+        if doc["kind"] == "Deployment":
+            c = stored["spec"]["template"]["spec"]["containers"][0]
+            assert c["command"] == ["retrain", "notify"]
+            assert stored["spec"]["template"]["spec"]["serviceAccountName"] == "retrain-notifier"
+    authz = client.AuthorizationV1Api(api)
+
+    def allowed(verb: str, resource: str, group: str = "jobset.x-k8s.io", sub: str = "") -> bool:
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": f"system:serviceaccount:{namespace}:retrain-notifier",
+                "groups": [
+                    "system:serviceaccounts",
+                    f"system:serviceaccounts:{namespace}",
+                    "system:authenticated",
+                ],
+                "resourceAttributes": {
+                    "namespace": namespace,
+                    "verb": verb,
+                    "group": group,
+                    "resource": resource,
+                    "subresource": sub,
+                },
+            },
+        }
+        return bool(authz.create_subject_access_review(review).status.allowed)
+
+    for verb in ("get", "list", "watch", "patch"):
+        assert allowed(verb, "jobsets"), verb
+    assert not allowed("delete", "jobsets")
+    assert not allowed("create", "jobsets")
+    assert not allowed("update", "jobsets", sub="status")
+    assert not allowed("list", "secrets", group="")
+    assert not allowed("create", "pods", group="")
+
+
+@pytest.mark.parametrize("tcpx", [False, True])
+def test_rendered_jobset_accepted_unpruned(api: Any, namespace: str, tcpx: bool) -> None:
+    js = render_jobset(
+        f"accept-{int(tcpx)}",
+        nodes=2,
+        image="nvcr.io/nvidia/nemo:24.12",
+        command=None,
+        data_prefix=[1.0, "gs://b/shards/x_text_document"],
+        checkpoint_dir="gs://b/ckpt",
+        resume_from="gs://b/old/last.ckpt",
+        max_steps=10,
+        namespace=namespace,
+        tcpx=tcpx,
+        callback_url="https://cb.example/x",
+    )
+    stored = create(api, js, namespace)
+    assert subset(js["spec"], stored["spec"]) == []
+    assert subset(js["metadata"]["labels"], stored["metadata"]["labels"]) == []
+
+
+def test_rendered_provisioning_request_accepted_unpruned(api: Any, namespace: str) -> None:
+    tmpl, pr = render_provisioning_request("accept-pr", nodes=2, namespace=namespace, max_run_duration_s=3600)
+    stored_tmpl = create(api, tmpl, namespace)
+    assert stored_tmpl["template"]["spec"]["nodeSelector"] == tmpl["template"]["spec"]["nodeSelector"]
+    stored = create(api, pr, namespace)
+    assert subset(pr["spec"], stored["spec"]) == []

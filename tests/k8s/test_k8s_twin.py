@@ -1,0 +1,219 @@
+"""The cluster twin against the real API server: DWS provisioning, JobSet runs, failure policy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retrain.k8s.render import render_jobset, render_provisioning_request
+from retrain.local.cluster_twin import ClusterTwin, Faults
+
+pytestmark = pytest.mark.envtest
+
+PR = ("autoscaling.x-k8s.io", "v1", "provisioningrequests")
+JS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+
+
+def wait_for(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {fn}")
+        time.sleep(every)
+
+
+def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+class Cluster:
+    def __init__(self, api: Any, namespace: str, pool: str) -> None:
+        from kubernetes import client
+
+        self.api, self.ns, self.pool = api, namespace, pool
+        self.core = client.CoreV1Api(api)
+        self.objects = client.CustomObjectsApi(api)
+
+    def create_pr(self, run_id: str, nodes: int) -> str:
+        tmpl, pr = render_provisioning_request(run_id, nodes=nodes, namespace=self.ns, node_pool=self.pool)
+        self.core.create_namespaced_pod_template(self.ns, tmpl)
+        self.objects.create_namespaced_custom_object(*PR[:2], self.ns, PR[2], pr)
+        return str(pr["metadata"]["name"])
+
+    def pr(self, name: str) -> dict[str, Any]:
+        return dict(self.objects.get_namespaced_custom_object(*PR[:2], self.ns, PR[2], name))
+
+    def delete_pr(self, name: str) -> None:
+        self.objects.delete_namespaced_custom_object(*PR[:2], self.ns, PR[2], name)
+
+    def create_jobset(self, run_id: str, nodes: int, code: str, **kw: Any) -> str:
+        js = render_jobset(
+            run_id,
+            nodes=nodes,
+            image="local",
+            command=["python", "-c", code],
+            data_prefix=["/tmp/data/text_document"],
+            checkpoint_dir="/tmp/ckpt",
+            namespace=self.ns,
+            node_pool=self.pool,
+            **kw,
+        )
+        self.objects.create_namespaced_custom_object(*JS[:2], self.ns, JS[2], js)
+        return str(js["metadata"]["name"])
+
+    def jobset(self, name: str) -> dict[str, Any]:
+        return dict(self.objects.get_namespaced_custom_object(*JS[:2], self.ns, JS[2], name))
+
+    def terminal(self, name: str) -> str | None:
+        return (self.jobset(name).get("status") or {}).get("terminalState")
+
+    def pool_nodes(self) -> list[Any]:
+        return list(self.core.list_node(label_selector=f"cloud.google.com/gke-nodepool={self.pool}").items)
+
+
+@pytest.fixture()
+def cluster(api: Any, namespace: str) -> Cluster:
+    return Cluster(api, namespace, f"pool-{namespace}")
+
+
+def make_twin(cluster: Cluster, tmp_path: Path, **kw: Any) -> ClusterTwin:
+    kw.setdefault("provision_delay_s", 0.3)
+    return ClusterTwin(
+        cluster.api,
+        namespace=cluster.ns,
+        node_pool=cluster.pool,
+        workdir=tmp_path / "twin",
+        poll_s=0.1,
+        **kw,
+    )
+
+
+RANK_CODE = (
+    "import os, pathlib; "
+    "pathlib.Path('out.txt').write_text(','.join(os.environ[k] for k in "
+    "('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'NODE_RANK', 'RETRAIN_RUN_ID', 'EXTRA')))"
+)
+
+
+def test_provision_run_and_release(cluster: Cluster, tmp_path: Path) -> None:
+    twin = make_twin(cluster, tmp_path, pod_env={"EXTRA": "x"})
+    with twin:
+        pr = cluster.create_pr("ok-1", nodes=2)
+        got = wait_for(
+            lambda: (
+                conditions(cluster.pr(pr)).get("Provisioned", {}).get("status") == "True" and cluster.pr(pr)
+            )
+        )
+        conds = conditions(got)
+        assert conds["Accepted"]["status"] == "True" and conds["Provisioned"]["reason"]
+        nodes = cluster.pool_nodes()
+        assert len(nodes) == 2 and sorted(n.metadata.name for n in nodes) == twin.node_names()
+        node = nodes[0]
+        assert node.metadata.labels["cloud.google.com/gke-queued"] == "true"
+        assert node.metadata.labels["node.kubernetes.io/instance-type"] == "a3-highgpu-8g"
+        assert node.metadata.labels["cloud.google.com/gke-accelerator"] == "nvidia-h100-80gb"
+        assert node.status.allocatable["nvidia.com/gpu"] == "8"
+        assert [(t.key, t.value, t.effect) for t in node.spec.taints] == [
+            ("nvidia.com/gpu", "present", "NoSchedule")
+        ]
+        assert node.metadata.annotations["retrain.dev/provisioning-request"] == f"{cluster.ns}/{pr}"
+
+        js = cluster.create_jobset("ok-1", 2, RANK_CODE)
+        assert wait_for(lambda: cluster.terminal(js)) == "Completed"
+        obj = cluster.jobset(js)
+        c = conditions(obj)["Completed"]
+        assert (c["status"], c["reason"]) == ("True", "AllJobsCompleted")
+        assert obj["status"]["restarts"] == 0
+        assert obj["status"]["replicatedJobsStatus"] == [
+            {"name": "trainer", "active": 0, "ready": 0, "succeeded": 1, "failed": 0, "suspended": 0}
+        ]
+        outs = sorted(p.read_text() for p in (tmp_path / "twin").rglob("out.txt"))
+        assert outs == ["0,2,127.0.0.1,0,ok-1,x", "1,2,127.0.0.1,1,ok-1,x"]
+        pods = cluster.core.list_namespaced_pod(cluster.ns).items
+        assert len(pods) == 2 and {p.status.phase for p in pods} == {"Succeeded"}
+        assert {p.spec.node_name for p in pods} == set(twin.node_names())
+
+        cluster.delete_pr(pr)
+        wait_for(lambda: not cluster.pool_nodes() and not twin.node_names())
+        assert twin.node_seconds() > 0
+    assert not twin.errors
+
+
+def test_dws_never_provisions(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path, faults=Faults(provisioning="never"), provision_delay_s=0.1):
+        pr = cluster.create_pr("never-1", nodes=1)
+        wait_for(lambda: "Accepted" in conditions(cluster.pr(pr)))
+        time.sleep(1.0)
+        conds = conditions(cluster.pr(pr))
+        assert conds["Provisioned"]["status"] == "False" and "Failed" not in conds
+        assert cluster.pool_nodes() == []
+
+
+def test_dws_fails(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path, faults=Faults(provisioning="fail")) as twin:
+        pr = cluster.create_pr("fail-1", nodes=1)
+        got = wait_for(lambda: "Failed" in conditions(cluster.pr(pr)) and cluster.pr(pr))
+        assert conditions(got)["Failed"]["status"] == "True" and conditions(got)["Failed"]["reason"]
+        assert twin.node_names() == []
+
+
+def test_request_beyond_autoscaling_max_fails(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path) as twin:
+        twin.set_autoscaling(0, 1)
+        pr = cluster.create_pr("big-1", nodes=2)
+        got = wait_for(lambda: "Failed" in conditions(cluster.pr(pr)) and cluster.pr(pr))
+        assert conditions(got)["Failed"]["reason"] == "MaxNodesExceeded"
+        assert twin.node_names() == []
+
+
+def test_crash_once_restarts_then_completes(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path, faults=Faults(crash_pod_once=True)) as twin:
+        cluster.create_pr("crash-1", nodes=1)
+        wait_for(twin.node_names)
+        js = cluster.create_jobset("crash-1", 1, "import time; time.sleep(0.2)")
+        assert wait_for(lambda: cluster.terminal(js)) == "Completed"
+        assert cluster.jobset(js)["status"]["restarts"] == 1
+        pods = cluster.core.list_namespaced_pod(cluster.ns).items
+        assert [p.metadata.labels["jobset.sigs.k8s.io/restart-attempt"] for p in pods] == ["1"]
+    assert not twin.errors
+
+
+def test_max_restarts_exhausted_fails(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path) as twin:
+        cluster.create_pr("bad-1", nodes=1)
+        wait_for(twin.node_names)
+        js = cluster.create_jobset("bad-1", 1, "raise SystemExit(3)", max_restarts=1)
+        assert wait_for(lambda: cluster.terminal(js)) == "Failed"
+        obj = cluster.jobset(js)
+        c = conditions(obj)["Failed"]
+        assert c["reason"] == "ReachedMaxRestarts" and "first failed job" in c["message"]
+        assert obj["status"]["restarts"] == 1
+
+
+def test_preempted_node_is_replaced_and_run_restarts(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path, faults=Faults(preempt_node_after_s=0.3)) as twin:
+        cluster.create_pr("pre-1", nodes=2)
+        wait_for(lambda: len(twin.node_names()) == 2)
+        first = set(twin.node_names())
+        js = cluster.create_jobset("pre-1", 2, "import time; time.sleep(1.0)")
+        assert wait_for(lambda: cluster.terminal(js)) == "Completed"
+        assert cluster.jobset(js)["status"]["restarts"] == 1
+        assert len(twin.node_names()) == 2 and set(twin.node_names()) != first
+
+
+def test_deleting_jobset_kills_and_deletes_pods(cluster: Cluster, tmp_path: Path) -> None:
+    with make_twin(cluster, tmp_path) as twin:
+        cluster.create_pr("del-1", nodes=1)
+        wait_for(twin.node_names)
+        js = cluster.create_jobset("del-1", 1, "import time; time.sleep(60)")
+        wait_for(lambda: cluster.core.list_namespaced_pod(cluster.ns).items)
+        cluster.objects.delete_namespaced_custom_object(*JS[:2], cluster.ns, JS[2], js)
+        wait_for(lambda: not cluster.core.list_namespaced_pod(cluster.ns).items)
+        wait_for(lambda: not any(p.result is None for r in twin._runs.values() for p in r.pods.values()))
