@@ -277,6 +277,7 @@ DELEGATES = {
     "workflows": "retrain.workflows.cli",
     "tokenize": "retrain.tokenize.cli",
     "render": "retrain.k8s.cli",
+    "notify": "retrain.k8s.notifier",
 }
 
 

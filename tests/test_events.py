@@ -8,10 +8,19 @@ import pytest
 
 from retrain.domain.events import GCS_FINALIZED, Rejected, is_retrain_output, parse_gcs_finalized
 
-ATTRS = {"type": GCS_FINALIZED, "id": "1234", "source": "//storage.googleapis.com/projects/_/buckets/land",
-         "time": "2026-11-21T00:00:00Z"}
-DATA = {"bucket": "land", "name": "incoming/a.jsonl", "generation": "1700000000000001", "size": "42",
-        "md5Hash": "XrY7u+Ae7tCTyyK7j1rNww=="}
+ATTRS = {
+    "type": GCS_FINALIZED,
+    "id": "1234",
+    "source": "//storage.googleapis.com/projects/_/buckets/land",
+    "time": "2026-11-21T00:00:00Z",
+}
+DATA = {
+    "bucket": "land",
+    "name": "incoming/a.jsonl",
+    "generation": "1700000000000001",
+    "size": "42",
+    "md5Hash": "XrY7u+Ae7tCTyyK7j1rNww==",
+}
 
 
 def test_valid_event_becomes_an_arrival() -> None:

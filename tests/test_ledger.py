@@ -15,8 +15,15 @@ pytestmark = pytest.mark.emulators
 
 
 def arrival(name: str, event_id: str | None = None, generation: int = 1, md5: str = "") -> ObjectArrival:
-    return ObjectArrival(event_id or f"ev-{name}-{generation}", "land", f"incoming/{name}", generation, 10,
-                         md5 or f"md5-{name}", "2026-11-21T00:00:00Z")
+    return ObjectArrival(
+        event_id or f"ev-{name}-{generation}",
+        "land",
+        f"incoming/{name}",
+        generation,
+        10,
+        md5 or f"md5-{name}",
+        "2026-11-21T00:00:00Z",
+    )
 
 
 @pytest.fixture
@@ -41,7 +48,9 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
     assert sealed.run is not None
     assert sealed.objects == ("gs://land/incoming/a", "gs://land/incoming/b", "gs://land/incoming/c")
     stored = ledger.get_run(sealed.run.run_id)
-    assert stored is not None and stored.objects == 3 and stored.status == "pending" and stored.trigger == "test"
+    assert (
+        stored is not None and stored.objects == 3 and stored.status == "pending" and stored.trigger == "test"
+    )
     assert ledger.seal("ds", "test").reason == "nothing pending"
     # arrivals after the seal open a new batch
     later = ledger.record_arrival(arrival("d"), "ds", "h-d")

@@ -86,7 +86,7 @@ class FirestoreLedger:
             tx.set(object_ref, {"at": now_iso(), "batch": batch_ref.id, "uri": arrival.uri})
             return ArrivalOutcome("new", batch_ref.id)
 
-        return txn(self.db.transaction())  # type: ignore[no-any-return]
+        return txn(self.db.transaction())
 
     def seal(self, dataset: str, trigger: str) -> SealOutcome:
         """Close the dataset's open batch and create its run, unless empty or already trained."""

@@ -276,7 +276,7 @@ class Notifier:
 
 def pubsub_publisher(project: str, topic: str) -> Publish:
     """A publish callable for a Pub/Sub topic that blocks until the message is accepted."""
-    from google.cloud import pubsub_v1
+    from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
     publisher = pubsub_v1.PublisherClient()
     path = publisher.topic_path(project, topic)

@@ -92,6 +92,25 @@ def attach(settings: config.Settings) -> Endpoints:
     return ep
 
 
+def parse_faults(spec: str) -> Any:
+    """``provisioning=fail,crash_pod_once=true`` -> the cluster twin's Faults (fields typed from it)."""
+    from retrain.local.cluster_twin import Faults
+
+    values: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, _, raw = item.partition("=")
+        default = getattr(Faults(), key, KeyError)
+        if default is KeyError:
+            raise ValueError(f"unknown twin fault {key!r} (in {spec!r})")
+        if isinstance(default, bool):
+            values[key] = raw.lower() in ("1", "true", "yes")
+        elif key.endswith("_s"):
+            values[key] = float(raw)
+        else:
+            values[key] = raw
+    return Faults(**values)
+
+
 @dataclass
 class LocalStack:
     settings: config.Settings
@@ -172,12 +191,13 @@ class LocalStack:
             provision_delay_s=s.provision_delay_s,
             workdir=self.state_dir / "pods",
             pod_env=child_env,
+            faults=parse_faults(s.twin_faults),
         )
         twin.start()
         self._closers.append(twin.stop)
         self.twin = twin
 
-        from google.cloud import pubsub_v1
+        from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
         publisher = pubsub_v1.PublisherClient()
         topic = publisher.topic_path(s.project, s.jobset_topic)

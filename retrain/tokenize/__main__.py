@@ -1,0 +1,3 @@
+from retrain.tokenize.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""``retrain tokenize``: raw text -> Megatron .bin/.idx (one prefix, or incremental content-hash shards).
+
+    retrain tokenize INPUT... --output-prefix PREFIX [--vocab-file V --merge-file M | --tokenizer-json T]
+        [--json-keys text ...] [--append-eod | --no-append-eod] [--runner FnApiRunner|DataflowRunner]
+        [--workers N] [--max-document-bytes B] [--keep-empty] [beam pipeline options...]
+    retrain tokenize OBJECT... --shard-root ROOT [--report URI] [same options]
+    retrain tokenize --manifest URI --shard-root ROOT [--report URI]   (the workflow's launch)
+
+Progress goes to stderr, the report JSON to stdout.  Unknown ``--options`` are Beam pipeline options
+(``--project``, ``--region``, ``--temp_location`` ... for Dataflow).  ``--append-eod`` is on unless
+``--no-append-eod`` (Megatron's preprocess_data.py has it off by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from retrain.tokenize import records
+from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="retrain tokenize", description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="paths, globs, folders or gs:// URIs")
+    p.add_argument("--manifest", help='JSON file or gs:// object {"objects": [URI, ...]}: more inputs')
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--output-prefix", help="write PREFIX_{key}_document.bin/.idx, PREFIX_report.json")
+    out.add_argument("--shard-root", help="incremental: one shard per object at ROOT/<sha256>/data")
+    p.add_argument("--report", help="incremental: also write the aggregate report here")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--tokenizer-json")
+    p.add_argument("--eod-id", type=int, help="end-of-document id (default: the tokenizer's eod/eos token)")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--keep-empty", action="store_true", help='write "" texts as empty documents (Megatron)')
+    p.add_argument("--max-document-bytes", type=int, default=records.DEFAULT_MAX_DOCUMENT_BYTES)
+    p.add_argument("--runner", default="FnApiRunner")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--no-wait", action="store_true", help="return once the job is submitted (templates)")
+    return p
+
+
+def read_manifest(uri: str) -> list[str]:
+    """The object list a workflow writes for a run (too long for template parameters at scale)."""
+    from retrain.adapters import objects
+
+    manifest = json.loads(objects.read_bytes(uri))
+    listed = manifest.get("objects") if isinstance(manifest, dict) else None
+    if not isinstance(listed, list) or not all(isinstance(o, str) for o in listed):
+        raise SystemExit(f'retrain tokenize: {uri} is not a manifest ({{"objects": [URI, ...]}})')
+    return listed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tokenize"]:
+        argv = argv[1:]
+    args, beam_args = parser().parse_known_args(argv)
+    bad = [a for a in beam_args if not a.startswith("--")]
+    if bad:
+        parser().error(f"unrecognized arguments: {' '.join(bad)}")
+    if bool(args.vocab_file) != bool(args.merge_file):
+        parser().error("--vocab-file and --merge-file go together")
+    if args.report and not args.shard_root:
+        parser().error("--report goes with --shard-root")
+    if args.manifest:
+        args.inputs += read_manifest(args.manifest)
+    if not args.inputs:
+        parser().error("no inputs: give INPUT... or --manifest")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("apache_beam", "google", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    common: dict[str, Any] = dict(
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_json=args.tokenizer_json,
+        eod_id=args.eod_id,
+        json_keys=tuple(args.json_keys),
+        append_eod=args.append_eod,
+        keep_empty=args.keep_empty,
+        max_document_bytes=args.max_document_bytes,
+        runner=args.runner,
+        workers=args.workers,
+        pipeline_args=beam_args,
+        wait=not args.no_wait,
+    )
+    try:
+        if args.shard_root:
+            report = tokenize_incremental(args.inputs, args.shard_root, report_uri=args.report, **common)
+        else:
+            report = tokenize_to_prefix(args.inputs, args.output_prefix, **common)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"retrain tokenize: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,662 @@
+"""The tokenization pipeline: raw documents -> Megatron indexed datasets, as composable Beam transforms.
+
+    splits | ReadDocuments | TokenizeDocuments --parts--+
+                 |   \\--rejected, stats----------------+--> WriteIndexedDataset --> shard reports
+
+* ReadDocuments streams each split (a byte range of a JSONL object, or a whole text/Parquet object)
+  into batches of documents; bad records go to a ``rejected`` output with their reason.
+* TokenizeDocuments runs the tokenizer's ``encode_batch`` over each batch and writes the batch's token
+  ids to a temporary *part* object, emitting only small metadata (its order key and per-document lengths).
+* WriteIndexedDataset groups the metadata per output shard, orders parts by (input index, offset) and
+  streams them into ``PREFIX_{key}_document.bin``, then writes the ``.idx``, ``PREFIX_quarantine.jsonl``
+  and finally ``PREFIX_report.json`` (the commit marker).  Memory is bounded by a batch plus a
+  shard's index, whatever the runner and the worker count; output bytes do not depend on either.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.pool import ThreadPool
+from pathlib import Path
+from typing import IO, Any, cast
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from retrain import megatron
+from retrain.adapters import objects
+from retrain.tokenize import records
+from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
+from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, gpt2_files
+
+log = logging.getLogger("retrain.tokenize")
+
+ENCODE_BYTES = 1 << 20  # text per encode_batch call: enough documents for every core, bounded memory
+REJECTED = "rejected"
+STATS = "stats"
+
+
+# --------------------------------------------------------------------------------------------------
+# Job description (built by the driver, shipped to workers)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardSpec:
+    """One output: ``prefix``_{key}_document.bin/.idx, ``prefix``_report.json, ``prefix``_quarantine.jsonl."""
+
+    prefix: str
+    inputs: tuple[tuple[int, str, int], ...]  # (input index, uri, size in bytes)
+    extra: tuple[tuple[str, Any], ...] = ()  # added to the shard report (object, sha256)
+
+
+@dataclass(frozen=True)
+class Job:
+    shards: tuple[ShardSpec, ...]
+    json_keys: tuple[str, ...]
+    tokenizer: TokenizerSpec
+    append_eod: bool
+    tmp_root: str
+    run_id: str
+    started_at: float
+    fingerprint: str
+    max_document_bytes: int = records.DEFAULT_MAX_DOCUMENT_BYTES
+    batch_bytes: int = records.DEFAULT_BATCH_BYTES
+    keep_empty: bool = False
+    shard_of_input: dict[int, int] = field(default_factory=dict)
+
+    def shard_of(self, input_index: int) -> int:
+        return self.shard_of_input[input_index]
+
+
+@dataclass
+class Part:
+    """Token ids of one batch, one temporary object per json key, plus per-document token counts."""
+
+    input_index: int
+    first_offset: int
+    uris: list[str]
+    doc_lengths: list[np.ndarray]  # int32 per document (0: a document without tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# Object helpers this pipeline needs beyond retrain.adapters.objects
+# --------------------------------------------------------------------------------------------------
+@contextmanager
+def open_write(uri: str) -> Iterator[IO[bytes]]:
+    """A streaming writer; the object appears only when the block completes."""
+    if objects.is_gcs(uri):
+        bucket, name = objects.split_gs(uri)
+        blob = objects.storage_client().bucket(bucket).blob(name)
+        with blob.open("wb", ignore_flush=True) as gf:
+            yield gf
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        yield f
+    tmp.replace(path)
+
+
+def delete(uri: str) -> None:
+    if objects.is_gcs(uri):
+        bucket, name = objects.split_gs(uri)
+        objects.storage_client().bucket(bucket).blob(name).delete()
+    else:
+        Path(uri).unlink(missing_ok=True)
+
+
+def remove_tree(uri: str) -> None:
+    if objects.is_gcs(uri):
+        for u in list(objects.list_uris(uri.rstrip("/") + "/")):
+            delete(u)
+    else:
+        shutil.rmtree(uri, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Transforms
+# --------------------------------------------------------------------------------------------------
+class _ReadFn(beam.DoFn):
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def process(self, split: Split) -> Iterator[Any]:
+        for item in records.read_split(
+            split,
+            self.job.json_keys,
+            max_document_bytes=self.job.max_document_bytes,
+            batch_bytes=self.job.batch_bytes,
+            keep_empty=self.job.keep_empty,
+        ):
+            if isinstance(item, Batch):
+                yield item
+            elif isinstance(item, Rejected):
+                yield beam.pvalue.TaggedOutput(REJECTED, item)
+            else:
+                yield beam.pvalue.TaggedOutput(STATS, item)
+
+
+class ReadDocuments(beam.PTransform):
+    """PCollection[Split] -> {"docs": Batch, "rejected": Rejected, "stats": SplitStats}."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+
+    def expand(self, splits: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
+        return splits | beam.ParDo(_ReadFn(self.job)).with_outputs(REJECTED, STATS, main="docs")
+
+
+def _chunks(texts: Sequence[str]) -> Iterator[tuple[int, int]]:
+    start, size = 0, 0
+    for i, t in enumerate(texts):
+        size += len(t)
+        if size >= ENCODE_BYTES:
+            yield start, i + 1
+            start, size = i + 1, 0
+    if start < len(texts):
+        yield start, len(texts)
+
+
+def encode_batch(
+    tok: LoadedTokenizer, texts: Sequence[str], append_eod: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(flat token ids, int32 token count per document), EOD after each document that has tokens."""
+    dtype = tok.dtype
+    eod = -1 if tok.eod is None else tok.eod
+    if append_eod and tok.eod is None:
+        raise ValueError("append_eod needs an end-of-document token")
+    flats: list[np.ndarray] = []
+    lens: list[np.ndarray] = []
+    for start, end in _chunks(texts):
+        encs = tok.tokenizer.encode_batch_fast(list(texts[start:end]))
+        ids = [e.ids for e in encs]
+        del encs
+        if append_eod:
+            for seq in ids:
+                if seq:
+                    seq.append(eod)
+        n = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+        flats.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(n.sum())))
+        lens.append(n)
+    if not lens:
+        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int32)
+    return np.concatenate(flats), np.concatenate(lens)
+
+
+class _TokenizeFn(beam.DoFn):
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.documents = beam.metrics.Metrics.counter("tokenize", "documents")
+        self.tokens = beam.metrics.Metrics.counter("tokenize", "tokens")
+
+    def setup(self) -> None:
+        self.tok = self.job.tokenizer.load()
+
+    def process(self, batch: Batch) -> Iterator[tuple[int, tuple[str, Part]]]:
+        shard = self.job.shard_of(batch.input_index)
+        uris, lens = [], []
+        for key, texts in zip(self.job.json_keys, batch.texts, strict=True):
+            flat, n = encode_batch(self.tok, texts, self.job.append_eod)
+            uri = objects.join(
+                self.job.tmp_root,
+                f"{shard:05d}",
+                key,
+                f"{batch.input_index:06d}-{batch.first_offset:016d}.bin",
+            )
+            objects.write_bytes(uri, flat.tobytes())
+            uris.append(uri)
+            lens.append(n)
+            self.tokens.inc(int(flat.size))
+        self.documents.inc(batch.documents)
+        yield shard, ("part", Part(batch.input_index, batch.first_offset, uris, lens))
+
+
+class TokenizeDocuments(beam.PTransform):
+    """PCollection[Batch] -> PCollection[(shard, ("part", Part))]: ids written to temporary parts."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+
+    def expand(self, batches: beam.PCollection) -> beam.PCollection:
+        return batches | beam.ParDo(_TokenizeFn(self.job))
+
+
+class _WriteShardFn(beam.DoFn):
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def setup(self) -> None:
+        self.tok = self.job.tokenizer.load()
+
+    def process(self, element: tuple[int, Iterable[tuple[str, Any]]]) -> Iterator[dict[str, Any]]:
+        shard_index, values = element
+        yield write_shard(self.job, shard_index, values, self.tok)
+
+
+def write_shard(
+    job: Job, shard_index: int, values: Iterable[tuple[str, Any]], tok: LoadedTokenizer
+) -> dict[str, Any]:
+    spec = job.shards[shard_index]
+    report_uri = spec.prefix + "_report.json"
+    parts: list[Part] = []
+    rejected: list[Rejected] = []
+    stats: list[SplitStats] = []
+    for tag, v in values:
+        groups: dict[str, list[Any]] = {"part": parts, "rejected": rejected, "stats": stats}
+        groups[tag].append(v)
+    if objects.exists(report_uri):  # a retried bundle after this run committed the shard
+        done = json.loads(objects.read_bytes(report_uri))
+        if done.get("run_id") == job.run_id:
+            return cast(dict[str, Any], done)
+
+    dtype = tok.dtype
+    itemsize = np.dtype(dtype).itemsize
+    parts.sort(key=lambda p: (p.input_index, p.first_offset))
+    per_key: dict[str, dict[str, int]] = {}
+    outputs: dict[str, str] = {}
+    documents = 0
+    for k, key in enumerate(job.json_keys):
+        prefix = f"{spec.prefix}_{key}_document"
+        with open_write(prefix + ".bin") as out:
+            for p in parts:
+                data = objects.read_bytes(p.uris[k])
+                want = int(p.doc_lengths[k].astype(np.int64).sum()) * itemsize
+                if len(data) != want:
+                    raise RuntimeError(f"part {p.uris[k]} holds {len(data)} bytes, expected {want}")
+                out.write(data)
+        dl = np.concatenate([p.doc_lengths[k] for p in parts]) if parts else np.zeros(0, np.int32)
+        has_tokens = dl > 0
+        doc_index = np.zeros(dl.size + 1, dtype=np.int64)
+        np.cumsum(has_tokens, out=doc_index[1:])
+        idx = megatron.encode_index(dtype, cast(Any, dl[has_tokens]), cast(Any, doc_index))
+        objects.write_bytes(prefix + ".idx", idx)
+        documents = int(dl.size)
+        per_key[key] = {
+            "documents": documents,
+            "sequences": int(has_tokens.sum()),
+            "tokens": int(dl.astype(np.int64).sum()),
+        }
+        outputs[key] = prefix
+
+    uris = {i: u for i, u, _ in spec.inputs}
+    line_base: dict[tuple[int, int], int] = {}
+    for i in sorted({s.input_index for s in stats}):
+        base = 0
+        for s in sorted((s for s in stats if s.input_index == i), key=lambda s: s.start):
+            line_base[(i, s.start)] = base
+            base += s.lines
+    rejected.sort(key=lambda r: (r.input_index, r.offset))
+    reasons: dict[str, int] = {}
+    lines = []
+    for r in rejected:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        line = (
+            None
+            if r.line_in_split is None
+            else line_base.get((r.input_index, r.split_start), 0) + r.line_in_split + 1
+        )
+        lines.append(json.dumps(r.to_json(uris[r.input_index], line)) + "\n")
+    objects.write_bytes(
+        spec.prefix + "_quarantine.jsonl", "".join(lines).encode("utf-8"), "application/jsonl"
+    )
+
+    input_records = sum(s.records for s in stats)
+    if input_records != documents + len(rejected):
+        raise RuntimeError(
+            f"{spec.prefix}: {input_records} records read, {documents} written + {len(rejected)} quarantined"
+        )
+    report: dict[str, Any] = {
+        "documents": documents,
+        "tokens": sum(v["tokens"] for v in per_key.values()),
+        "quarantined": len(rejected),
+        "input_records": input_records,
+        "bytes": sum(size for _, _, size in spec.inputs),
+        "seconds": round(time.time() - job.started_at, 3),
+        "outputs": outputs,
+        "per_key": per_key,
+        "quarantine_reasons": dict(sorted(reasons.items())),
+        "inputs": [u for _, u, _ in spec.inputs],
+        "dtype": np.dtype(dtype).name,
+        "append_eod": job.append_eod,
+        "eod": tok.eod if job.append_eod else None,
+        "tokenizer": job.tokenizer.describe(),
+        "fingerprint": job.fingerprint,
+        "run_id": job.run_id,
+        **dict(spec.extra),
+    }
+    objects.write_bytes(report_uri, json.dumps(report, indent=1).encode("utf-8"), "application/json")
+    for p in parts:
+        for u in p.uris:
+            delete(u)
+    return report
+
+
+class WriteIndexedDataset(beam.PTransform):
+    """{"parts", "rejected", "stats"} -> one Megatron dataset per shard; PCollection[shard report]."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+
+    def expand(self, pcolls: dict[str, beam.PCollection]) -> beam.PCollection:
+        job = self.job
+        rejected = pcolls["rejected"] | "KeyRejected" >> beam.Map(
+            lambda r: (job.shard_of(r.input_index), ("rejected", r))
+        )
+        stats = pcolls["stats"] | "KeyStats" >> beam.Map(
+            lambda s: (job.shard_of(s.input_index), ("stats", s))
+        )
+        return (
+            (pcolls["parts"], rejected, stats)
+            | "Flatten" >> beam.Flatten()
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteShard" >> beam.ParDo(_WriteShardFn(job))
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+def pipeline_options(runner: str, workers: int, pipeline_args: Sequence[str] | None) -> PipelineOptions:
+    args = list(pipeline_args or [])
+    kw: dict[str, Any] = {"runner": runner}
+    if runner in ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner"):
+        kw.update(
+            direct_num_workers=workers, direct_running_mode="multi_threading" if workers > 1 else "in_memory"
+        )
+    elif not any(a.startswith("--max_num_workers") for a in args):
+        kw["max_num_workers"] = workers
+    return PipelineOptions(args, **kw)
+
+
+def build_pipeline(p: beam.Pipeline, job: Job, splits: Sequence[Split]) -> beam.PCollection:
+    docs = p | "Splits" >> beam.Create(list(splits)) | "ReadDocuments" >> ReadDocuments(job)
+    parts = docs.docs | "TokenizeDocuments" >> TokenizeDocuments(job)
+    return {"parts": parts, "rejected": docs[REJECTED], "stats": docs[STATS]} | (
+        "WriteIndexedDataset" >> WriteIndexedDataset(job)
+    )
+
+
+def fingerprint(
+    spec: TokenizerSpec, tok: LoadedTokenizer, json_keys: Sequence[str], append_eod: bool, keep_empty: bool
+) -> str:
+    """What makes shards comparable: tokenizer files' bytes and the options that change output bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    if spec.tokenizer_json:
+        files = [spec.tokenizer_json]
+    elif spec.vocab_file and spec.merge_file:
+        files = [spec.vocab_file, spec.merge_file]
+    else:
+        files = list(gpt2_files())
+    for f in files:
+        h.update(hashlib.sha256(objects.read_bytes(f)).digest())
+    h.update(json.dumps([list(json_keys), append_eod, tok.eod if append_eod else None, keep_empty]).encode())
+    return h.hexdigest()[:16]
+
+
+def _run(
+    job: Job,
+    splits: Sequence[Split],
+    runner: str,
+    workers: int,
+    pipeline_args: Sequence[str] | None,
+    wait: bool,
+    finalize: Any = None,
+) -> None:
+    log.info(
+        "tokenizing %d split(s) of %d input(s) into %d shard(s) with %s, %d worker(s)",
+        len(splits),
+        len(job.shard_of_input),
+        len(job.shards),
+        runner,
+        workers,
+    )
+    p = beam.Pipeline(options=pipeline_options(runner, workers, pipeline_args))
+    reports = build_pipeline(p, job, splits)
+    if finalize is not None:
+        _ = reports | "AllShards" >> beam.combiners.ToList() | "Finalize" >> beam.Map(finalize)
+    result = p.run()
+    if wait:
+        result.wait_until_finish()
+        if not objects.is_gcs(job.tmp_root):
+            remove_tree(job.tmp_root)
+            parent = os.path.dirname(job.tmp_root.rstrip("/"))
+            if os.path.isdir(parent) and not os.listdir(parent):
+                os.rmdir(parent)
+
+
+def _prepare(
+    vocab_file: str | None,
+    merge_file: str | None,
+    tokenizer_json: str | None,
+    eod_id: int | None,
+    append_eod: bool,
+) -> tuple[TokenizerSpec, LoadedTokenizer]:
+    spec = TokenizerSpec(vocab_file, merge_file, tokenizer_json, eod_id)
+    tok = spec.load()  # fail early, in the driver, on bad tokenizer files
+    if append_eod and tok.eod is None:
+        raise ValueError("append_eod: the tokenizer has no end-of-document token; give eod_id")
+    return spec, tok
+
+
+def _sizes(uris: Sequence[str]) -> list[int]:
+    with ThreadPool(min(16, max(1, len(uris)))) as pool:
+        return pool.map(lambda u: objects.stat(u).size, uris)
+
+
+def tokenize_to_prefix(
+    inputs: list[str],
+    output_prefix: str,
+    *,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_json: str | None = None,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = True,
+    runner: str = "FnApiRunner",
+    workers: int = 2,
+    max_document_bytes: int = records.DEFAULT_MAX_DOCUMENT_BYTES,
+    keep_empty: bool = False,
+    eod_id: int | None = None,
+    split_bytes: int = records.DEFAULT_SPLIT_BYTES,
+    batch_bytes: int = records.DEFAULT_BATCH_BYTES,
+    pipeline_args: Sequence[str] | None = None,
+    wait: bool = True,
+) -> dict[str, Any]:
+    """Tokenize every input, in order, into ``output_prefix``_{key}_document.bin/.idx (Megatron's layout).
+
+    Returns the content of ``output_prefix``_report.json.  ``keep_empty`` writes records whose text is
+    "" as empty documents (as Megatron does) instead of quarantining them.  With ``wait=False``
+    (Dataflow templates) it returns once the job is submitted.
+    """
+    started = time.time()
+    spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
+    uris = records.expand_inputs(inputs)
+    sizes = _sizes(uris)
+    run_id = uuid.uuid4().hex[:12]
+    job = Job(
+        shards=(
+            ShardSpec(
+                output_prefix, tuple((i, u, s) for i, (u, s) in enumerate(zip(uris, sizes, strict=True)))
+            ),
+        ),
+        json_keys=tuple(json_keys),
+        tokenizer=spec,
+        append_eod=append_eod,
+        tmp_root=objects.join(output_prefix + "_tmp", run_id),
+        run_id=run_id,
+        started_at=started,
+        fingerprint=fingerprint(spec, tok, json_keys, append_eod, keep_empty),
+        max_document_bytes=max_document_bytes,
+        batch_bytes=batch_bytes,
+        keep_empty=keep_empty,
+        shard_of_input=dict.fromkeys(range(len(uris)), 0),
+    )
+    splits = [
+        s
+        for i, (u, n) in enumerate(zip(uris, sizes, strict=True))
+        for s in records.plan_splits(i, u, n, split_bytes)
+    ]
+    _run(job, splits, runner, workers, pipeline_args, wait)
+    if not wait:
+        return {"submitted": True, "run_id": run_id, "report": output_prefix + "_report.json"}
+    return cast(dict[str, Any], json.loads(objects.read_bytes(output_prefix + "_report.json")))
+
+
+def _shard_entry(
+    uri: str, sha: str, prefix: str, report: dict[str, Any], key: str, reused: bool
+) -> dict[str, Any]:
+    per_key = report.get("per_key", {}).get(key, {})
+    return {
+        "object": uri,
+        "sha256": sha,
+        "data_prefix": f"{prefix}_{key}_document",
+        "documents": int(report["documents"]),
+        "tokens": int(per_key.get("tokens", report["tokens"])),
+        "reused": reused,
+    }
+
+
+def incremental_report(
+    entries: list[dict[str, Any]], reports: dict[str, dict[str, Any]], seconds: float
+) -> dict[str, Any]:
+    """The aggregate: totals over every object's shard (each distinct shard once), the shards, the blend."""
+    totals = dict.fromkeys(("documents", "tokens", "quarantined", "input_records", "bytes"), 0)
+    new = dict(totals)
+    for sha, r in reports.items():
+        for k in totals:
+            totals[k] += int(r[k])
+        if any(e["sha256"] == sha and not e["reused"] for e in entries):
+            for k in new:
+                new[k] += int(r[k])
+    blend: list[Any] = []
+    seen: dict[str, int] = {}
+    for e in entries:
+        if e["tokens"] > 0 and e["data_prefix"] not in seen:
+            seen[e["data_prefix"]] = e["tokens"]
+    total_tokens = sum(seen.values())
+    for prefix, n in seen.items():
+        blend += [n / total_tokens, prefix]
+    return {
+        **totals,
+        "seconds": round(seconds, 3),
+        "new_objects": sum(1 for e in entries if not e["reused"]),
+        "reused_objects": sum(1 for e in entries if e["reused"]),
+        "tokenized": new,
+        "shards": entries,
+        "data_prefix_blend": blend,
+    }
+
+
+def tokenize_incremental(
+    objects_: list[str],
+    shard_root: str,
+    *,
+    report_uri: str | None = None,
+    runner: str = "FnApiRunner",
+    workers: int = 2,
+    append_eod: bool = True,
+    json_keys: Sequence[str] = ("text",),
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_json: str | None = None,
+    eod_id: int | None = None,
+    max_document_bytes: int = records.DEFAULT_MAX_DOCUMENT_BYTES,
+    keep_empty: bool = False,
+    split_bytes: int = records.DEFAULT_SPLIT_BYTES,
+    pipeline_args: Sequence[str] | None = None,
+    wait: bool = True,
+) -> dict[str, Any]:
+    """Tokenize each object once into its own shard ``shard_root/<sha256 of its bytes>/data``.
+
+    Objects whose shard is complete (its data_report.json exists) are reused, not re-read beyond hashing.
+    A shard made with other tokenizer settings is an error (use another shard_root), never reused.
+    """
+    started = time.time()
+    spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
+    fp = fingerprint(spec, tok, json_keys, append_eod, keep_empty)
+    uris = records.expand_inputs(objects_)
+    with ThreadPool(min(8, max(1, len(uris)))) as pool:
+        shas = pool.map(records.sha256_of, uris)
+    sizes = _sizes(uris)
+    key = json_keys[0]
+    reports: dict[str, dict[str, Any]] = {}
+    todo: dict[str, tuple[str, int]] = {}  # sha -> (first object with it, size)
+    plan: list[tuple[str, str, str, bool]] = []  # (uri, sha, prefix, reused)
+    for uri, sha, size in zip(uris, shas, sizes, strict=True):
+        prefix = objects.join(shard_root, sha, "data")
+        if sha in todo or sha in reports:
+            plan.append((uri, sha, prefix, True))
+            continue
+        if objects.exists(prefix + "_report.json"):
+            r = json.loads(objects.read_bytes(prefix + "_report.json"))
+            if r.get("fingerprint") != fp:
+                raise ValueError(
+                    f"{prefix} was tokenized with other settings ({r.get('fingerprint')} != {fp}); "
+                    "use a shard_root per tokenizer"
+                )
+            reports[sha] = r
+            plan.append((uri, sha, prefix, True))
+        else:
+            todo[sha] = (uri, size)
+            plan.append((uri, sha, prefix, False))
+    log.info("%d object(s): %d to tokenize, %d reused", len(uris), len(todo), len(uris) - len(todo))
+
+    def finish(new_reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        all_reports = dict(reports)
+        for r in new_reports:
+            all_reports[r["sha256"]] = r
+        entries = [_shard_entry(u, s, p, all_reports[s], key, reused) for u, s, p, reused in plan]
+        agg = incremental_report(entries, all_reports, time.time() - started)
+        if report_uri:
+            objects.write_bytes(report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json")
+        return agg
+
+    if todo:
+        run_id = uuid.uuid4().hex[:12]
+        shards = tuple(
+            ShardSpec(
+                objects.join(shard_root, sha, "data"), ((i, uri, size),), (("object", uri), ("sha256", sha))
+            )
+            for i, (sha, (uri, size)) in enumerate(todo.items())
+        )
+        job = Job(
+            shards=shards,
+            json_keys=tuple(json_keys),
+            tokenizer=spec,
+            append_eod=append_eod,
+            tmp_root=objects.join(shard_root, "_tmp", run_id),
+            run_id=run_id,
+            started_at=started,
+            fingerprint=fp,
+            max_document_bytes=max_document_bytes,
+            keep_empty=keep_empty,
+            shard_of_input={i: i for i in range(len(shards))},
+        )
+        splits = [
+            s
+            for i, sh in enumerate(shards)
+            for s in records.plan_splits(i, sh.inputs[0][1], sh.inputs[0][2], split_bytes)
+        ]
+        _run(job, splits, runner, workers, pipeline_args, wait, finalize=None if wait else finish)
+        if not wait:
+            return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(todo)}
+        for sha in todo:
+            reports[sha] = json.loads(
+                objects.read_bytes(objects.join(shard_root, sha, "data") + "_report.json")
+            )
+    return finish([])

@@ -1,0 +1,45 @@
+"""The flex template's parameter mapping matches metadata.json and the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from retrain.tokenize.cli import parser
+
+DATAFLOW = Path(__file__).resolve().parents[2] / "dataflow"
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("dataflow_main", DATAFLOW / "main.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_template_parameter_maps_to_the_cli():
+    meta = json.loads((DATAFLOW / "metadata.json").read_text())
+    names = {p["name"] for p in meta["parameters"]}
+    assert names == set(_main().PARAMS) | {"append_eod"}
+
+
+def test_template_args_parse_as_cli_args():
+    argv = _main().to_cli(
+        [
+            "--inputs=gs://b/in/*.jsonl,gs://b/x.txt",
+            "--shard_root=gs://a/shards",
+            "--report=gs://a/r.json",
+            "--append_eod=false",
+            "--json_keys=text,title",
+            "--project=p",
+            "--region=us-central1",
+            "--temp_location=gs://a/tmp",
+        ]
+    )
+    args, beam_args = parser().parse_known_args(argv)
+    assert args.inputs == ["gs://b/in/*.jsonl", "gs://b/x.txt"]
+    assert (args.shard_root, args.report, args.append_eod) == ("gs://a/shards", "gs://a/r.json", False)
+    assert args.json_keys == ["text", "title"] and args.runner == "DataflowRunner" and args.no_wait
+    assert beam_args == ["--project=p", "--region=us-central1", "--temp_location=gs://a/tmp"]

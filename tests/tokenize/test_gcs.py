@@ -1,0 +1,55 @@
+"""gs:// round trip against gcp-storage-emulator: inputs, shards, reports and outputs in a bucket."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import corpus_documents, megatron_bytes
+
+from retrain.adapters import objects
+from retrain.tokenize import tokenize_incremental, tokenize_to_prefix
+
+
+def _docs() -> list[str]:
+    return corpus_documents(max_bytes=30_000)
+
+
+def _jsonl(docs: list[str]) -> bytes:
+    return "".join(json.dumps({"text": t}) + "\n" for t in docs).encode()
+
+
+def test_gs_prefix_with_glob_and_ranged_splits(gcs_emulator, gpt2):
+    docs = _docs()
+    half = len(docs) // 2
+    objects.write_bytes(f"{gcs_emulator}/raw/p1.jsonl", _jsonl(docs[:half]))
+    objects.write_bytes(f"{gcs_emulator}/raw/p2.jsonl", _jsonl(docs[half:]) + b"{broken\n")
+    out = f"{gcs_emulator}/tok/corpus"
+    report = tokenize_to_prefix([f"{gcs_emulator}/raw/*.jsonl"], out, workers=2, split_bytes=6_000)
+    assert report["documents"] == len(docs) and report["quarantined"] == 1
+    want_bin, want_idx = megatron_bytes([gpt2.encode(t).ids for t in docs])
+    assert objects.read_bytes(out + "_text_document.bin") == want_bin
+    assert objects.read_bytes(out + "_text_document.idx") == want_idx
+    q = [json.loads(x) for x in objects.read_bytes(out + "_quarantine.jsonl").decode().splitlines()]
+    assert [(x["input"], x["reason"], x["line"]) for x in q] == [
+        (f"{gcs_emulator}/raw/p2.jsonl", "invalid_json", len(docs) - half + 1)
+    ]
+    assert json.loads(objects.read_bytes(out + "_report.json"))["documents"] == len(docs)
+    assert not [u for u in objects.list_uris(f"{gcs_emulator}/tok/") if "_tmp" in u]
+
+
+def test_gs_incremental_round_trip(gcs_emulator, gpt2):
+    docs = _docs()
+    a, b = f"{gcs_emulator}/landing/a.jsonl", f"{gcs_emulator}/landing/b.txt"
+    objects.write_bytes(a, _jsonl(docs[:5]))
+    objects.write_bytes(b, docs[6].encode())
+    root, rep = f"{gcs_emulator}/shards", f"{gcs_emulator}/reports/run1.json"
+    first = tokenize_incremental([a], root, report_uri=rep)
+    second = tokenize_incremental([a, b], root)
+    assert [s["reused"] for s in second["shards"]] == [True, False]
+    assert json.loads(objects.read_bytes(rep)) == first
+    for shard, texts in zip(second["shards"], [docs[:5], [docs[6]]], strict=True):
+        assert shard["data_prefix"].startswith(f"{root}/{shard['sha256']}/data")
+        want_bin, want_idx = megatron_bytes([gpt2.encode(t).ids for t in texts])
+        assert objects.read_bytes(shard["data_prefix"] + ".bin") == want_bin
+        assert objects.read_bytes(shard["data_prefix"] + ".idx") == want_idx
+    assert second["data_prefix_blend"][1::2] == [s["data_prefix"] for s in second["shards"]]

@@ -1,0 +1,116 @@
+"""Incremental: each object tokenized once into a shard keyed by its sha256; old shards reused untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from conftest import corpus_documents, megatron_bytes, read_pair, write_jsonl
+
+from retrain.tokenize import tokenize_incremental
+from retrain.tokenize.cli import main as cli_main
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inc")
+    docs = corpus_documents(max_bytes=40_000)
+    (d / "in").mkdir()
+    a = write_jsonl(d / "in" / "a.jsonl", docs[: len(docs) // 2])
+    b = d / "in" / "b.txt"
+    b.write_text(docs[-5])
+    dup = d / "in" / "b-copy.txt"
+    dup.write_text(docs[-5])
+    root = d / "shards"
+    first = tokenize_incremental([str(a), str(b)], str(root), report_uri=str(d / "r1.json"))
+    before = _snapshot(root)
+    c = write_jsonl(d / "in" / "c.jsonl", [*docs[len(docs) // 2 :], ""])
+    out = d / "r2.json"
+    rc = cli_main([str(a), str(b), str(c), str(dup), "--shard-root", str(root), "--report", str(out)])
+    assert rc == 0
+    second = json.loads(out.read_text())
+    return d, docs, first, before, second, (a, b, c, dup)
+
+
+def test_first_run_tokenizes_everything(two_runs):
+    d, _, first, _, _, (a, b, _, _) = two_runs
+    assert first["new_objects"] == 2 and first["reused_objects"] == 0
+    assert [s["sha256"] for s in first["shards"]] == [_sha(a), _sha(b)]
+    assert not any(s["reused"] for s in first["shards"])
+    assert json.loads((d / "r1.json").read_text())["shards"] == first["shards"]
+
+
+def test_second_run_only_tokenizes_the_new_object(two_runs):
+    d, _docs, _, before, second, (a, b, c, dup) = two_runs
+    root = d / "shards"
+    assert [s["object"] for s in second["shards"]] == [str(a), str(b), str(c), str(dup)]
+    assert [s["reused"] for s in second["shards"]] == [True, True, False, True]
+    assert second["new_objects"] == 1 and second["reused_objects"] == 3
+    after = _snapshot(root)
+    assert {k: v for k, v in after.items() if k in before} == before, "old shards were rewritten"
+    assert set(after) - set(before) == {
+        f"{_sha(c)}/data_{s}"
+        for s in ("text_document.bin", "text_document.idx", "report.json", "quarantine.jsonl")
+    }
+    assert not (root / "_tmp").exists()
+    # the new shard: its documents, and the "" record quarantined (input = written + quarantined)
+    shard = json.loads((root / _sha(c) / "data_report.json").read_text())
+    assert shard["object"] == str(c) and shard["sha256"] == _sha(c)
+    assert shard["quarantined"] == 1 and shard["input_records"] == shard["documents"] + 1
+    assert second["tokenized"]["documents"] == shard["documents"]
+
+
+def test_blend_weights_proportional_to_tokens(two_runs, gpt2):
+    _d, docs, _, _, second, (_a, _b, _c, _dup) = two_runs
+    shards = second["shards"]
+    assert shards[1]["data_prefix"] == shards[3]["data_prefix"]  # same content, same shard
+    blend = second["data_prefix_blend"]
+    prefixes = blend[1::2]
+    assert prefixes == [s["data_prefix"] for s in shards[:3]]  # each shard once
+    total = sum(s["tokens"] for s in shards[:3])
+    assert blend[0::2] == pytest.approx([s["tokens"] / total for s in shards[:3]])
+    assert second["tokens"] == total
+    # the shard content is what Megatron would write for that object alone
+    want = megatron_bytes([gpt2.encode(docs[-5]).ids])
+    assert read_pair(shards[1]["data_prefix"]) == want
+
+
+def test_rerun_with_nothing_new_runs_no_pipeline(two_runs):
+    d, _, _, _, second, (a, b, c, _dup) = two_runs
+    again = tokenize_incremental([str(a), str(b), str(c)], str(d / "shards"))
+    assert again["new_objects"] == 0 and again["reused_objects"] == 3
+    assert again["data_prefix_blend"] == second["data_prefix_blend"]
+
+
+def test_other_tokenizer_settings_never_reuse_shards(two_runs):
+    d, _, _, _, _, (a, _, _, _) = two_runs
+    with pytest.raises(ValueError, match="other settings"):
+        tokenize_incremental([str(a)], str(d / "shards"), append_eod=False)
+
+
+def test_no_wait_path_writes_the_report_from_inside_the_pipeline(tmp_path, gpt2):
+    """wait=False (Dataflow templates): the job writes the aggregate report (FnApiRunner still blocks)."""
+    src = tmp_path / "x.txt"
+    src.write_text("a small document")
+    rep = tmp_path / "report.json"
+    out = tokenize_incremental([str(src)], str(tmp_path / "s"), report_uri=str(rep), wait=False)
+    assert out["submitted"] is True and out["new_objects"] == 1
+    report = json.loads(rep.read_text())
+    (shard,) = report["shards"]
+    assert shard["sha256"] == _sha(src) and not shard["reused"]
+    assert shard["tokens"] == len(gpt2.encode("a small document").ids) + 1
+    assert report["data_prefix_blend"] == [1.0, shard["data_prefix"]]
