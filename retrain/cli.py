@@ -77,8 +77,12 @@ def format_run(run: Run) -> str:
     return "\n".join(lines)
 
 
-def follow(ledger: Any, run_id: str, timeout_s: float) -> Run:
-    """Print a run's progress until it ends (or the timeout passes)."""
+def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -> Run:
+    """Print a run's progress until it ends (or the timeout passes).
+
+    With ``executions`` (the Workflow Executions API), an execution that died without recording an
+    outcome (a crash, a hard cancel) is noticed and recorded as the run's failure instead of waited on.
+    """
     deadline, seen = time.monotonic() + timeout_s, None
     start = time.monotonic()
     while True:
@@ -91,6 +95,17 @@ def follow(ledger: Any, run_id: str, timeout_s: float) -> Run:
                 seen = state
             if run.status.terminal and run.nodes_at_end is not None:
                 return run
+            if executions is not None and run.execution and not run.status.terminal:
+                execution = executions.get(run.execution)
+                if execution.get("state") in ("FAILED", "CANCELLED"):
+                    time.sleep(2)  # the workflow may still be writing its outcome
+                    run = ledger.get_run(run_id)
+                    if not run.status.terminal:
+                        error = (execution.get("error") or {}).get("payload", execution.get("state"))
+                        ledger.update_run(
+                            run_id, {"status": "failed", "reason": f"workflow execution ended: {error}"}
+                        )
+                        return ledger.get_run(run_id)  # type: ignore[no-any-return]
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} did not finish within {timeout_s:.0f}s")
         time.sleep(1)
@@ -113,7 +128,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not new:
             _say("no run started: this data has trained before")
             return 1
-        run = follow(ledger, new[-1].run_id, args.timeout)
+        from retrain.adapters.workflows import WorkflowsExecutions
+
+        executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+        run = follow(ledger, new[-1].run_id, args.timeout, executions)
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
     return 0 if run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 else 1
 

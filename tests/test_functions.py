@@ -76,7 +76,7 @@ def function_url(
             str(port),
         ],
         function_log,
-        ready_line=r"Serving Flask app|Running on|Listening",
+        ready_line=None,
         env={
             "FIRESTORE_EMULATOR_HOST": firestore_host,
             "RETRAIN_PROJECT": project,

@@ -203,20 +203,27 @@ class KubeEndpoint:
 def gke_request_binding(kube: KubeEndpoint) -> Callable[[Args, Args], Any]:
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {kube.token}"
-    session.verify = kube.ca_file
 
     def request(args: Args, _: Args) -> Any:
         path = str(args["path"])
         if not path.startswith("/") or ".." in path:
             raise WorkflowError({"message": f"invalid path {path!r}", "tags": ["ValueError"]})
         body = args.get("body")
-        resp = session.request(
-            str(args.get("method", "GET")),
-            kube.server + path,
-            params=args.get("query"),
-            json=body if body is not None else None,
-            timeout=float(args.get("timeout", 60)),
-        )
+        try:
+            resp = session.request(
+                str(args.get("method", "GET")),
+                kube.server + path,
+                params=args.get("query"),
+                json=body,
+                timeout=float(args.get("timeout", 60)),
+                verify=kube.ca_file,  # explicit: REQUESTS_CA_BUNDLE would otherwise win over session.verify
+            )
+        except requests.Timeout as e:
+            raise WorkflowError({"message": str(e), "tags": ["TimeoutError"]}) from None
+        except requests.ConnectionError as e:
+            raise WorkflowError(
+                {"message": str(e), "tags": ["ConnectionFailedError", "ConnectionError"]}
+            ) from None
         _raise_for(resp)
         content: Any = resp.json() if resp.content else None
         return {"body": content, "code": resp.status_code, "headers": dict(resp.headers)}

@@ -71,7 +71,8 @@ class ManagedProcess:
     name: str
     argv: list[str]
     log_path: Path
-    ready_line: str
+    ready_line: str | None
+    """A regex its log prints once it serves; None: rely on ``probe_url`` alone."""
     env: dict[str, str] = field(default_factory=dict)
     probe_url: str | None = None
     proc: subprocess.Popen[bytes] | None = None
@@ -88,7 +89,7 @@ class ManagedProcess:
             start_new_session=True,
         )
         log.close()
-        pattern = re.compile(self.ready_line)
+        pattern = re.compile(self.ready_line or "")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = self.log_path.read_text(errors="replace")

@@ -255,7 +255,7 @@ class LocalStack:
                     str(port),
                 ],
                 self.state_dir / f"function-{target}.log",
-                ready_line=r"Serving Flask app|Running on|Listening",
+                ready_line=None,
                 env=fn_env,
                 probe_url=f"http://127.0.0.1:{port}/",
             )

@@ -1,0 +1,95 @@
+"""Helpers of the trainer tests: tiny Megatron datasets, the real CLIs as subprocesses, a GCS emulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrain.megatron import IndexedDatasetWriter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_dataset(
+    prefix: Path, documents: Sequence[Sequence[int]], dtype: type[np.generic] = np.uint16
+) -> Path:
+    """PREFIX.bin/.idx holding one sequence per document."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(prefix) + ".bin", "wb") as f:
+        w = IndexedDatasetWriter(f, dtype)
+        for doc in documents:
+            w.add_document([doc])
+    Path(str(prefix) + ".idx").write_bytes(w.index_bytes())
+    return prefix
+
+
+def pattern_documents(n_docs: int = 20, length: int = 200, period: int = 16) -> list[list[int]]:
+    """Counting 0..period-1 over and over: a pattern a tiny model learns in a few dozen steps."""
+    return [[(i + d) % period for i in range(length)] for d in range(n_docs)]
+
+
+def random_documents(n_docs: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(20, 300))).tolist() for _ in range(n_docs)]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RETRAIN_", "WORLD_SIZE", "RANK", "NODE_RANK", "MASTER_"))
+    }
+    env.pop("LOCAL_WORLD_SIZE", None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_module(
+    module: str, *args: object, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=REPO,
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def gcs_emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An in-memory GCS emulator with bucket "b"; STORAGE_EMULATOR_HOST is set here and for children."""
+    from gcp_storage_emulator.server import create_server
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="b")
+    server.start()
+    host = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)
+    try:
+        yield host
+    finally:
+        stopper = threading.Thread(target=server.stop, daemon=True)
+        stopper.start()
+        stopper.join(10)
