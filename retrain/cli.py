@@ -115,6 +115,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import LocalStack
 
+    # SIGTERM (timeout, CI, kill) unwinds like Ctrl-C, so the stack below is stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     settings = local_settings()
     files = data_files([Path(args.data)])
     if not files:
