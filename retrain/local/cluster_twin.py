@@ -62,6 +62,7 @@ COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 class Faults:
     provisioning: str = "ok"  # "ok" | "fail" | "never"
     crash_pod_once: bool = False
+    crash_pods_always: bool = False  # every attempt's rank 0 dies: the JobSet exhausts maxRestarts
     preempt_node_after_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -732,10 +733,11 @@ class ClusterTwin:
                 pod.forced_failure = f"container {c['name']}: {e}"
                 continue
             pod.procs.append(proc)
-        if self.faults.crash_pod_once and not self._crashed_once and pod.rank == 0 and pod.procs:
+        crash_now = self.faults.crash_pods_always or (self.faults.crash_pod_once and not self._crashed_once)
+        if crash_now and pod.rank == 0 and pod.procs:
             self._crashed_once = True
             self._kill(pod)
-            pod.forced_failure = "container killed (fault injection: crash_pod_once)"
+            pod.forced_failure = "container killed (fault injection)"
         self._pod_status(pod, "Running")
 
     @staticmethod

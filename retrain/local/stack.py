@@ -181,6 +181,7 @@ class LocalStack:
         from retrain.local.cluster_twin import ClusterTwin
 
         api = control_plane.api_client()
+        self.kube_api = api
         child_env = {**config.to_env(s), **ep.env(), **self.pod_env}
         twin = ClusterTwin(
             api,
