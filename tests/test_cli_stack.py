@@ -1,0 +1,69 @@
+"""`retrain up`, `drop`, `runs`, `status`, `down`: the background stack, driven as a person would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from retrain.local import emulators
+from retrain.local.envtest import envtest_unavailable_reason
+
+pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "RETRAIN_STATE_DIR": str(state),
+        "RETRAIN_TRAINER": "datacheck",
+        "RETRAIN_PROVISION_DELAY_S": "0.5",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "retrain.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_background_stack_round_trip(tmp_path: Path) -> None:
+    for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
+        if reason:
+            pytest.skip(reason)
+    state = tmp_path / "state"
+    assert retrain(["drop", str(tmp_path)], state).returncode == 1  # no stack yet: a clear error
+    up = retrain(["up"], state)
+    assert up.returncode == 0, up.stderr
+    try:
+        endpoints = json.loads((state / "stack.json").read_text())
+        data = tmp_path / "notes.jsonl"
+        data.write_text("\n".join(json.dumps({"text": f"note {i}: the river ran on"}) for i in range(20)))
+        dropped = retrain(["drop", str(data), "--dataset", "notes"], state)
+        assert dropped.returncode == 0, dropped.stderr
+        deadline = time.monotonic() + 180
+        while True:
+            runs = json.loads(retrain(["runs", "--json"], state).stdout)
+            if runs and runs[0]["status"] in ("succeeded", "failed") and runs[0]["nodes_at_end"] is not None:
+                break
+            assert time.monotonic() < deadline, runs
+            time.sleep(2)
+        (run,) = runs
+        assert run["status"] == "succeeded" and run["dataset"] == "notes" and run["tokens"] > 0, run
+        shown = retrain(["status", run["run_id"]], state)
+        assert shown.returncode == 0 and "succeeded" in shown.stdout and run["run_id"] in shown.stdout
+        assert retrain(["status", "no-such-run"], state).returncode == 1
+    finally:
+        down = retrain(["down"], state)
+    assert down.returncode == 0, down.stderr
+    assert not (state / "stack.json").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(endpoints["pid"], 0)
