@@ -105,7 +105,7 @@ def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -
                         ledger.update_run(
                             run_id, {"status": "failed", "reason": f"workflow execution ended: {error}"}
                         )
-                        return ledger.get_run(run_id)  # type: ignore[no-any-return]
+                        return ledger.get_run(run_id)
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} did not finish within {timeout_s:.0f}s")
         time.sleep(1)
