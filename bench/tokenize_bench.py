@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-CORPUS = Path(os.environ.get("RETRAIN_CORPUS", "/work/shared/corpus"))
+CORPUS = Path(os.environ.get("RETRAIN_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus"))
 
 
 def make_jsonl(path: Path, repeat: int, doc_bytes: int) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,59 +20,46 @@ SHARED = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared"))
 CORPUS = SHARED / "corpus"
 
 
-def _set_env(key: str, value: str) -> str | None:
-    old = os.environ.get(key)
-    os.environ[key] = value
-    return old
-
-
-def _restore_env(key: str, old: str | None) -> None:
-    if old is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = old
-
-
 @pytest.fixture(scope="session")
 def emulator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("emulators")
 
 
-@pytest.fixture(scope="session")
-def firestore_host(emulator_dir: Path) -> Iterator[str]:
-    """FIRESTORE_EMULATOR_HOST of a real Firestore emulator (set in this process's environment)."""
-    reason = emulators.java_emulators_unavailable_reason()
+def _serve(
+    start: Callable[[Path], tuple[emulators.ManagedProcess, str]], state: Path, env_key: str, needs_java: bool
+) -> Iterator[str]:
+    """Run one emulator for the session, exported to this process through its client variable."""
+    reason = emulators.java_emulators_unavailable_reason() if needs_java else None
     if reason:
         pytest.skip(reason)
-    proc, host = emulators.firestore(emulator_dir)
+    proc, host = start(state)
     proc.start()
-    old = _set_env("FIRESTORE_EMULATOR_HOST", host)
+    old = os.environ.get(env_key)
+    os.environ[env_key] = host
     yield host
-    _restore_env("FIRESTORE_EMULATOR_HOST", old)
+    if old is None:
+        os.environ.pop(env_key, None)
+    else:
+        os.environ[env_key] = old
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def firestore_host(emulator_dir: Path) -> Iterator[str]:
+    """FIRESTORE_EMULATOR_HOST of a real Firestore emulator."""
+    yield from _serve(emulators.firestore, emulator_dir, "FIRESTORE_EMULATOR_HOST", needs_java=True)
 
 
 @pytest.fixture(scope="session")
 def pubsub_host(emulator_dir: Path) -> Iterator[str]:
-    reason = emulators.java_emulators_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    proc, host = emulators.pubsub(emulator_dir)
-    proc.start()
-    old = _set_env("PUBSUB_EMULATOR_HOST", host)
-    yield host
-    _restore_env("PUBSUB_EMULATOR_HOST", old)
-    proc.stop()
+    """PUBSUB_EMULATOR_HOST of a real Pub/Sub emulator."""
+    yield from _serve(emulators.pubsub, emulator_dir, "PUBSUB_EMULATOR_HOST", needs_java=True)
 
 
 @pytest.fixture(scope="session")
 def gcs_host(emulator_dir: Path) -> Iterator[str]:
-    proc, host = emulators.gcs(emulator_dir)
-    proc.start()
-    old = _set_env("STORAGE_EMULATOR_HOST", host)
-    yield host
-    _restore_env("STORAGE_EMULATOR_HOST", old)
-    proc.stop()
+    """STORAGE_EMULATOR_HOST of gcp-storage-emulator."""
+    yield from _serve(emulators.gcs, emulator_dir, "STORAGE_EMULATOR_HOST", needs_java=False)
 
 
 @pytest.fixture

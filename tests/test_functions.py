@@ -4,7 +4,6 @@ and retrain's executions service: CloudEvents in, one workflow execution per sea
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +13,12 @@ import pytest
 import requests
 
 from retrain.adapters.ledger import FirestoreLedger
-from retrain.local import emulators
 from retrain.local.landing import finalized_event
+from retrain.local.stack import function_server
 from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
 
 pytestmark = pytest.mark.emulators
 
-REPO = Path(__file__).resolve().parents[1]
 ECHO = """
 main:
   params: [args]
@@ -51,43 +49,18 @@ def function_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def function_url(
-    function_log: Path,
-    firestore_host: str,
-    executions: ExecutionsServer,
-    project: str,
-    tmp_path_factory: pytest.TempPathFactory,
+    function_log: Path, firestore_host: str, executions: ExecutionsServer, project: str
 ) -> Iterator[str]:
-    port = emulators.free_port()
-    proc = emulators.ManagedProcess(
-        "ingest-function",
-        [
-            sys.executable,
-            "-m",
-            "functions_framework",
-            "--source",
-            str(REPO / "functions" / "main.py"),
-            "--target",
-            "on_object_finalized",
-            "--signature-type",
-            "cloudevent",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        function_log,
-        ready_line=None,
-        env={
-            "FIRESTORE_EMULATOR_HOST": firestore_host,
-            "RETRAIN_PROJECT": project,
-            "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
-            "RETRAIN_LANDING_BUCKET": "land",
-            "RETRAIN_TRAINER": "datacheck",
-        },
-        probe_url=f"http://127.0.0.1:{port}/",
-    )
+    env = {
+        "FIRESTORE_EMULATOR_HOST": firestore_host,
+        "RETRAIN_PROJECT": project,
+        "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
+        "RETRAIN_LANDING_BUCKET": "land",
+        "RETRAIN_TRAINER": "datacheck",
+    }
+    proc, url = function_server("on_object_finalized", function_log, env)
     proc.start()
-    yield f"http://127.0.0.1:{port}"
+    yield url
     proc.stop()
 
 

@@ -92,6 +92,28 @@ def attach(settings: config.Settings) -> Endpoints:
     return ep
 
 
+def function_server(target: str, log_path: Path, env: dict[str, str]) -> tuple[emulators.ManagedProcess, str]:
+    """A function of functions/main.py served by the real functions-framework; returns it and its URL."""
+    port = emulators.free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "functions_framework",
+        "--source",
+        str(FUNCTIONS_SOURCE),
+        "--target",
+        target,
+        "--signature-type",
+        "cloudevent",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    url = f"http://127.0.0.1:{port}"
+    return emulators.ManagedProcess(f"function-{target}", argv, log_path, None, env, probe_url=url + "/"), url
+
+
 def parse_faults(spec: str) -> Any:
     """``provisioning=fail,crash_pod_once=true`` -> the cluster twin's Faults (fields typed from it)."""
     from retrain.local.cluster_twin import Faults
@@ -237,31 +259,9 @@ class LocalStack:
             ("on_object_finalized", "ingest_function"),
             ("on_jobset_event", "relay_function"),
         ):
-            port = emulators.free_port()
-            proc = emulators.ManagedProcess(
-                f"function-{target}",
-                [
-                    sys.executable,
-                    "-m",
-                    "functions_framework",
-                    "--source",
-                    str(FUNCTIONS_SOURCE),
-                    "--target",
-                    target,
-                    "--signature-type",
-                    "cloudevent",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                ],
-                self.state_dir / f"function-{target}.log",
-                ready_line=None,
-                env=fn_env,
-                probe_url=f"http://127.0.0.1:{port}/",
-            )
+            proc, url = function_server(target, self.state_dir / f"function-{target}.log", fn_env)
             self._spawn(proc)
-            setattr(ep, attr, f"http://127.0.0.1:{port}")
+            setattr(ep, attr, url)
 
         subscriber = pubsub_v1.SubscriberClient()
         subscription = subscriber.subscription_path(s.project, s.jobset_topic + "-to-relay")

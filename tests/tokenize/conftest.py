@@ -6,19 +6,14 @@ import json
 import os
 import socket
 import struct
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-try:
-    import retrain  # noqa: F401
-except ImportError:  # plain `pytest` without the package installed
-    sys.path.insert(0, str(ROOT))
 
-CORPUS = Path("/work/shared/corpus")
+CORPUS = Path(os.environ.get("RETRAIN_SHARED", ROOT.parent / "shared")) / "corpus"
 BUCKET = "retrain-test"
 
 
