@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ class Settings:
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
     """Local stack: where emulator data, logs and the stack's endpoints file live."""
-    extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def landing_uri(self) -> str:
@@ -94,8 +93,6 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
     defaults = Settings()
     values: dict[str, object] = {}
     for f in fields(Settings):
-        if f.name == "extra":
-            continue
         key = "RETRAIN_" + f.name.upper()
         if key in env:
             try:
@@ -111,7 +108,5 @@ def to_env(settings: Settings) -> dict[str, str]:
     """The inverse of :func:`load`, for processes the local stack starts."""
     out = {}
     for f in fields(Settings):
-        if f.name == "extra":
-            continue
         out["RETRAIN_" + f.name.upper()] = str(getattr(settings, f.name))
     return out

@@ -85,9 +85,8 @@ class Ingest:
         state = message.get("state")
         if state not in ("Completed", "Failed"):
             raise Rejected(f"JobSet event has unknown state {state!r}")
-        payload = {
-            k: message.get(k) for k in ("run_id", "jobset", "state", "reason", "message", "finished_at")
-        }
+        keys = ("run_id", "jobset", "state", "reason", "message", "restarts", "start_time", "finish_time")
+        payload = {k: message.get(k) for k in keys}
         try:
             status = self.orchestrator.send_callback(url, payload)
         except ValueError as e:

@@ -84,7 +84,6 @@ class Run:
     created_at: str = field(default_factory=now_iso)
     updated_at: str = field(default_factory=now_iso)
     finished_at: str | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -22,6 +22,7 @@ from urllib.parse import unquote
 
 import requests
 import yaml
+from google.api_core.exceptions import NotFound
 
 from retrain.adapters import objects
 from retrain.workflows import ConnectorRegistry, WorkflowError, http_error
@@ -96,12 +97,8 @@ def storage_get(args: Args, _: Args) -> Any:
             except ValueError:
                 return data.decode("utf-8", "replace")
         info = objects.stat(uri)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotFound):
         raise WorkflowError(http_error(404, f"No such object: {uri}")) from None
-    except Exception as e:  # the client raises google.api_core NotFound
-        if type(e).__name__ == "NotFound":
-            raise WorkflowError(http_error(404, f"No such object: {uri}")) from None
-        raise
     return {
         "bucket": args["bucket"],
         "name": unquote(str(args["object"])),
