@@ -111,6 +111,32 @@ def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -
         time.sleep(1)
 
 
+def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str) -> str:
+    """Ask a run to stop through its callback channel: its workflow then releases every GPU itself."""
+    run = ledger.get_run(run_id)
+    if run is None:
+        raise RuntimeError(f"no run {run_id}")
+    if run.status.terminal:
+        raise RuntimeError(f"run {run_id} already ended: {run.status}")
+    if not run.callback_url:
+        raise RuntimeError(f"run {run_id} has not started its workflow yet; try again in a moment")
+    code = executions.send_callback(run.callback_url, {"state": "Cancelled", "reason": reason})
+    if code >= 300:
+        raise RuntimeError(f"the run's workflow did not take the cancel (HTTP {code})")
+    return f"cancel requested for {run_id}; the run releases its capacity and ends as cancelled"
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from retrain.adapters.workflows import WorkflowsExecutions
+    from retrain.local.stack import attach
+
+    settings = config.load()
+    attach(settings)
+    executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+    _say(request_cancel(_ledger(settings), executions, args.run_id, args.reason))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import LocalStack
@@ -283,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_id")
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
+
+    c = sub.add_parser("cancel", help="stop a run; its GPUs are released and it ends as cancelled")
+    c.add_argument("run_id")
+    c.add_argument("--reason", default="cancelled by request")
+    c.set_defaults(fn=cmd_cancel)
 
     for name, helptext in (
         ("workflows", "run workflow files in retrain's Workflows interpreter"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from kubernetes import client
 from retrain import config
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
-from retrain.cli import follow
+from retrain.cli import follow, request_cancel
 from retrain.domain.runs import Run
 from retrain.local import emulators
 from retrain.local.cluster_twin import Faults
@@ -34,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     settings = dataclasses.replace(
         config.load({}),
         trainer="datacheck",
-        provision_timeout_s=6,
+        provision_timeout_s=8,
         provision_delay_s=0.5,
         state_dir=str(tmp_path_factory.mktemp("stack")),
     )
@@ -87,7 +88,7 @@ def test_dws_failure(stack: LocalStack, tmp_path: Path) -> None:
 def test_dws_never_provisions(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults(provisioning="never"))
     assert_released(stack, run)
-    assert run.reason == "DWS did not provision 1 node(s) within 6 s"
+    assert run.reason == "DWS did not provision 1 node(s) within 8 s"
 
 
 def test_training_fails_after_its_restarts(stack: LocalStack, tmp_path: Path) -> None:
@@ -100,3 +101,24 @@ def test_training_fails_after_its_restarts(stack: LocalStack, tmp_path: Path) ->
 def test_success_on_the_same_stack(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults())
     assert run.status == "succeeded" and run.nodes_at_end == 0 and run.reason is None
+
+
+def test_cancel_while_waiting_for_capacity(stack: LocalStack, tmp_path: Path) -> None:
+    stack.twin.faults = Faults(provisioning="never")
+    s = stack.settings
+    ledger = FirestoreLedger(s.project)
+    executions = WorkflowsExecutions(s.project, s.region, s.workflow)
+    data = tmp_path / "cancel.jsonl"
+    data.write_text(json.dumps({"text": f"a run to cancel {uuid.uuid4()}"}) + "\n")
+    drop(s, stack.endpoints.ingest_function, [data], dataset="cancelme")
+    (run,) = [r for r in ledger.list_runs() if r.dataset == "cancelme"]
+    deadline = time.monotonic() + 60
+    while (current := ledger.get_run(run.run_id)) is None or current.status != "provisioning":
+        assert time.monotonic() < deadline, current
+        time.sleep(0.2)
+    request_cancel(ledger, executions, run.run_id, "operator said stop")
+    ended = follow(ledger, run.run_id, 120, executions)
+    assert ended.status == "cancelled" and ended.reason == "cancelled: operator said stop"
+    assert ended.nodes_at_end == 0 and stack.twin.node_names() == []
+    with pytest.raises(RuntimeError, match="already ended"):
+        request_cancel(ledger, executions, run.run_id, "again")

@@ -81,6 +81,7 @@ class Run:
     checkpoint: str | None = None
     reason: str | None = None
     execution: str | None = None
+    callback_url: str | None = None
     created_at: str = field(default_factory=now_iso)
     updated_at: str = field(default_factory=now_iso)
     finished_at: str | None = None
