@@ -509,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_threads(args.threads, dist)
     try:
         train(args, dist)
+        if dist.active:
+            # Rank 0 writes the checkpoint while the others are done: without this, a peer tearing down
+            # its gloo pairs first can abort rank 0 ("terminate called without an active exception").
+            torch.distributed.barrier()
     except DataError as exc:
         print(f"gpt: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_DATA
