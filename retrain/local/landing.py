@@ -20,7 +20,7 @@ from retrain.config import Settings
 from retrain.domain.events import GCS_FINALIZED, GCS_SOURCE_PREFIX
 from retrain.domain.runs import now_iso
 
-DATA_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")
+DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
 
 
 def finalized_event(resource: dict[str, Any]) -> tuple[dict[str, str], bytes]:
