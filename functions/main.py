@@ -11,7 +11,9 @@ import binascii
 import json
 import logging
 from functools import cache
+from typing import Any
 
+import flask
 import functions_framework
 from cloudevents.http import CloudEvent
 
@@ -43,20 +45,55 @@ def on_object_finalized(event: CloudEvent) -> None:
     log.info("event %s: %s %s", event.get("id"), outcome.action, outcome.detail)
 
 
+def pubsub_json(event: CloudEvent) -> dict[str, Any]:
+    """The JSON object a Pub/Sub CloudEvent carries; Rejected when it carries anything else."""
+    try:
+        data = event.get_data() or {}
+        message = json.loads(base64.b64decode(data["message"]["data"], validate=True) or b"{}")
+    except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        raise Rejected(f"malformed Pub/Sub message ({e})") from None
+    if not isinstance(message, dict):
+        raise Rejected("message is not a JSON object")
+    return message
+
+
 @functions_framework.cloud_event
 def on_jobset_event(event: CloudEvent) -> None:
     """Pub/Sub (jobset-events): a JobSet reached a terminal state; wake its workflow execution."""
     try:
-        data = event.get_data() or {}
-        raw = base64.b64decode(data["message"]["data"], validate=True)
-        message = json.loads(raw)
-        if not isinstance(message, dict):
-            raise Rejected("message is not a JSON object")
-        outcome = ingest().on_jobset_event(message)
-    except (KeyError, TypeError, ValueError, binascii.Error) as e:
-        log.warning("rejected JobSet message %s: malformed (%s)", event.get("id"), e)
-        return
+        outcome = ingest().on_jobset_event(pubsub_json(event))
     except Rejected as e:
         log.warning("rejected JobSet message %s: %s", event.get("id"), e.reason)
         return
     log.info("JobSet message %s: %s %s", event.get("id"), outcome.action, outcome.detail)
+
+
+@functions_framework.cloud_event
+def on_scheduler_tick(event: CloudEvent) -> None:
+    """Pub/Sub (scheduler-ticks): {"action": "seal"} seals what is pending, {"action": "sweep"} sweeps."""
+    try:
+        outcomes = ingest().on_scheduler_tick(pubsub_json(event))
+    except Rejected as e:
+        log.warning("rejected scheduler tick %s: %s", event.get("id"), e.reason)
+        return
+    log.info(
+        "tick %s: %s", event.get("id"), [f"{o.action} {o.run_id or o.detail}" for o in outcomes] or "nothing"
+    )
+
+
+@functions_framework.http
+def run_http(request: flask.Request) -> flask.typing.ResponseReturnValue:
+    """Manual trigger (`retrain run`): POST {"dataset": D} seals D's pending data now.
+
+    Authentication is the platform's: the function is internal-only and needs run.invoker.
+    """
+    if request.method != "POST":
+        return {"error": 'POST a JSON object {"dataset": NAME}'}, 405
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        return {"error": "body must be a JSON object"}, 400
+    try:
+        outcomes = ingest().on_scheduler_tick({"action": "seal", "dataset": body.get("dataset")})
+    except Rejected as e:
+        return {"error": e.reason}, 400
+    return {"outcomes": [o.__dict__ for o in outcomes]}, 200

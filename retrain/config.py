@@ -30,6 +30,12 @@ class Settings:
     """Dataset name used when an event does not name one."""
     seal_marker: str = "_SUCCESS"
     """An object with this base name seals the open batch of its dataset."""
+    quiet_period_s: float = 300.0
+    """The sweeper seals a batch that has had no arrival for this long."""
+    max_batch_age_s: float = 21600.0
+    """The sweeper seals a batch this old even while data keeps arriving."""
+    stuck_after_s: float = 120.0
+    """The sweeper finishes seals and starts runs that a crash left half done for this long."""
     workflow: str = "retrain"
     """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
     jobset_topic: str = "jobset-events"

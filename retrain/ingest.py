@@ -11,22 +11,29 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from retrain.config import Settings
 from retrain.domain.events import Rejected, is_retrain_output, parse_gcs_finalized
 from retrain.domain.plan import workflow_argument
-from retrain.ports import Ledger, Orchestrator
+from retrain.domain.runs import BatchState, Run, RunStatus
+from retrain.ports import Ledger, Orchestrator, SealOutcome
 
 log = logging.getLogger("retrain.ingest")
 
 _DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
+def _iso(t: datetime) -> str:
+    """The ledger's timestamp format (sortable as text), see retrain.domain.runs.now_iso."""
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What handling one event did, for logs and tests: action is one of
-    recorded, duplicate, ignored, sealed, nothing-to-seal, already-trained, relayed."""
+    """What handling one event did, for logs and tests: action is one of recorded, duplicate, ignored,
+    started, queued, nothing-to-seal, already-trained, recorded-failure, relayed."""
 
     action: str
     detail: str = ""
@@ -66,16 +73,72 @@ class Ingest:
         return Outcome("recorded", f"{arrival.uri} -> batch {result.batch_id}")
 
     def seal(self, dataset: str, trigger: str) -> Outcome:
-        """Seal the dataset's open batch and start its run."""
-        sealed = self.ledger.seal(dataset, trigger)
+        """Seal the dataset's open batch and start its run (or queue it behind the dataset's live run)."""
+        return self._started(self.ledger.seal(dataset, trigger))
+
+    def _started(self, sealed: SealOutcome) -> Outcome:
         if sealed.run is None:
             action = "nothing-to-seal" if sealed.reason == "nothing pending" else "already-trained"
             return Outcome(action, sealed.reason)
-        run = sealed.run
-        execution = self.orchestrator.start(workflow_argument(self.settings, run, sealed.objects))
+        if sealed.run.execution:
+            return Outcome("started", sealed.run.execution, sealed.run.run_id)
+        return self.start(sealed.run, sealed.objects)
+
+    def start(self, run: Run, objects: tuple[str, ...] | None = None) -> Outcome:
+        """Start a run's workflow if its dataset has no live run; otherwise it waits, queued, as pending."""
+        if not self.ledger.claim_start(run):
+            log.info("run %s queued behind the live run of dataset %s", run.run_id, run.dataset)
+            return Outcome("queued", f"dataset {run.dataset} has a live run", run.run_id)
+        objects = objects or self.ledger.batch_objects(run.batch_id)
+        execution = self.orchestrator.start(workflow_argument(self.settings, run, objects))
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
-        return Outcome("sealed", execution, run.run_id)
+        return Outcome("started", execution, run.run_id)
+
+    def on_scheduler_tick(self, message: Mapping[str, Any]) -> list[Outcome]:
+        """Cloud Scheduler: ``{"action": "seal"}`` seals whatever is pending (all datasets, or
+        ``dataset``); ``{"action": "sweep"}`` runs the sweeper."""
+        action = message.get("action", "seal")
+        if action == "sweep":
+            return self.sweep()
+        if action != "seal":
+            raise Rejected(f"unknown scheduler action {action!r}")
+        only = message.get("dataset")
+        if only is not None and (not isinstance(only, str) or not _DATASET_RE.match(only)):
+            raise Rejected("dataset must be a valid dataset name")
+        datasets = sorted({b["dataset"] for b in self.ledger.batches_in(BatchState.OPEN)})
+        return [self.seal(d, "scheduler") for d in datasets if only in (None, d)]
+
+    def sweep(self, now: datetime | None = None) -> list[Outcome]:
+        """What a timer must do, in order: seal quiet or old batches, finish seals and starts a crash
+        cut short, record executions that died without an outcome, and start queued runs."""
+        now = now or datetime.now(UTC)
+        s = self.settings
+        stuck_before, quiet_before, old_before = (
+            _iso(now - timedelta(seconds=x)) for x in (s.stuck_after_s, s.quiet_period_s, s.max_batch_age_s)
+        )
+        outcomes: list[Outcome] = []
+        for batch in self.ledger.batches_in(BatchState.OPEN):
+            if batch.get("last_arrival_at", "") < quiet_before:
+                outcomes.append(self.seal(batch["dataset"], "quiet-period"))
+            elif batch.get("created_at", "") < old_before:
+                outcomes.append(self.seal(batch["dataset"], "max-age"))
+        for batch in self.ledger.batches_in(BatchState.SEALED):
+            if batch.get("sealed_at", "") < stuck_before:
+                outcomes.append(self._started(self.ledger.materialize(batch["batch_id"])))
+        live = (RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING, RunStatus.PENDING)
+        for run in self.ledger.runs_in(*live):
+            if run.execution:
+                state = self.orchestrator.get(run.execution).get("state")
+                if state in ("SUCCEEDED", "FAILED", "CANCELLED"):  # ended without recording its outcome
+                    reason = f"workflow execution ended {state} without recording an outcome"
+                    self.ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
+                    outcomes.append(Outcome("recorded-failure", reason, run.run_id))
+        for run in self.ledger.runs_in(RunStatus.PENDING):
+            # queued behind a finished run, or orphaned by a crash; the newest are still being started
+            if not run.execution and run.created_at < stuck_before:
+                outcomes.append(self.start(run))
+        return outcomes
 
     def on_jobset_event(self, message: Mapping[str, Any]) -> Outcome:
         """Relay a JobSet terminal state (published by the notifier) to the run's workflow callback."""

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from google.cloud import firestore
+from google.cloud.firestore_v1.base_query import FieldFilter
 
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import BatchState, Run, new_run_id, now_iso, snapshot_id
+from retrain.domain.runs import BatchState, Run, RunStatus, new_run_id, now_iso, snapshot_id
 from retrain.ports import ArrivalOutcome, SealOutcome
 
 
@@ -108,7 +109,13 @@ class FirestoreLedger:
         batch_id = close(self.db.transaction())
         if batch_id is None:
             return SealOutcome(None, "nothing pending")
+        return self.materialize(batch_id)
+
+    def materialize(self, batch_id: str) -> SealOutcome:
+        """Turn a sealed batch into its run; idempotent, so a sweeper can finish a seal a crash cut short."""
         batch_ref = self.db.collection("batches").document(batch_id)
+        batch = batch_ref.get().to_dict() or {}
+        dataset, trigger = str(batch.get("dataset")), str(batch.get("trigger", "sweeper"))
         objects = [d.to_dict() for d in batch_ref.collection("objects").stream()]
         uris = tuple(sorted(o["uri"] for o in objects))
         snap_id = snapshot_id(o["content_hash"] for o in objects)
@@ -124,20 +131,58 @@ class FirestoreLedger:
         run_ref = self.db.collection("runs").document(run.run_id)
 
         @firestore.transactional
-        def claim(tx: firestore.Transaction) -> str | None:
+        def claim(tx: firestore.Transaction) -> tuple[str, str | None]:
+            state = batch_ref.get(transaction=tx).to_dict() or {}
+            if state.get("state") != str(BatchState.SEALED):  # done already, by us or a sweeper
+                return "done", state.get("run_id") or state.get("same_as")
             existing = snapshot_ref.get(transaction=tx)
             if existing.exists:
                 tx.update(batch_ref, {"state": str(BatchState.DUPLICATE), "same_as": existing.get("run_id")})
-                return str(existing.get("run_id"))
+                return "duplicate", str(existing.get("run_id"))
             tx.set(snapshot_ref, {"run_id": run.run_id, "at": now_iso()})
             tx.set(run_ref, run.to_dict())
             tx.update(batch_ref, {"state": str(BatchState.STARTED), "run_id": run.run_id})
-            return None
+            return "new", run.run_id
 
-        same_as = claim(self.db.transaction())
-        if same_as is not None:
-            return SealOutcome(None, f"snapshot {snap_id[:12]} already trained by run {same_as}", uris)
+        outcome, run_id = claim(self.db.transaction())
+        if outcome == "duplicate":
+            return SealOutcome(None, f"snapshot {snap_id[:12]} already trained by run {run_id}", uris)
+        if outcome == "done":
+            existing_run = self.get_run(str(run_id)) if run_id else None
+            return SealOutcome(existing_run, "already sealed", uris)
         return SealOutcome(run, "sealed", uris)
+
+    def batch_objects(self, batch_id: str) -> tuple[str, ...]:
+        objects = self.db.collection("batches").document(batch_id).collection("objects").stream()
+        return tuple(sorted(str((d.to_dict() or {})["uri"]) for d in objects))
+
+    def batches_in(self, state: BatchState) -> list[dict[str, Any]]:
+        """Batches in one state, each with its ``batch_id`` (few at a time: open or stuck ones)."""
+        docs = self.db.collection("batches").where(filter=FieldFilter("state", "==", str(state))).stream()
+        return [{**(d.to_dict() or {}), "batch_id": d.id} for d in docs]
+
+    def claim_start(self, run: Run) -> bool:
+        """One run at a time per dataset: take the dataset's slot for ``run`` unless a live run holds it."""
+        dataset_ref = self.db.collection("datasets").document(run.dataset)
+
+        @firestore.transactional
+        def take(tx: firestore.Transaction) -> bool:
+            active = (dataset_ref.get(transaction=tx).to_dict() or {}).get("active_run")
+            if active and active != run.run_id:
+                holder = self.db.collection("runs").document(active).get(transaction=tx).to_dict()
+                if holder and not RunStatus(holder.get("status", "pending")).terminal:
+                    return False
+            tx.set(dataset_ref, {"active_run": run.run_id, "active_since": now_iso()}, merge=True)
+            return True
+
+        return bool(take(self.db.transaction()))
+
+    def runs_in(self, *statuses: RunStatus) -> list[Run]:
+        """Runs in the given states, oldest first."""
+        query = self.db.collection("runs").where(
+            filter=FieldFilter("status", "in", [str(s) for s in statuses])
+        )
+        return sorted((Run.from_dict(d.to_dict() or {}) for d in query.stream()), key=lambda r: r.created_at)
 
     # --- runs ---
 
