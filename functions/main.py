@@ -93,7 +93,7 @@ def run_http(request: flask.Request) -> flask.typing.ResponseReturnValue:
     if not isinstance(body, dict):
         return {"error": "body must be a JSON object"}, 400
     try:
-        outcomes = ingest().on_scheduler_tick({"action": "seal", "dataset": body.get("dataset")})
+        outcomes = ingest().seal_pending(body.get("dataset"), "manual")
     except Rejected as e:
         return {"error": e.reason}, 400
     return {"outcomes": [o.__dict__ for o in outcomes]}, 200

@@ -137,6 +137,23 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Seal pending data now, as the manual HTTP entrypoint does (the same Ingest code path)."""
+    from retrain.adapters.workflows import WorkflowsExecutions
+    from retrain.ingest import Ingest
+    from retrain.local.stack import attach
+
+    settings = config.load()
+    attach(settings)
+    executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+    outcomes = Ingest(settings, _ledger(settings), executions).seal_pending(args.dataset, "manual")
+    if not outcomes:
+        _say("nothing pending: no run started")
+    for o in outcomes:
+        _say(f"{o.action}: {o.run_id or ''} {o.detail}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import LocalStack
@@ -279,9 +296,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Subcommands that belong to one component: (module whose main(argv) runs it, help).
+DELEGATES = {
+    "workflows": ("retrain.workflows.cli", "run workflow files in retrain's Workflows interpreter"),
+    "tokenize": ("retrain.tokenize.cli", "tokenize text into Megatron .bin/.idx datasets"),
+    "render": ("retrain.k8s.cli", "render Kubernetes manifests (render jobset ...)"),
+    "notify": ("retrain.k8s.notifier", "publish JobSet terminal states to Pub/Sub (runs in the cluster)"),
+    "reap": (
+        "retrain.k8s.reaper",
+        "delete JobSets and capacity requests of no live run; report GPU nodes up",
+    ),
+    "deploy": ("retrain.deploy", "plan and apply the Terraform stages (bootstrap, platform, app)"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retrain", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="start the local stack, drop data, follow the run to the end")
     d.add_argument("--data", default=str(DEFAULT_CORPUS), help="folder of .txt/.jsonl/.parquet files")
@@ -292,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("up", help="start the local stack in the background").set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the background local stack").set_defaults(fn=cmd_down)
-    sub.add_parser("_serve", help=argparse.SUPPRESS).set_defaults(fn=cmd_serve)
+    sub.add_parser("_serve").set_defaults(fn=cmd_serve)  # the body of `up`; no help: not listed
 
     dr = sub.add_parser("drop", help="upload files to the landing bucket (local stack) and seal")
     dr.add_argument("files", nargs="+")
@@ -310,26 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
 
+    rn = sub.add_parser("run", help="seal pending data now and start its run (manual trigger)")
+    rn.add_argument("--dataset", default=None, help="only this dataset (default: every dataset with data)")
+    rn.set_defaults(fn=cmd_run)
+
     c = sub.add_parser("cancel", help="stop a run; its GPUs are released and it ends as cancelled")
     c.add_argument("run_id")
     c.add_argument("--reason", default="cancelled by request")
     c.set_defaults(fn=cmd_cancel)
 
-    for name, helptext in (
-        ("workflows", "run workflow files in retrain's Workflows interpreter"),
-        ("tokenize", "tokenize text into Megatron .bin/.idx datasets"),
-        ("render", "render Kubernetes manifests (render jobset ...)"),
-    ):
+    for name, (_, helptext) in DELEGATES.items():
         sub.add_parser(name, help=helptext, add_help=False)
     return p
-
-
-DELEGATES = {
-    "workflows": "retrain.workflows.cli",
-    "tokenize": "retrain.tokenize.cli",
-    "render": "retrain.k8s.cli",
-    "notify": "retrain.k8s.notifier",
-}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATES:
         import importlib
 
-        return int(importlib.import_module(DELEGATES[argv[0]]).main(argv[1:]))
+        return int(importlib.import_module(DELEGATES[argv[0]][0]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

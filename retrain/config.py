@@ -38,6 +38,10 @@ class Settings:
     """The sweeper finishes seals and starts runs that a crash left half done for this long."""
     workflow: str = "retrain"
     """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
+    scheduler_topic: str = "scheduler-ticks"
+    """Pub/Sub topic Cloud Scheduler publishes seal and sweep ticks to."""
+    sweep_interval_s: float = 60.0
+    """How often the sweeper runs (the Cloud Scheduler job's period)."""
     jobset_topic: str = "jobset-events"
     """Pub/Sub topic the notifier publishes JobSet terminal states to."""
     cluster: str = "retrain"

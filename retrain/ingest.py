@@ -103,11 +103,14 @@ class Ingest:
             return self.sweep()
         if action != "seal":
             raise Rejected(f"unknown scheduler action {action!r}")
-        only = message.get("dataset")
-        if only is not None and (not isinstance(only, str) or not _DATASET_RE.match(only)):
+        return self.seal_pending(message.get("dataset"), "scheduler")
+
+    def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
+        """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""
+        if dataset is not None and (not isinstance(dataset, str) or not _DATASET_RE.match(dataset)):
             raise Rejected("dataset must be a valid dataset name")
         datasets = sorted({b["dataset"] for b in self.ledger.batches_in(BatchState.OPEN)})
-        return [self.seal(d, "scheduler") for d in datasets if only in (None, d)]
+        return [self.seal(d, trigger) for d in datasets if dataset in (None, d)]
 
     def sweep(self, now: datetime | None = None) -> list[Outcome]:
         """What a timer must do, in order: seal quiet or old batches, finish seals and starts a crash

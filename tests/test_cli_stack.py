@@ -35,6 +35,18 @@ def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def wait_for_run(state: Path, dataset: str) -> dict[str, object]:
+    deadline = time.monotonic() + 180
+    while True:
+        runs = [r for r in json.loads(retrain(["runs", "--json"], state).stdout) if r["dataset"] == dataset]
+        if runs and runs[0]["status"] in ("succeeded", "failed") and runs[0]["nodes_at_end"] is not None:
+            (run,) = runs
+            assert run["status"] == "succeeded", run
+            return run  # type: ignore[no-any-return]
+        assert time.monotonic() < deadline, runs
+        time.sleep(1)
+
+
 def test_background_stack_round_trip(tmp_path: Path) -> None:
     for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
         if reason:
@@ -49,18 +61,19 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         data.write_text("\n".join(json.dumps({"text": f"note {i}: the river ran on"}) for i in range(20)))
         dropped = retrain(["drop", str(data), "--dataset", "notes"], state)
         assert dropped.returncode == 0, dropped.stderr
-        deadline = time.monotonic() + 180
-        while True:
-            runs = json.loads(retrain(["runs", "--json"], state).stdout)
-            if runs and runs[0]["status"] in ("succeeded", "failed") and runs[0]["nodes_at_end"] is not None:
-                break
-            assert time.monotonic() < deadline, runs
-            time.sleep(2)
-        (run,) = runs
-        assert run["status"] == "succeeded" and run["dataset"] == "notes" and run["tokens"] > 0, run
+        run = wait_for_run(state, "notes")
+        assert run["status"] == "succeeded" and run["trigger"] == "gcs-marker" and run["tokens"] > 0, run
         shown = retrain(["status", run["run_id"]], state)
         assert shown.returncode == 0 and "succeeded" in shown.stdout and run["run_id"] in shown.stdout
         assert retrain(["status", "no-such-run"], state).returncode == 1
+
+        # manual trigger: data dropped without the marker, sealed by `retrain run`
+        data.write_text(json.dumps({"text": "a manual batch"}) + "\n")
+        assert retrain(["drop", str(data), "--dataset", "manual", "--no-seal"], state).returncode == 0
+        started = retrain(["run", "--dataset", "manual"], state)
+        assert started.returncode == 0 and "started" in started.stderr, started.stderr
+        assert wait_for_run(state, "manual")["trigger"] == "manual"
+
     finally:
         down = retrain(["down"], state)
     assert down.returncode == 0, down.stderr

@@ -1,4 +1,6 @@
-# The five Cloud Functions (gen2), built from functions/ by the dedicated builder account.
+# The five Cloud Functions (gen2), built by the dedicated builder account from build/functions/
+# (functions/main.py, its requirements.txt and the retrain package it imports, assembled by
+# `retrain deploy` before this stage; see var.functions_source_dir).
 # Every function: internal ingress only, its runtime identity is the functions account, and no
 # allUsers/allAuthenticatedUsers binding exists anywhere (tests/infra enforces all three).
 
@@ -7,6 +9,16 @@ data "archive_file" "functions" {
   source_dir  = "${local.repo_root}/${var.functions_source_dir}"
   output_path = "${path.module}/.build/functions.zip"
   excludes    = ["__pycache__", ".pytest_cache", ".mypy_cache"]
+
+  lifecycle {
+    precondition {
+      condition = alltrue([
+        for f in ["main.py", "requirements.txt", "retrain/__init__.py"] :
+        fileexists("${local.repo_root}/${var.functions_source_dir}/${f}")
+      ])
+      error_message = "The function source (main.py, requirements.txt, the retrain package) is not assembled in functions_source_dir: run `retrain deploy`, which builds it before this stage."
+    }
+  }
 }
 
 resource "google_storage_bucket_object" "functions_source" {

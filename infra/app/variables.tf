@@ -50,8 +50,8 @@ variable "labels" {
 
 variable "functions_source_dir" {
   type        = string
-  description = "Directory of the Cloud Functions source (main.py + requirements.txt), relative to the repository root."
-  default     = "functions"
+  description = "Directory zipped as the Cloud Functions source, relative to the repository root: functions/main.py, functions/requirements.txt and a copy of the retrain package they import, as assembled by `retrain deploy` (retrain.deploy.build_functions_source)."
+  default     = "build/functions"
 }
 
 variable "workflow_source" {

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class Endpoints:
     workflows: str = ""
     ingest_function: str = ""
     relay_function: str = ""
+    scheduler_function: str = ""
     kubeconfig: str = ""
     pid: int = 0
 
@@ -258,22 +260,39 @@ class LocalStack:
         for target, attr in (
             ("on_object_finalized", "ingest_function"),
             ("on_jobset_event", "relay_function"),
+            ("on_scheduler_tick", "scheduler_function"),
         ):
             proc, url = function_server(target, self.state_dir / f"function-{target}.log", fn_env)
             self._spawn(proc)
             setattr(ep, attr, url)
 
         subscriber = pubsub_v1.SubscriberClient()
-        subscription = subscriber.subscription_path(s.project, s.jobset_topic + "-to-relay")
+        ticks = publisher.topic_path(s.project, s.scheduler_topic)
         with contextlib.suppress(Exception):
-            subscriber.create_subscription(
-                request={
-                    "name": subscription,
-                    "topic": topic,
-                    "push_config": {"push_endpoint": f"{ep.relay_function}/{topic}"},
-                    "ack_deadline_seconds": 60,
-                }
-            )
+            publisher.create_topic(name=ticks)
+        for source, function_url in ((topic, ep.relay_function), (ticks, ep.scheduler_function)):
+            with contextlib.suppress(Exception):  # already there: a restarted stack
+                subscriber.create_subscription(
+                    request={
+                        "name": source.replace("/topics/", "/subscriptions/") + "-push",
+                        "topic": source,
+                        "push_config": {"push_endpoint": f"{function_url}/{source}"},
+                        "ack_deadline_seconds": 60,
+                    }
+                )
+
+        # Cloud Scheduler's twin: the sweeper's periodic tick, published like the Scheduler job does.
+        stop_ticks = threading.Event()
+
+        def tick() -> None:
+            while not stop_ticks.wait(s.sweep_interval_s):
+                try:
+                    publisher.publish(ticks, json.dumps({"action": "sweep"}).encode()).result(timeout=30)
+                except Exception as e:  # a missed tick is harmless; the next one sweeps
+                    log.warning("scheduler tick not published: %s", e)
+
+        threading.Thread(target=tick, name="scheduler-twin", daemon=True).start()
+        self._closers.append(stop_ticks.set)
         ep.save(stack_file(s))
         self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
         self.progress("local stack is up")

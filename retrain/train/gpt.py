@@ -2,13 +2,20 @@
 
     python -m retrain.train.gpt --data-prefix [W] PREFIX ... --checkpoint-dir URI [--max-steps 60]
         [--seq-len 128] [--batch-size 8] [--d-model 128] [--layers 2] [--heads 4] [--lr 3e-4]
-        [--seed 1234] [--log-every 10] [--vocab-size V] [--resume-from URI] [--save-every N]
+        [--seed 1234] [--log-every 10] [--vocab-size V] [--resume-from URI] [--save-every 20]
 
 Samples windows of seq_len + 1 tokens across the blend by its weights, trains with AdamW (gradient
 clipping 1.0) and writes to the checkpoint dir (a local folder or gs://): ``model.pt`` (model,
-optimizer, step, config), ``loss.jsonl`` (a line every log step) and ``metrics.json``.  When the
-checkpoint dir already holds model.pt (a restarted pod), or ``--resume-from`` names a model.pt (or a
-folder holding one), training continues from its step for ``--max-steps`` more steps.
+optimizer, step, config), ``loss.jsonl`` (a line every log step) and ``metrics.json``.
+
+``--max-steps`` is the total step to reach (like Lightning's ``trainer.max_steps``), not a count for
+this invocation: when the checkpoint dir already holds model.pt (a pod restarted after a preemption),
+or ``--resume-from`` names a model.pt (or a folder holding one), training continues from its step up
+to ``--max-steps``; a checkpoint already there exits 0 at once.  model.pt is saved every
+``--save-every`` steps and at the end, atomically (a temporary file renamed over it, or one upload),
+so a pod killed at any moment leaves the last complete checkpoint and its restart loses at most
+``--save-every`` steps.  Batches depend only on (seed, step, rank), so a resumed run ends with the
+weights an uninterrupted one would have.
 
 Under torchrun (WORLD_SIZE > 1) it joins a gloo process group from MASTER_ADDR/MASTER_PORT/RANK and
 trains with DistributedDataParallel; only rank 0 writes.  Without flags, the JobSet's environment
@@ -23,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -47,6 +55,7 @@ from retrain.adapters import objects
 from retrain.train.data import DataError, WindowSampler, env_blend, load_blend, vocab_size_for, write_json
 
 DEFAULTS = {"seq_len": 128, "d_model": 128, "layers": 2, "heads": 4}
+DEFAULT_SAVE_EVERY = 20
 EXIT_DATA = 2
 
 
@@ -199,6 +208,16 @@ def resolve_checkpoint(uri: str) -> str:
     return uri if uri.endswith(".pt") else model_uri(uri)
 
 
+def discard_partial_saves(uri: str) -> None:
+    """Remove the temporary files of saves a kill cut short (never model.pt itself)."""
+    if objects.is_gcs(uri):
+        return
+    path = Path(uri)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
 def load_checkpoint(uri: str) -> dict[str, Any]:
     if objects.is_gcs(uri):
         with tempfile.TemporaryDirectory(prefix="retrain-ckpt-") as tmp:
@@ -209,7 +228,9 @@ def load_checkpoint(uri: str) -> dict[str, Any]:
 
 
 def save_checkpoint(uri: str, state: dict[str, Any]) -> None:
-    """Write model.pt atomically (a local temp file renamed, or one upload)."""
+    """Write model.pt atomically: a reader (or a restarted pod) sees the previous file or the new one,
+    never a torn one.  Locally a uniquely named temporary file in the same folder is written, synced
+    and renamed over ``uri``; on gs:// the object is replaced by one upload (GCS writes are atomic)."""
     if objects.is_gcs(uri):
         with tempfile.TemporaryDirectory(prefix="retrain-ckpt-") as tmp:
             local = os.path.join(tmp, "model.pt")
@@ -218,9 +239,23 @@ def save_checkpoint(uri: str, state: dict[str, Any]) -> None:
         return
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp_path)
-    tmp_path.replace(path)
+    tmp_path = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp_path, "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp_path.unlink()
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 class LossLog:
@@ -320,7 +355,7 @@ def parser() -> argparse.ArgumentParser:
         "--max-steps",
         type=int,
         default=_env_int("RETRAIN_MAX_STEPS", 60),
-        help="steps to train in this run (added to a resumed checkpoint's step)",
+        help="the total step to reach: a resumed checkpoint trains only the remaining steps",
     )
     p.add_argument("--seq-len", type=int, help=f"default {DEFAULTS['seq_len']} (or the checkpoint's)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step per process")
@@ -334,7 +369,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: at the end)")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=_env_int("RETRAIN_SAVE_EVERY", DEFAULT_SAVE_EVERY),
+        help=f"checkpoint every N steps as well as at the end (default {DEFAULT_SAVE_EVERY}; "
+        "0: only at the end)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: <= 2, shared by local ranks)")
     return p
 
@@ -369,6 +410,41 @@ def model_config(args: argparse.Namespace, ckpt: dict[str, Any] | None, max_toke
     return cfg
 
 
+def already_done(
+    args: argparse.Namespace, dist: Dist, ckpt: dict[str, Any], ckpt_uri: str, t0: float, say: Any
+) -> dict[str, Any] | None:
+    """The checkpoint dir's model.pt has reached ``--max-steps`` (a pod restarted after its last save):
+    nothing to train.  metrics.json is left alone when it describes that step, else written anew."""
+    step = int(ckpt["step"])
+    say(f"{ckpt_uri} is at step {step} >= --max-steps {args.max_steps}: nothing to train")
+    if not dist.main:
+        return None
+    metrics_uri = objects.join(args.checkpoint_dir, "metrics.json")
+    if objects.exists(metrics_uri):
+        with contextlib.suppress(ValueError):
+            old = json.loads(objects.read_bytes(metrics_uri))
+            if isinstance(old, dict) and old.get("steps") == step:
+                return old
+    metrics = {
+        "trainer": "gpt",
+        "steps": step,
+        "start_step": step,
+        "run_steps": 0,
+        "final_loss": None,
+        "initial_loss": None,
+        "tokens_seen": int(ckpt.get("tokens_seen", 0)),
+        "seconds": round(time.time() - t0, 3),
+        "train_seconds": 0.0,
+        "parameters": sum(v.numel() for v in ckpt["model"].values()),
+        "config": dict(ckpt["config"]),
+        "world_size": dist.world,
+        "resumed_from": ckpt_uri,
+        "checkpoint": ckpt_uri,
+    }
+    write_json(metrics_uri, metrics)
+    return metrics
+
+
 def train(args: argparse.Namespace, dist: Dist) -> dict[str, Any] | None:
     say = (lambda msg: print(msg, flush=True)) if dist.main else (lambda msg: None)
     t0 = time.time()
@@ -380,7 +456,11 @@ def train(args: argparse.Namespace, dist: Dist) -> dict[str, Any] | None:
         resume_uri = resolve_checkpoint(args.resume_from)
         if not objects.exists(resume_uri):
             raise DataError(f"--resume-from {resume_uri} does not exist")
+    if dist.main:
+        discard_partial_saves(ckpt_uri)
     ckpt = load_checkpoint(resume_uri) if resume_uri else None
+    if ckpt is not None and resume_uri == ckpt_uri and int(ckpt["step"]) >= args.max_steps:
+        return already_done(args, dist, ckpt, ckpt_uri, t0, say)
 
     blend = load_blend(args.data_prefix)
     cfg = model_config(args, ckpt, blend.max_token_id())
@@ -405,7 +485,7 @@ def train(args: argparse.Namespace, dist: Dist) -> dict[str, Any] | None:
     if dist.active:
         net = torch.nn.parallel.DistributedDataParallel(model)
 
-    final_step = start_step + args.max_steps
+    final_step = max(start_step, args.max_steps)
     log = LossLog(args.checkpoint_dir, start_step) if dist.main else None
     params = parameter_count(model)
     say(
@@ -479,7 +559,7 @@ def train(args: argparse.Namespace, dist: Dist) -> dict[str, Any] | None:
         "trainer": "gpt",
         "steps": final_step,
         "start_step": start_step,
-        "run_steps": args.max_steps,
+        "run_steps": final_step - start_step,
         "final_loss": final_loss,
         "initial_loss": initial_loss,
         "tokens_seen": tokens_seen,

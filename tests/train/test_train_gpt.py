@@ -74,25 +74,42 @@ def test_loss_decreases_and_outputs_are_written(straight_run: tuple[Path, str]) 
     assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizer", "step", "config"}
 
 
-def test_resume_adds_steps_and_matches_an_uninterrupted_run(
+def test_max_steps_is_the_total_and_resume_matches_an_uninterrupted_run(
     pattern: Path, straight_run: tuple[Path, str], tmp_path: Path
 ) -> None:
     out = tmp_path / "ckpt"
     run_gpt("--data-prefix", pattern, "--checkpoint-dir", out, "--max-steps", 25, *PATTERN_ARGS)
-    r = run_gpt("--data-prefix", pattern, "--checkpoint-dir", out, "--max-steps", 15, *PATTERN_ARGS)
-    assert "resuming from" in r.stdout and "step 40/40" in r.stdout
+    assert load(out / "model.pt")["step"] == 25
+    # The restarted pod runs the same command with the run's target: only steps 26..40 are trained.
+    r = run_gpt("--data-prefix", pattern, "--checkpoint-dir", out, "--max-steps", 40, *PATTERN_ARGS)
+    assert "resuming from" in r.stdout and "at step 25" in r.stdout and "steps 25->40" in r.stdout
+    assert "step 26/40" in r.stdout and "step 40/40" in r.stdout
     m = json.loads((out / "metrics.json").read_text())
-    assert (m["steps"], m["start_step"], m["tokens_seen"]) == (40, 25, 40 * 8 * 32)
+    assert (m["steps"], m["start_step"], m["run_steps"], m["tokens_seen"]) == (40, 25, 15, 40 * 8 * 32)
     assert [x["step"] for x in read_jsonl(out / "loss.jsonl")] == [1, 10, 20, 25, 26, 30, 40]
-    # Batches depend only on (seed, step) and the optimizer state is restored: 25 + 15 == 40 straight.
+    # Batches depend only on (seed, step) and the optimizer state is restored: 25 then 40 == 40 straight.
     resumed, straight = load(out / "model.pt")["model"], load(straight_run[0] / "model.pt")["model"]
+    assert load(out / "model.pt")["step"] == 40
     for k, v in straight.items():
         torch.testing.assert_close(resumed[k], v, rtol=1e-4, atol=1e-5)
 
-    # --resume-from another run's checkpoint (what the next retraining run does) into a fresh dir.
+    # Already at the target (a pod restarted after its final save): exits 0 at once, changes nothing.
+    before = {n: (out / n).read_bytes() for n in ("model.pt", "loss.jsonl", "metrics.json")}
+    r = run_gpt("--data-prefix", pattern, "--checkpoint-dir", out, "--max-steps", 40, *PATTERN_ARGS)
+    assert "nothing to train" in r.stdout and "step 41" not in r.stdout
+    assert {n: (out / n).read_bytes() for n in before} == before
+    # ... and writes metrics.json when the kill came between the final save and metrics.json.
+    (out / "metrics.json").unlink()
+    run_gpt("--data-prefix", pattern, "--checkpoint-dir", out, "--max-steps", 30, *PATTERN_ARGS)
+    m = json.loads((out / "metrics.json").read_text())
+    assert (m["steps"], m["start_step"], m["run_steps"], m["tokens_seen"]) == (40, 40, 0, 40 * 8 * 32)
+    assert (out / "model.pt").read_bytes() == before["model.pt"]
+
+    # --resume-from another run's checkpoint (what the next retraining run does) into a fresh dir:
+    # the step carries over, as Lightning's global step does, so the target is past it.
     nxt = tmp_path / "next"
     r = run_gpt(
-        "--data-prefix", pattern, "--checkpoint-dir", nxt, "--max-steps", 5, "--resume-from", out, *SMALL
+        "--data-prefix", pattern, "--checkpoint-dir", nxt, "--max-steps", 45, "--resume-from", out, *SMALL
     )
     m = json.loads((nxt / "metrics.json").read_text())
     assert (m["steps"], m["start_step"], m["resumed_from"]) == (45, 40, str(out / "model.pt"))
@@ -243,8 +260,33 @@ def test_gcs_data_and_checkpoint_dir(pattern: Path, gcs_emulator: str) -> None:
     run_gpt(*argv[3:], *SMALL, "--log-every", "2", env=env)
     for name in ("model.pt", "loss.jsonl", "metrics.json"):
         assert objects.exists(f"gs://b/runs/r1/ckpt/{name}"), name
-    run_gpt(*argv[3:-1], "3", *SMALL, "--log-every", "2", env=env)  # same dir: resumes at step 4
+    run_gpt(*argv[3:-1], "7", *SMALL, "--log-every", "2", env=env)  # same dir: resumes at step 4
     m = json.loads(objects.read_bytes("gs://b/runs/r1/ckpt/metrics.json"))
     assert (m["steps"], m["start_step"], m["checkpoint"]) == (7, 4, "gs://b/runs/r1/ckpt/model.pt")
     lines = objects.read_bytes("gs://b/runs/r1/ckpt/loss.jsonl").decode().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 4, 5, 6, 7]
+
+
+def test_checkpoint_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from retrain.train import gpt
+
+    assert gpt.parser().parse_args(["--data-prefix", "x"]).save_every == gpt.DEFAULT_SAVE_EVERY == 20
+    uri = str(tmp_path / "ckpt" / "model.pt")
+    gpt.save_checkpoint(uri, {"step": 20, "w": torch.ones(3)})
+    good = Path(uri).read_bytes()
+    real_save = torch.save
+
+    def killed_mid_save(obj: Any, f: Any) -> None:
+        real_save(obj, f)
+        f.truncate(10)  # half a file on disk, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_mid_save)
+    with pytest.raises(KeyboardInterrupt):
+        gpt.save_checkpoint(uri, {"step": 40, "w": torch.zeros(3)})
+    assert Path(uri).read_bytes() == good and load(Path(uri))["step"] == 20
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["model.pt"]
+    # A SIGKILL leaves the temporary file behind: the next run discards it, never model.pt.
+    (tmp_path / "ckpt" / ".model.pt.123-abcd.tmp").write_bytes(b"torn")
+    gpt.discard_partial_saves(uri)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["model.pt"]

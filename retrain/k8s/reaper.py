@@ -1,0 +1,388 @@
+"""``retrain reap``: scale to zero guaranteed, not hoped for.
+
+The workflow always releases what it provisioned, but a crash of the workflow service, a deleted
+execution or a person's ``kubectl apply`` can still leave a JobSet or a ProvisioningRequest behind, and
+with it GPU nodes billed by the hour.  The reaper, run on a schedule (Cloud Scheduler -> a Job in the
+cluster, or by hand), deletes every JobSet, ProvisioningRequest and PodTemplate of the namespace that
+carries a retrain run id (label/annotation ``retrain.dev/run-id``, see :mod:`retrain.k8s.render`) and
+belongs to no live run:
+
+- the run has no record in the ledger (``runs/{run_id}``), or
+- its record is terminal (succeeded / failed / cancelled), or
+- the run is older than ``max_age_s`` (stuck: no run lives that long; the default is the provisioning
+  and training timeouts plus two hours).
+
+Objects of a live run (a record still pending / tokenizing / provisioning / training and younger than
+the max age) are never touched; a ledger that cannot be read stops the reaper before it deletes anything.
+It then reports the GPU nodes of the node pool (``cloud.google.com/gke-nodepool=<pool>``) still up and
+for how long.  ``main`` exits 3 when such nodes are up while no live run owns any object (nothing should
+be holding them: a Scheduler job alerts on it), 1 when an object could not be deleted, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Protocol
+
+from retrain.domain.runs import Run
+from retrain.k8s.render import (
+    GPU,
+    JOBSET_API,
+    NODEPOOL_LABEL,
+    PROVREQ_API,
+    RUN_ID_ANNOTATION,
+    RUN_ID_LABEL,
+)
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
+EXIT_OK, EXIT_ERRORS, EXIT_NODES_UP = 0, 1, 3
+JOBSET, PROVREQ, PODTEMPLATE = "JobSet", "ProvisioningRequest", "PodTemplate"
+_CUSTOM = {
+    JOBSET: (*JOBSET_API.split("/"), "jobsets"),
+    PROVREQ: (*PROVREQ_API.split("/"), "provisioningrequests"),
+}
+_ORDER = (JOBSET, PROVREQ, PODTEMPLATE)  # what uses the nodes first, the request's template last
+
+
+class RunLookup(Protocol):
+    """The part of :class:`retrain.ports.Ledger` the reaper needs."""
+
+    def get_run(self, run_id: str) -> Run | None: ...
+
+
+@dataclass
+class Reaped:
+    """One object the reaper deleted (or, in a dry run, would delete) or kept, and why."""
+
+    kind: str
+    name: str
+    run_id: str
+    why: str
+
+
+@dataclass
+class NodeUp:
+    name: str
+    up_s: float
+    created_at: str
+    instance_type: str | None = None
+    gpus: int = 0
+    ready: bool = False
+
+
+@dataclass
+class ReapReport:
+    namespace: str
+    node_pool: str
+    max_age_s: float
+    dry_run: bool
+    deleted: list[Reaped] = field(default_factory=list)
+    kept: list[Reaped] = field(default_factory=list)
+    nodes_up: list[NodeUp] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def live_runs(self) -> list[str]:
+        """Runs that still own objects in the cluster (and may hold nodes)."""
+        return sorted({k.run_id for k in self.kept})
+
+    @property
+    def idle_nodes(self) -> bool:
+        """GPU nodes of the pool are up while no live run owns anything: nothing should hold them."""
+        return bool(self.nodes_up) and not self.live_runs
+
+    @property
+    def exit_code(self) -> int:
+        if self.idle_nodes:
+            return EXIT_NODES_UP
+        return EXIT_ERRORS if self.errors else EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(live_runs=self.live_runs, idle_nodes=self.idle_nodes, exit_code=self.exit_code)
+        return d
+
+
+def default_max_age_s(settings: Any) -> float:
+    """No run outlives its provisioning and training timeouts; two hours more cover tokenizing."""
+    return float(settings.provision_timeout_s + settings.train_timeout_s + 2 * 3600)
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    if not value:
+        return None
+    try:
+        t = datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+@dataclass
+class _Obj:
+    kind: str
+    name: str
+    run_id: str
+    created: datetime | None
+
+
+def _meta(obj: Any) -> tuple[str, dict[str, str], dict[str, str], datetime | None]:
+    """(name, labels, annotations, creationTimestamp) of a dict (custom object) or a client model."""
+    if isinstance(obj, dict):
+        m = obj.get("metadata") or {}
+        return (
+            str(m.get("name")),
+            dict(m.get("labels") or {}),
+            dict(m.get("annotations") or {}),
+            _parse_time(m.get("creationTimestamp")),
+        )
+    m = obj.metadata
+    return m.name, dict(m.labels or {}), dict(m.annotations or {}), _parse_time(m.creation_timestamp)
+
+
+def _list_objects(api: Any, namespace: str) -> list[_Obj]:
+    """Every JobSet, ProvisioningRequest and PodTemplate of ``namespace`` carrying a run id."""
+    from kubernetes import client
+
+    custom: Any = client.CustomObjectsApi(api)
+    core: Any = client.CoreV1Api(api)
+    raw: dict[str, list[Any]] = {}
+    for kind, (group, version, plural) in _CUSTOM.items():
+        try:
+            raw[kind] = list(custom.list_namespaced_custom_object(group, version, namespace, plural)["items"])
+        except client.ApiException as e:
+            if e.status != 404:  # 404: the CRD is not installed, so there is nothing of that kind
+                raise
+            raw[kind] = []
+    raw[PODTEMPLATE] = list(core.list_namespaced_pod_template(namespace).items)
+
+    out: list[_Obj] = []
+    by_name: dict[str, str] = {}  # PR / JobSet name -> full run id (annotations carry it unabridged)
+    for kind in (JOBSET, PROVREQ, PODTEMPLATE):
+        for obj in raw[kind]:
+            name, labels, annotations, created = _meta(obj)
+            run_id = annotations.get(RUN_ID_ANNOTATION)
+            if kind == PODTEMPLATE and not run_id:
+                # A PodTemplate carries only the label, which may be an abridged run id: take the full
+                # id from its ProvisioningRequest (same name) or JobSet (the request's name less -dws).
+                run_id = by_name.get(name) or by_name.get(name.removesuffix("-dws"))
+            run_id = run_id or labels.get(RUN_ID_LABEL)
+            if not run_id:
+                continue  # not retrain's
+            if kind != PODTEMPLATE:
+                by_name[name] = run_id
+            out.append(_Obj(kind, name, run_id, created))
+    return out
+
+
+def _verdict(
+    run: Run | None, obj_created: datetime | None, now: datetime, max_age_s: float
+) -> tuple[bool, str]:
+    """(live, why) of a run from its ledger record."""
+    if run is None:
+        return False, "no run record in the ledger"
+    status = str(run.status)
+    if run.status.terminal:
+        return False, f"run {status}"
+    born = _parse_time(run.created_at) or obj_created
+    if born is not None:
+        age = (now - born).total_seconds()
+        if age > max_age_s:
+            return False, f"run {status} for {_duration(age)}, past the max age of {_duration(max_age_s)}"
+    return True, f"run {status} (live)"
+
+
+def _delete(api: Any, namespace: str, obj: _Obj) -> None:
+    from kubernetes import client
+
+    core: Any = client.CoreV1Api(api)
+    custom: Any = client.CustomObjectsApi(api)
+    try:
+        if obj.kind == PODTEMPLATE:
+            core.delete_namespaced_pod_template(obj.name, namespace)
+        else:
+            group, version, plural = _CUSTOM[obj.kind]
+            custom.delete_namespaced_custom_object(
+                group, version, namespace, plural, obj.name, propagation_policy="Background"
+            )
+    except client.ApiException as e:
+        if e.status != 404:  # gone already: what we wanted
+            raise
+
+
+def nodes_up(api: Any, node_pool: str, now: datetime | None = None) -> list[NodeUp]:
+    """The nodes of ``node_pool`` that exist, oldest first, with how long each has been up."""
+    from kubernetes import client
+
+    now = now or datetime.now(UTC)
+    core: Any = client.CoreV1Api(api)
+    out = []
+    for n in core.list_node(label_selector=f"{NODEPOOL_LABEL}={node_pool}").items:
+        created = _parse_time(n.metadata.creation_timestamp)
+        status = n.status
+        alloc = (status.allocatable if status else None) or {}
+        conds = (status.conditions if status else None) or []
+        try:
+            gpus = int(alloc.get(GPU, 0) or 0)
+        except ValueError:
+            gpus = 0
+        out.append(
+            NodeUp(
+                name=n.metadata.name,
+                up_s=round((now - created).total_seconds(), 1) if created else 0.0,
+                created_at=created.isoformat() if created else "",
+                instance_type=(n.metadata.labels or {}).get("node.kubernetes.io/instance-type"),
+                gpus=gpus,
+                ready=any(c.type == "Ready" and c.status == "True" for c in conds),
+            )
+        )
+    return sorted(out, key=lambda x: -x.up_s)
+
+
+def reap(
+    api: ApiClient,
+    ledger: RunLookup,
+    *,
+    namespace: str,
+    node_pool: str,
+    max_age_s: float,
+    dry_run: bool = False,
+) -> ReapReport:
+    """Delete the JobSets, ProvisioningRequests and PodTemplates of ``namespace`` that belong to no live
+    run (``dry_run``: only report them), then report the nodes of ``node_pool`` still up.
+
+    Every run id is looked up before anything is deleted, so a ledger error deletes nothing."""
+    report = ReapReport(namespace=namespace, node_pool=node_pool, max_age_s=max_age_s, dry_run=dry_run)
+    now = datetime.now(UTC)
+    objs = _list_objects(api, namespace)
+    records: dict[str, Run | None] = {}
+    for run_id in sorted({o.run_id for o in objs}):
+        records[run_id] = ledger.get_run(run_id)
+    doomed: list[tuple[_Obj, str]] = []
+    for obj in sorted(objs, key=lambda o: (_ORDER.index(o.kind), o.name)):
+        live, why = _verdict(records[obj.run_id], obj.created, now, max_age_s)
+        if live:
+            report.kept.append(Reaped(obj.kind, obj.name, obj.run_id, why))
+        else:
+            doomed.append((obj, why))
+    from kubernetes import client
+
+    for obj, why in doomed:
+        if not dry_run:
+            try:
+                _delete(api, namespace, obj)
+            except client.ApiException as e:
+                report.errors.append(f"{obj.kind} {obj.name}: {e.status} {e.reason}")
+                continue
+        report.deleted.append(Reaped(obj.kind, obj.name, obj.run_id, why))
+    report.nodes_up = nodes_up(api, node_pool, now)
+    return report
+
+
+def render_text(report: ReapReport) -> Iterable[str]:
+    verb = "would delete" if report.dry_run else "deleted"
+    yield (
+        f"reap: namespace {report.namespace}, node pool {report.node_pool}, "
+        f"max run age {_duration(report.max_age_s)}{' (dry run)' if report.dry_run else ''}"
+    )
+    for r in report.deleted:
+        yield f"{verb} {r.kind} {r.name} (run {r.run_id}): {r.why}"
+    for r in report.kept:
+        yield f"kept {r.kind} {r.name} (run {r.run_id}): {r.why}"
+    for e in report.errors:
+        yield f"error: could not delete {e}"
+    for n in report.nodes_up:
+        yield (
+            f"node {n.name} up {_duration(n.up_s)} ({n.instance_type or 'unknown type'}, {n.gpus} GPUs"
+            f"{'' if n.ready else ', not ready'})"
+        )
+    if report.idle_nodes:
+        yield (f"ALERT: {len(report.nodes_up)} GPU node(s) of pool {report.node_pool} up with no live run")
+    elif not report.nodes_up:
+        yield f"node pool {report.node_pool}: no nodes up"
+
+
+def _api_client(kubeconfig: str | None) -> Any:
+    from kubernetes import client, config
+
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
+    try:
+        config.load_incluster_config()
+    except config.ConfigException as e:
+        raise SystemExit(f"retrain reap: no $KUBECONFIG and not in a cluster ({e})") from None
+    return client.ApiClient()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``retrain reap``: exit 0, 3 when GPU nodes are up with no live run, 1 when a delete failed."""
+    from retrain.config import load
+
+    settings = load()
+    p = argparse.ArgumentParser(
+        prog="retrain reap",
+        description="Delete the JobSets, ProvisioningRequests and PodTemplates of runs that are over "
+        "(or unknown to the ledger, or older than the max age) and report GPU nodes still up.",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--max-age-hours",
+        type=float,
+        default=default_max_age_s(settings) / 3600,
+        help="a run older than this is stuck and its objects are reaped "
+        "(default: provisioning + training timeouts + 2 h = %(default).1f)",
+    )
+    p.add_argument("--namespace", default=settings.namespace)
+    p.add_argument("--node-pool", default=settings.node_pool)
+    p.add_argument("--project", default=settings.project, help="project of the Firestore ledger")
+    p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or None)
+    args = p.parse_args(argv)
+    if args.max_age_hours <= 0:
+        p.error("--max-age-hours must be positive")
+
+    from retrain.adapters.ledger import FirestoreLedger
+
+    ledger = FirestoreLedger(args.project)
+    api = _api_client(args.kubeconfig)
+    try:
+        report = reap(
+            api,
+            ledger,
+            namespace=args.namespace,
+            node_pool=args.node_pool,
+            max_age_s=args.max_age_hours * 3600,
+            dry_run=args.dry_run,
+        )
+    finally:
+        api.close()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        for line in render_text(report):
+            print(line)
+    sys.stdout.flush()
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
