@@ -133,7 +133,10 @@ class Ingest:
         for run in self.ledger.runs_in(*live):
             if run.execution:
                 state = self.orchestrator.get(run.execution).get("state")
-                if state in ("SUCCEEDED", "FAILED", "CANCELLED"):  # ended without recording its outcome
+                current = (
+                    self.ledger.get_run(run.run_id) if state in ("SUCCEEDED", "FAILED", "CANCELLED") else None
+                )
+                if current is not None and not current.status.terminal:  # re-read: it may have just finished
                     reason = f"workflow execution ended {state} without recording an outcome"
                     self.ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
                     outcomes.append(Outcome("recorded-failure", reason, run.run_id))
