@@ -14,6 +14,8 @@ from retrain.k8s.notifier import NOTIFIED_ANNOTATION, Notifier
 from retrain.k8s.render import render_jobset, render_provisioning_request
 from retrain.local.cluster_twin import ClusterTwin
 
+from .waiting import wait_for
+
 pytestmark = pytest.mark.envtest
 
 JS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
@@ -27,15 +29,6 @@ class Recorder:
     def __call__(self, data: bytes, attributes: dict[str, str]) -> None:
         with self.lock:
             self.messages.append((json.loads(data), dict(attributes)))
-
-
-def wait_for(fn: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {fn}")
-        time.sleep(0.1)
-    return value
 
 
 def submit(api: Any, ns: str, pool: str, run_id: str, code: str, **kw: Any) -> dict[str, Any]:

@@ -10,8 +10,6 @@ stop exactly at ``--max-steps``.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,8 @@ from retrain.local.cluster_twin import ClusterTwin, Faults
 from retrain.megatron import IndexedDatasetWriter
 from retrain.train import trainer_command
 
+from .waiting import wait_for
+
 pytestmark = pytest.mark.envtest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the gpt trainer needs it")
 
@@ -31,17 +31,6 @@ JS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 MAX_STEPS = 200
 SAVE_EVERY = 20  # the trainer's default: not passed, so the default is what is tested
 SMALL = ["--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "8"]
-
-
-def wait_for(fn: Callable[[], Any], timeout: float = 60.0, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {fn}")
-        time.sleep(every)
 
 
 def write_pattern(prefix: Path) -> Path:
@@ -81,7 +70,7 @@ def test_preempted_trainer_resumes_from_its_last_checkpoint(api: Any, namespace:
         tmpl, pr = render_provisioning_request(run_id, nodes=1, namespace=namespace, node_pool=pool)
         core.create_namespaced_pod_template(namespace, tmpl)
         custom.create_namespaced_custom_object(*PR[:2], namespace, PR[2], pr)
-        wait_for(twin.node_names)
+        wait_for(twin.node_names, timeout=60, every=0.05)
         first_node = twin.node_names()
         js = render_jobset(
             run_id,
@@ -100,9 +89,12 @@ def test_preempted_trainer_resumes_from_its_last_checkpoint(api: Any, namespace:
         def jobset() -> dict[str, Any]:
             return dict(custom.get_namespaced_custom_object(*JS[:2], namespace, JS[2], name))
 
-        wait_for(lambda: (ckpt / "model.pt").exists())
+        wait_for(lambda: (ckpt / "model.pt").exists(), timeout=60, every=0.05)
         faults.preempt_node_after_s = 0.0  # the first checkpoint is written: preempt the node now
-        assert wait_for(lambda: (jobset().get("status") or {}).get("terminalState")) == "Completed"
+        assert (
+            wait_for(lambda: (jobset().get("status") or {}).get("terminalState"), timeout=60, every=0.05)
+            == "Completed"
+        )
         status = jobset()["status"]
         assert status["restarts"] >= 1
         assert twin.node_names() and twin.node_names() != first_node  # DWS replaced the lost node

@@ -171,6 +171,7 @@ def test_kueue_manifests_match_crd_schemas(crds: list[dict[str, Any]]) -> None:
     assert by_kind["ProvisioningRequestConfig"]["spec"] == {
         "provisioningClassName": "queued-provisioning.gke.io",
         "managedResources": ["nvidia.com/gpu"],
+        "retryStrategy": {"backoffLimitCount": 3, "backoffBaseSeconds": 60, "backoffMaxSeconds": 1800},
     }
     check = by_kind["AdmissionCheck"]
     assert check["spec"]["controllerName"] == "kueue.x-k8s.io/provisioning-request"

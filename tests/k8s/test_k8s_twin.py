@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,21 +11,12 @@ import pytest
 from retrain.k8s.render import render_jobset, render_provisioning_request
 from retrain.local.cluster_twin import ClusterTwin, Faults
 
+from .waiting import wait_for
+
 pytestmark = pytest.mark.envtest
 
 PR = ("autoscaling.x-k8s.io", "v1", "provisioningrequests")
 JS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-
-
-def wait_for(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {fn}")
-        time.sleep(every)
 
 
 def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
