@@ -145,6 +145,7 @@ class LocalStack:
     endpoints: Endpoints = field(default_factory=Endpoints)
     _procs: list[emulators.ManagedProcess] = field(default_factory=list)
     _closers: list[Callable[[], None]] = field(default_factory=list)
+    _saved_env: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def state_dir(self) -> Path:
@@ -158,6 +159,21 @@ class LocalStack:
             self.stop()
             raise
         return self.endpoints
+
+    def _setenv(self, values: dict[str, str]) -> None:
+        """Point this process's clients at the stack; stop() puts the environment back as it was."""
+        for key, value in values.items():
+            if key not in self._saved_env:
+                self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def _restore_env(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
 
     def _spawn(self, proc: emulators.ManagedProcess, timeout_s: float = 90.0) -> None:
         self._procs.append(proc)
@@ -192,8 +208,7 @@ class LocalStack:
         control_plane.start()
         self._closers.append(control_plane.stop)
         ep.kubeconfig = str(control_plane.kubeconfig)
-        os.environ.update(ep.env())
-        os.environ.update(config.to_env(s))
+        self._setenv({**ep.env(), **config.to_env(s)})
 
         client = objects.storage_client()
         for bucket in (s.landing_bucket, s.artifacts_bucket):
@@ -252,7 +267,7 @@ class LocalStack:
         server.start()
         self._closers.append(server.stop)
         ep.workflows = server.base_url
-        os.environ["RETRAIN_WORKFLOWS_ENDPOINT"] = ep.workflows
+        self._setenv({"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows})
         self.executions = server
 
         self.progress("starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event")
@@ -315,6 +330,7 @@ class LocalStack:
                 log.warning("while stopping: %s", e)
         while self._procs:
             self._procs.pop().stop()
+        self._restore_env()
 
     def __enter__(self) -> LocalStack:
         self.start()
