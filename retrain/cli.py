@@ -51,6 +51,12 @@ def _ledger(settings: config.Settings) -> Any:
     return FirestoreLedger(settings.project)
 
 
+def _executions(settings: config.Settings) -> Any:
+    from retrain.adapters.workflows import WorkflowsExecutions
+
+    return WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+
+
 def format_run(run: Run) -> str:
     lines = [f"run {run.run_id}  [{run.status}]"]
     for label, value in (
@@ -96,16 +102,10 @@ def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -
             if run.status.terminal and run.nodes_at_end is not None:
                 return run
             if executions is not None and run.execution and not run.status.terminal:
-                execution = executions.get(run.execution)
-                if execution.get("state") in ("FAILED", "CANCELLED"):
-                    time.sleep(2)  # the workflow may still be writing its outcome
-                    run = ledger.get_run(run_id)
-                    if not run.status.terminal:
-                        error = (execution.get("error") or {}).get("payload", execution.get("state"))
-                        ledger.update_run(
-                            run_id, {"status": "failed", "reason": f"workflow execution ended: {error}"}
-                        )
-                        return ledger.get_run(run_id)
+                from retrain.ingest import record_silent_end
+
+                if record_silent_end(ledger, executions, run):
+                    return ledger.get_run(run_id)
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} did not finish within {timeout_s:.0f}s")
         time.sleep(1)
@@ -127,25 +127,23 @@ def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str) -> st
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from retrain.adapters.workflows import WorkflowsExecutions
     from retrain.local.stack import attach
 
     settings = config.load()
     attach(settings)
-    executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+    executions = _executions(settings)
     _say(request_cancel(_ledger(settings), executions, args.run_id, args.reason))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Seal pending data now, as the manual HTTP entrypoint does (the same Ingest code path)."""
-    from retrain.adapters.workflows import WorkflowsExecutions
     from retrain.ingest import Ingest
     from retrain.local.stack import attach
 
     settings = config.load()
     attach(settings)
-    executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+    executions = _executions(settings)
     outcomes = Ingest(settings, _ledger(settings), executions).seal_pending(args.dataset, "manual")
     if not outcomes:
         _say("nothing pending: no run started")
@@ -173,9 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not new:
             _say("no run started: this data has trained before")
             return 1
-        from retrain.adapters.workflows import WorkflowsExecutions
-
-        executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+        executions = _executions(settings)
         run = follow(ledger, new[-1].run_id, args.timeout, executions)
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
     return 0 if run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 else 1

@@ -17,17 +17,12 @@ from typing import Any
 from retrain.config import Settings
 from retrain.domain.events import Rejected, is_retrain_output, parse_gcs_finalized
 from retrain.domain.plan import workflow_argument
-from retrain.domain.runs import BatchState, Run, RunStatus
+from retrain.domain.runs import BatchState, Run, RunStatus, iso
 from retrain.ports import Ledger, Orchestrator, SealOutcome
 
 log = logging.getLogger("retrain.ingest")
 
 _DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
-
-
-def _iso(t: datetime) -> str:
-    """The ledger's timestamp format (sortable as text), see retrain.domain.runs.now_iso."""
-    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)
@@ -38,6 +33,24 @@ class Outcome:
     action: str
     detail: str = ""
     run_id: str | None = None
+
+
+def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> Outcome | None:
+    """Record as failed a run whose workflow execution ended (a crash, a hard cancel) without
+    writing its outcome; None while the execution is active or the record is already final."""
+    execution = orchestrator.get(str(run.execution))
+    state = execution.get("state")
+    if state not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        return None
+    current = ledger.get_run(run.run_id)  # re-read: the workflow writes its outcome before it ends
+    if current is None or current.status.terminal:
+        return None
+    error = (execution.get("error") or {}).get("payload")
+    reason = f"workflow execution ended {state} without recording an outcome" + (
+        f": {error}" if error else ""
+    )
+    ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
+    return Outcome("recorded-failure", reason, run.run_id)
 
 
 class Ingest:
@@ -118,7 +131,7 @@ class Ingest:
         now = now or datetime.now(UTC)
         s = self.settings
         stuck_before, quiet_before, old_before = (
-            _iso(now - timedelta(seconds=x)) for x in (s.stuck_after_s, s.quiet_period_s, s.max_batch_age_s)
+            iso(now - timedelta(seconds=x)) for x in (s.stuck_after_s, s.quiet_period_s, s.max_batch_age_s)
         )
         outcomes: list[Outcome] = []
         for batch in self.ledger.batches_in(BatchState.OPEN):
@@ -131,15 +144,8 @@ class Ingest:
                 outcomes.append(self._started(self.ledger.materialize(batch["batch_id"])))
         live = (RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING, RunStatus.PENDING)
         for run in self.ledger.runs_in(*live):
-            if run.execution:
-                state = self.orchestrator.get(run.execution).get("state")
-                current = (
-                    self.ledger.get_run(run.run_id) if state in ("SUCCEEDED", "FAILED", "CANCELLED") else None
-                )
-                if current is not None and not current.status.terminal:  # re-read: it may have just finished
-                    reason = f"workflow execution ended {state} without recording an outcome"
-                    self.ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
-                    outcomes.append(Outcome("recorded-failure", reason, run.run_id))
+            if run.execution and (ended := record_silent_end(self.ledger, self.orchestrator, run)):
+                outcomes.append(ended)
         for run in self.ledger.runs_in(RunStatus.PENDING):
             # queued behind a finished run, or orphaned by a crash; the newest are still being started
             if not run.execution and run.created_at < stuck_before:

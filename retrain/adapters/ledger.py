@@ -199,7 +199,3 @@ class FirestoreLedger:
     def list_runs(self, limit: int = 100) -> list[Run]:
         docs = self.db.collection("runs").order_by("created_at").limit_to_last(limit).get()
         return [Run.from_dict(d.to_dict() or {}) for d in docs]
-
-    def batch(self, batch_id: str) -> dict[str, Any] | None:
-        snap = self.db.collection("batches").document(batch_id).get()
-        return snap.to_dict() if snap.exists else None

@@ -37,8 +37,13 @@ class BatchState(StrEnum):
     DUPLICATE = "duplicate"
 
 
+def iso(t: datetime) -> str:
+    """The ledger's timestamp format: UTC, fixed width, so timestamps sort as text."""
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return iso(datetime.now(UTC))
 
 
 def new_run_id(dataset: str) -> str:

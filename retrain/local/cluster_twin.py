@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from retrain.local.emulators import free_port
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,6 @@ class Faults:
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _condition(
@@ -480,7 +475,7 @@ class ClusterTwin:
         if pools - {None, self.node_pool}:
             return  # another node pool's (another twin's) JobSet
         if run is None:
-            run = self._runs[uid] = _Run(uid, name, _free_port(), attempt=int(status.get("restarts") or 0))
+            run = self._runs[uid] = _Run(uid, name, free_port(), attempt=int(status.get("restarts") or 0))
         if not run.pods:
             self._try_start(js, run, nodes)
             self._write_jobset_status(js, run, conds)

@@ -26,24 +26,9 @@ from google.api_core.exceptions import NotFound
 
 from retrain.adapters import objects
 from retrain.workflows import ConnectorRegistry, WorkflowError, http_error
+from retrain.workflows.stdlib import send
 
 Args = dict[str, Any]
-
-
-def _raise_for(resp: requests.Response) -> None:
-    if resp.status_code >= 400:
-        try:
-            body: Any = resp.json()
-        except ValueError:
-            body = resp.text
-        raise WorkflowError(
-            http_error(
-                resp.status_code,
-                f"HTTP server responded with error code {resp.status_code}",
-                body=body,
-                headers=dict(resp.headers),
-            )
-        )
 
 
 # --- Firestore (REST API of the emulator) ----------------------------------------------------------
@@ -61,16 +46,13 @@ def firestore_bindings(emulator_host: str) -> dict[str, Callable[[Args, Args], A
             params.append(
                 (f"currentDocument.{key}", json.dumps(value) if isinstance(value, bool) else str(value))
             )
-        resp = requests.patch(
-            base + args["name"], params=params, json=args.get("body") or {}, headers=headers, timeout=30
-        )
-        _raise_for(resp)
-        return resp.json()
+        url = base + args["name"]
+        return send("PATCH", url, params=params, json=args.get("body") or {}, headers=headers, timeout=30)[
+            "body"
+        ]
 
     def get(args: Args, _: Args) -> Any:
-        resp = requests.get(base + args["name"], headers=headers, timeout=30)
-        _raise_for(resp)
-        return resp.json()
+        return send("GET", base + args["name"], headers=headers, timeout=30)["body"]
 
     return {
         "googleapis.firestore.v1.projects.databases.documents.patch": patch,
@@ -205,25 +187,15 @@ def gke_request_binding(kube: KubeEndpoint) -> Callable[[Args, Args], Any]:
         path = str(args["path"])
         if not path.startswith("/") or ".." in path:
             raise WorkflowError({"message": f"invalid path {path!r}", "tags": ["ValueError"]})
-        body = args.get("body")
-        try:
-            resp = session.request(
-                str(args.get("method", "GET")),
-                kube.server + path,
-                params=args.get("query"),
-                json=body,
-                timeout=float(args.get("timeout", 60)),
-                verify=kube.ca_file,  # explicit: REQUESTS_CA_BUNDLE would otherwise win over session.verify
-            )
-        except requests.Timeout as e:
-            raise WorkflowError({"message": str(e), "tags": ["TimeoutError"]}) from None
-        except requests.ConnectionError as e:
-            raise WorkflowError(
-                {"message": str(e), "tags": ["ConnectionFailedError", "ConnectionError"]}
-            ) from None
-        _raise_for(resp)
-        content: Any = resp.json() if resp.content else None
-        return {"body": content, "code": resp.status_code, "headers": dict(resp.headers)}
+        return send(
+            str(args.get("method", "GET")),
+            kube.server + path,
+            session,
+            params=args.get("query"),
+            json=args.get("body"),
+            timeout=float(args.get("timeout", 60)),
+            verify=kube.ca_file,  # explicit: REQUESTS_CA_BUNDLE would otherwise win over session.verify
+        )
 
     return request
 

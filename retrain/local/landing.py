@@ -48,11 +48,14 @@ def post_event(function_url: str, headers: dict[str, str], body: bytes) -> None:
         raise RuntimeError(f"function answered {resp.status_code}: {resp.text[:500]}")
 
 
-def upload(local: Path, uri: str) -> dict[str, Any]:
-    """Upload a file and return its GCS resource (what the finalize event carries)."""
+def upload(local: Path | bytes, uri: str) -> dict[str, Any]:
+    """Upload a file (or bytes) and return its GCS resource (what the finalize event carries)."""
     bucket, name = objects.split_gs(uri)
     blob = objects.storage_client().bucket(bucket).blob(name)
-    blob.upload_from_filename(str(local))
+    if isinstance(local, bytes):
+        blob.upload_from_string(local)
+    else:
+        blob.upload_from_filename(str(local))
     blob.reload()
     return dict(blob._properties)
 
@@ -89,9 +92,6 @@ def drop(
         progress(f"dropped {i}/{len(files)}: {path.name} ({path.stat().st_size / 1e6:.2f} MB)")
     if seal:
         marker = f"gs://{settings.landing_bucket}/{prefix}{settings.seal_marker}"
-        objects.write_bytes(marker, b"")
-        bucket, name = objects.split_gs(marker)
-        blob = objects.storage_client().bucket(bucket).get_blob(name)
-        post_event(function_url, *finalized_event(dict(blob._properties)))
+        post_event(function_url, *finalized_event(upload(b"", marker)))
         progress(f"sealed with {settings.seal_marker}")
     return uris

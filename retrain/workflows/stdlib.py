@@ -670,10 +670,14 @@ def http_request(
     data = _encode_body(body, hdrs)
     seconds = 300.0 if timeout is None else float(timeout)
     rt.check_cancel()
+    return send(method.upper(), url, headers=hdrs, params=_query(query), data=data, timeout=seconds)
+
+
+def send(method: str, url: str, session: requests.Session | None = None, **kwargs: Any) -> dict[str, Any]:
+    """One HTTP request, answered as Workflows answers it: ``{body, code, headers}``, an HttpError map
+    for any non-2xx status, and Workflows' connection/timeout errors (also for connector bindings)."""
     try:
-        resp = requests.request(
-            method.upper(), url, headers=hdrs, params=_query(query), data=data, timeout=seconds
-        )
+        resp = session.request(method, url, **kwargs) if session else requests.request(method, url, **kwargs)
     except requests.exceptions.ConnectTimeout as exc:
         raise error("ConnectionFailedError", f"connection to {url} failed: {exc}") from None
     except requests.exceptions.Timeout as exc:

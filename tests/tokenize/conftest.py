@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+from retrain.local.emulators import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,18 +77,12 @@ def gpt2():
     return load_gpt2_tokenizer()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def gcs_emulator() -> Iterator[str]:
     """An in-memory gcp-storage-emulator on 127.0.0.1 with bucket BUCKET; STORAGE_EMULATOR_HOST set."""
     from gcp_storage_emulator.server import create_server
 
-    port = _free_port()
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
     old = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT")}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,15 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from retrain.local.emulators import free_port
 from retrain.megatron import IndexedDatasetWriter
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_dataset(

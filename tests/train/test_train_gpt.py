@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from retrain.adapters import objects
+from retrain.local.emulators import free_port
 
 from .conftest import (
     REPO,
     child_env,
-    free_port,
     pattern_documents,
     random_documents,
     read_jsonl,
