@@ -18,10 +18,8 @@ import functions_framework
 from cloudevents.http import CloudEvent
 
 from retrain import config
-from retrain.adapters.ledger import FirestoreLedger
-from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.events import Rejected
-from retrain.ingest import Ingest
+from retrain.ingest import Ingest, from_settings
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("retrain.functions")
@@ -30,8 +28,7 @@ log = logging.getLogger("retrain.functions")
 @cache
 def ingest() -> Ingest:
     """One Ingest per instance: clients are reused across invocations."""
-    s = config.load()
-    return Ingest(s, FirestoreLedger(s.project), WorkflowsExecutions(s.project, s.region, s.workflow))
+    return from_settings(config.load())
 
 
 @functions_framework.cloud_event
@@ -43,6 +40,17 @@ def on_object_finalized(event: CloudEvent) -> None:
         log.warning("rejected event %s: %s", event.get("id"), e.reason)
         return
     log.info("event %s: %s %s", event.get("id"), outcome.action, outcome.detail)
+
+
+@functions_framework.cloud_event
+def on_bigquery_event(event: CloudEvent) -> None:
+    """Eventarc: BigQuery audit log (InsertJob): a watched table gained rows, or an export finished."""
+    try:
+        outcome = ingest().on_bigquery_event(event.get_attributes(), event.get_data())
+    except Rejected as e:
+        log.warning("rejected BigQuery event %s: %s", event.get("id"), e.reason)
+        return
+    log.info("BigQuery event %s: %s %s", event.get("id"), outcome.action, outcome.detail)
 
 
 def pubsub_json(event: CloudEvent) -> dict[str, Any]:

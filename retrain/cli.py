@@ -138,13 +138,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Seal pending data now, as the manual HTTP entrypoint does (the same Ingest code path)."""
-    from retrain.ingest import Ingest
+    from retrain.ingest import from_settings
     from retrain.local.stack import attach
 
     settings = config.load()
     attach(settings)
-    executions = _executions(settings)
-    outcomes = Ingest(settings, _ledger(settings), executions).seal_pending(args.dataset, "manual")
+    outcomes = from_settings(settings).seal_pending(args.dataset, "manual")
     if not outcomes:
         _say("nothing pending: no run started")
     for o in outcomes:

@@ -10,8 +10,13 @@ client libraries' own variables (``FIRESTORE_EMULATOR_HOST``, ``PUBSUB_EMULATOR_
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+
+#: A dataset name: a folder under the landing prefix, a Kubernetes label part, a Firestore document id.
+DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+_TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,12 @@ class Settings:
     """The sweeper seals a batch this old even while data keeps arriving."""
     stuck_after_s: float = 120.0
     """The sweeper finishes seals and starts runs that a crash left half done for this long."""
+    bigquery_tables: str = ""
+    """Watched BigQuery tables, comma-separated ``project.dataset.table=DATASET`` (or just the table:
+    its rows join the default dataset). A write to one exports its new rows and seals their batch."""
+    bigquery_watermark_column: str = "ingested_at"
+    """Column of every watched table whose value only grows as rows are added (a load timestamp or a
+    sequence number): a table write exports the rows above the last exported value."""
     workflow: str = "retrain"
     """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
     scheduler_topic: str = "scheduler-ticks"
@@ -44,6 +55,8 @@ class Settings:
     """How often the sweeper runs (the Cloud Scheduler job's period)."""
     jobset_topic: str = "jobset-events"
     """Pub/Sub topic the notifier publishes JobSet terminal states to."""
+    dead_letter_topic: str = "dead-letter"
+    """Pub/Sub topic that receives pushes a function kept failing on (after 5 attempts locally)."""
     cluster: str = "retrain"
     """GKE cluster name."""
     node_pool: str = "a3-dws"
@@ -77,6 +90,17 @@ class Settings:
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
     """Local stack: where emulator data, logs and the stack's endpoints file live."""
+
+    @property
+    def watched_tables(self) -> dict[str, str]:
+        """``bigquery_tables`` parsed: table (``project.dataset.table``) -> the dataset its rows join."""
+        out = {}
+        for item in filter(None, (part.strip() for part in self.bigquery_tables.split(","))):
+            table, _, dataset = item.partition("=")
+            if not _TABLE_RE.match(table) or (dataset and not DATASET_RE.match(dataset)):
+                raise ValueError(f"RETRAIN_BIGQUERY_TABLES: {item!r} is not project.dataset.table[=dataset]")
+            out[table] = dataset or self.dataset
+        return out
 
     @property
     def landing_uri(self) -> str:

@@ -1,34 +1,50 @@
 """Where an event becomes a run.
 
-Arrivals are recorded in the ledger (deduplicated in a transaction); a seal closes the dataset's open
-batch, and a sealed batch whose snapshot is new becomes one run and one workflow execution.  JobSet
-completions come back the other way and are relayed to the waiting execution's callback.
+Arrivals are recorded in the ledger (deduplicated, contention-free); a seal cuts the dataset's
+timeline, and a sealed batch whose snapshot is new becomes one run: its object list is written as the
+run's manifest and one workflow execution starts.  BigQuery writes to a watched table are exported
+to the landing bucket as new objects first.  JobSet completions come back the other way and are
+relayed to the waiting execution's callback.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
+import decimal
+import fnmatch
+import json
 import logging
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from retrain.config import Settings
-from retrain.domain.events import Rejected, is_retrain_output, parse_gcs_finalized
-from retrain.domain.plan import workflow_argument
-from retrain.domain.runs import BatchState, Run, RunStatus, iso
-from retrain.ports import Ledger, Orchestrator, SealOutcome
+from retrain.config import DATASET_RE, Settings
+from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
+from retrain.domain.events import (
+    ObjectArrival,
+    Rejected,
+    check_object_name,
+    is_retrain_output,
+    parse_gcs_finalized,
+)
+from retrain.domain.plan import manifest_object, workflow_argument
+from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
+from retrain.ports import Ledger, ObjectStore, Orchestrator, SealOutcome, Warehouse
 
 log = logging.getLogger("retrain.ingest")
 
-_DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+#: Export attempts when concurrent exports of one table race for its watermark.
+EXPORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What handling one event did, for logs and tests: action is one of recorded, duplicate, ignored,
-    started, queued, nothing-to-seal, already-trained, recorded-failure, relayed."""
+    started, queued, nothing-to-seal, nothing-new, already-trained, recorded-failure, relayed."""
 
     action: str
     detail: str = ""
@@ -53,11 +69,37 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
     return Outcome("recorded-failure", reason, run.run_id)
 
 
+def _json_value(value: Any) -> Any:
+    """BigQuery row values JSON has no type for: timestamps, dates, numerics, bytes."""
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _safe_name(value: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-")[:80] or "x"
+
+
 class Ingest:
-    def __init__(self, settings: Settings, ledger: Ledger, orchestrator: Orchestrator) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        ledger: Ledger,
+        orchestrator: Orchestrator,
+        store: ObjectStore,
+        warehouse: Warehouse | None = None,
+    ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.orchestrator = orchestrator
+        self.store = store
+        self.warehouse = warehouse
+
+    # --- objects landing in the bucket ---
 
     def dataset_of(self, name: str) -> str:
         """``incoming/<dataset>/...`` names a dataset; files directly under the prefix use the default."""
@@ -65,7 +107,7 @@ class Ingest:
         head, sep, _ = rest.partition("/")
         if not sep:
             return self.settings.dataset
-        if not _DATASET_RE.match(head):
+        if not DATASET_RE.match(head):
             raise Rejected(f"dataset folder {head!r} is not a valid dataset name")
         return head
 
@@ -79,14 +121,101 @@ class Ingest:
         dataset = self.dataset_of(arrival.name)
         if arrival.name.rsplit("/", 1)[-1] == self.settings.seal_marker:
             return self.seal(dataset, trigger="gcs-marker")
+        return self._record(arrival, dataset)
+
+    def _record(self, arrival: ObjectArrival, dataset: str) -> Outcome:
         content_hash = f"md5:{arrival.md5_hash}" if arrival.md5_hash else f"object:{arrival.identity}"
-        result = self.ledger.record_arrival(arrival, dataset, content_hash)
-        if result.status == "duplicate":
+        if self.ledger.record_arrival(arrival, dataset, content_hash).status == "duplicate":
             return Outcome("duplicate", arrival.identity)
-        return Outcome("recorded", f"{arrival.uri} -> batch {result.batch_id}")
+        return Outcome("recorded", f"{arrival.uri} -> dataset {dataset}")
+
+    # --- BigQuery ---
+
+    def on_bigquery_event(self, attributes: Mapping[str, Any], data: Any) -> Outcome:
+        """A BigQuery audit-log event: export a watched table's new rows, or take in a finished extract
+        job's files; either way the batch is sealed once the data has landed. Raises Rejected."""
+        change = parse_bigquery_audit(attributes, data)
+        if isinstance(change, NotRelevant):
+            return Outcome("ignored", change.reason)
+        if isinstance(change, ExportFinished):
+            return self._take_export(change)
+        return self._export_new_rows(change)
+
+    def _landing_name(self, uri: str) -> str:
+        """The object name of a gs:// URI that must lie under the landing prefix, else Rejected."""
+        bucket, _, name = uri.removeprefix("gs://").partition("/")
+        if not uri.startswith("gs://") or bucket != self.settings.landing_bucket:
+            raise Rejected(f"{uri[:200]!r} is not in the landing bucket")
+        if not name.startswith(self.settings.landing_prefix) or is_retrain_output(name):
+            raise Rejected(f"{uri[:200]!r} is not under the landing prefix")
+        return check_object_name(name.replace("*", "x"))  # validated with its wildcard filled in
+
+    def _take_export(self, export: ExportFinished) -> Outcome:
+        names = [self._landing_name(u) for u in export.destination_uris]
+        datasets = {self.dataset_of(n) for n in names}
+        if len(datasets) != 1:
+            raise Rejected(f"export {export.job} writes to several datasets: {sorted(datasets)}")
+        (dataset,) = datasets
+        if export.error:
+            return Outcome("ignored", f"export {export.job} failed: {export.error}")
+        found = 0
+        for pattern in export.destination_uris:
+            prefix = pattern.split("*", 1)[0]
+            for info in self.store.list_objects(prefix):
+                if not fnmatch.fnmatchcase(info.uri, pattern) or info.generation is None:
+                    continue
+                bucket, name = info.uri.removeprefix("gs://").split("/", 1)
+                arrival = ObjectArrival(
+                    f"{export.event_id}/{name}", bucket, name, info.generation, info.size,
+                    info.md5_hash or "", now_iso(),
+                )  # fmt: skip
+                self._record(arrival, dataset)  # the files' own finalize events may come before or after
+                found += 1
+        if not found:
+            # Not there yet (a listing can trail the job by moments): fail so the platform retries.
+            raise RuntimeError(f"export {export.job} finished but none of its files are listed yet")
+        log.info("export %s: %d file(s) in dataset %s", export.job, found, dataset)
+        return self.seal(dataset, "bigquery-export")
+
+    def _export_new_rows(self, written: TableWritten) -> Outcome:
+        """Write the rows the table gained since its watermark to one JSONL object, record it, seal."""
+        dataset = self.settings.watched_tables.get(written.table)
+        if dataset is None:
+            return Outcome("ignored", f"table {written.table} is not watched")
+        if self.warehouse is None:
+            raise RuntimeError("a watched table changed but no BigQuery warehouse is configured")
+        column = self.settings.bigquery_watermark_column
+        for _ in range(EXPORT_ATTEMPTS):
+            after = self.ledger.watermark(written.table)
+            through = self.warehouse.high_watermark(written.table, column)
+            if through is None or (after is not None and through <= after):
+                return Outcome("nothing-new", f"{written.table}: no rows after {after}")
+            name = (
+                f"{self.settings.landing_prefix}{dataset}/_retrain/bigquery/{_safe_name(written.table)}/"
+                f"{_safe_name(through)}-{uuid.uuid4().hex[:8]}.jsonl"
+            )  # own name per attempt: a losing attempt deletes only its own object
+            uri = f"gs://{self.settings.landing_bucket}/{name}"
+            rows = 0
+            with self.store.open_write(uri, "application/jsonl") as out:
+                for row in self.warehouse.rows(written.table, column, after, through):
+                    out.write(json.dumps(row, default=_json_value, ensure_ascii=False).encode() + b"\n")
+                    rows += 1
+            info = self.store.stat(uri)
+            arrival = ObjectArrival(
+                f"{written.event_id}/{name}", self.settings.landing_bucket, name, int(info.generation or 1),
+                info.size, info.md5_hash or "", now_iso(),
+            )  # fmt: skip
+            content_hash = f"md5:{info.md5_hash}" if info.md5_hash else f"object:{arrival.identity}"
+            if self.ledger.record_export(written.table, after, through, arrival, dataset, content_hash):
+                log.info("%s: %d row(s) in (%s, %s] exported to %s", written.table, rows, after, through, uri)
+                return self.seal(dataset, "bigquery")
+            self.store.delete(uri)  # another export moved the watermark first; go again from there
+        raise RuntimeError(f"{written.table}: {EXPORT_ATTEMPTS} export attempts lost the race; retry later")
+
+    # --- seals and starts ---
 
     def seal(self, dataset: str, trigger: str) -> Outcome:
-        """Seal the dataset's open batch and start its run (or queue it behind the dataset's live run)."""
+        """Seal the dataset's pending arrivals and start their run (or queue it behind the live one)."""
         return self._started(self.ledger.seal(dataset, trigger))
 
     def _started(self, sealed: SealOutcome) -> Outcome:
@@ -98,12 +227,26 @@ class Ingest:
         return self.start(sealed.run, sealed.objects)
 
     def start(self, run: Run, objects: tuple[str, ...] | None = None) -> Outcome:
-        """Start a run's workflow if its dataset has no live run; otherwise it waits, queued, as pending."""
+        """Start a run's workflow if its dataset has no live run; otherwise it waits, queued, as pending.
+
+        The object list goes to the run's manifest first (arguments are capped at 32 KB)."""
         if not self.ledger.claim_start(run):
             log.info("run %s queued behind the live run of dataset %s", run.run_id, run.dataset)
             return Outcome("queued", f"dataset {run.dataset} has a live run", run.run_id)
         objects = objects or self.ledger.batch_objects(run.batch_id)
-        execution = self.orchestrator.start(workflow_argument(self.settings, run, objects))
+        manifest = {
+            "run_id": run.run_id,
+            "dataset": run.dataset,
+            "batch_id": run.batch_id,
+            "snapshot": run.snapshot,
+            "objects": list(objects),
+        }
+        self.store.write_bytes(
+            f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
+            json.dumps(manifest, indent=1).encode(),
+            "application/json",
+        )
+        execution = self.orchestrator.start(workflow_argument(self.settings, run))
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome("started", execution, run.run_id)
@@ -120,10 +263,9 @@ class Ingest:
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""
-        if dataset is not None and (not isinstance(dataset, str) or not _DATASET_RE.match(dataset)):
+        if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
             raise Rejected("dataset must be a valid dataset name")
-        datasets = sorted({b["dataset"] for b in self.ledger.batches_in(BatchState.OPEN)})
-        return [self.seal(d, trigger) for d in datasets if dataset in (None, d)]
+        return [self.seal(p.dataset, trigger) for p in self.ledger.pending(dataset)]
 
     def sweep(self, now: datetime | None = None) -> list[Outcome]:
         """What a timer must do, in order: seal quiet or old batches, finish seals and starts a crash
@@ -134,11 +276,11 @@ class Ingest:
             iso(now - timedelta(seconds=x)) for x in (s.stuck_after_s, s.quiet_period_s, s.max_batch_age_s)
         )
         outcomes: list[Outcome] = []
-        for batch in self.ledger.batches_in(BatchState.OPEN):
-            if batch.get("last_arrival_at", "") < quiet_before:
-                outcomes.append(self.seal(batch["dataset"], "quiet-period"))
-            elif batch.get("created_at", "") < old_before:
-                outcomes.append(self.seal(batch["dataset"], "max-age"))
+        for pending in self.ledger.pending():
+            if pending.last_arrival_at < quiet_before:
+                outcomes.append(self.seal(pending.dataset, "quiet-period"))
+            elif pending.first_arrival_at < old_before:
+                outcomes.append(self.seal(pending.dataset, "max-age"))
         for batch in self.ledger.batches_in(BatchState.SEALED):
             if batch.get("sealed_at", "") < stuck_before:
                 outcomes.append(self._started(self.ledger.materialize(batch["batch_id"])))
@@ -151,6 +293,8 @@ class Ingest:
             if not run.execution and run.created_at < stuck_before:
                 outcomes.append(self.start(run))
         return outcomes
+
+    # --- completions ---
 
     def on_jobset_event(self, message: Mapping[str, Any]) -> Outcome:
         """Relay a JobSet terminal state (published by the notifier) to the run's workflow callback."""
@@ -172,3 +316,23 @@ class Ingest:
         if status >= 300:
             raise RuntimeError(f"callback {url} answered {status}")  # transient: let the platform retry
         return Outcome("relayed", str(state), str(message.get("run_id")))
+
+
+def from_settings(settings: Settings) -> Ingest:
+    """The real adapters for ``settings`` (the cloud, or the emulators the environment points at)."""
+    from retrain.adapters import objects
+    from retrain.adapters.ledger import FirestoreLedger
+    from retrain.adapters.workflows import WorkflowsExecutions
+
+    warehouse = None
+    if settings.bigquery_tables:
+        from retrain.adapters.warehouse import BigQueryWarehouse
+
+        warehouse = BigQueryWarehouse(settings.project)
+    return Ingest(
+        settings,
+        FirestoreLedger(settings.project),
+        WorkflowsExecutions(settings.project, settings.region, settings.workflow),
+        objects,
+        warehouse,
+    )

@@ -7,20 +7,20 @@ endpoint); the Workflows executions API, which has no emulator, has a local twin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import BatchState, Run, RunStatus
+from retrain.domain.runs import BatchState, Pending, Run, RunStatus
 
 
 @dataclass(frozen=True)
 class ArrivalOutcome:
-    """What recording an arrival did: ``new`` joined ``batch_id``; ``duplicate`` was seen before."""
+    """What recording an arrival did: ``new``, or ``duplicate`` (that event or object version was seen)."""
 
     status: str
-    batch_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,22 @@ class SealOutcome:
     objects: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object's identity and size, as listing or stat-ing it tells."""
+
+    uri: str
+    size: int
+    generation: int | None = None
+    md5_hash: str | None = None
+
+
 class Ledger(Protocol):
     """Durable, transactional record of arrivals, batches and runs (Firestore)."""
 
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome: ...
+
+    def pending(self, dataset: str | None = None) -> list[Pending]: ...
 
     def seal(self, dataset: str, trigger: str) -> SealOutcome: ...
 
@@ -44,6 +56,12 @@ class Ledger(Protocol):
     def batch_objects(self, batch_id: str) -> tuple[str, ...]: ...
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]: ...
+
+    def watermark(self, table: str) -> Any: ...
+
+    def record_export(
+        self, table: str, after: Any, through: Any, arrival: ObjectArrival, dataset: str, content_hash: str
+    ) -> bool: ...
 
     def claim_start(self, run: Run) -> bool: ...
 
@@ -66,3 +84,25 @@ class Orchestrator(Protocol):
     def get(self, execution: str) -> dict[str, Any]: ...
 
     def send_callback(self, url: str, payload: Mapping[str, Any]) -> int: ...
+
+
+class ObjectStore(Protocol):
+    """Objects by ``gs://`` URI (Cloud Storage); ``retrain.adapters.objects`` is the adapter."""
+
+    def write_bytes(self, uri: str, data: bytes, content_type: str = ...) -> None: ...
+
+    def open_write(self, uri: str, content_type: str = ...) -> AbstractContextManager[IO[bytes]]: ...
+
+    def delete(self, uri: str) -> None: ...
+
+    def stat(self, uri: str) -> ObjectInfo: ...
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]: ...
+
+
+class Warehouse(Protocol):
+    """Reads the rows a watched table gained (BigQuery)."""
+
+    def high_watermark(self, table: str, column: str) -> Any: ...
+
+    def rows(self, table: str, column: str, after: Any, through: Any) -> Iterator[dict[str, Any]]: ...

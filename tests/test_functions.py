@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import requests
 
+from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.local.landing import finalized_event
 from retrain.local.stack import function_server
@@ -49,11 +50,14 @@ def function_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def function_url(
-    function_log: Path, firestore_host: str, executions: ExecutionsServer, project: str
+    function_log: Path, firestore_host: str, gcs_host: str, executions: ExecutionsServer, project: str
 ) -> Iterator[str]:
+    objects.storage_client().create_bucket(f"art-{project}")
     env = {
         "FIRESTORE_EMULATOR_HOST": firestore_host,
+        "STORAGE_EMULATOR_HOST": gcs_host,
         "RETRAIN_PROJECT": project,
+        "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
         "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
         "RETRAIN_LANDING_BUCKET": "land",
         "RETRAIN_TRAINER": "datacheck",
@@ -100,8 +104,10 @@ def test_events_become_one_execution_per_sealed_snapshot(
     assert execution["state"] == "SUCCEEDED"
     assert json.loads(execution["result"]) == runs[0].run_id
     argument = json.loads(execution["argument"])
-    assert argument["objects"] == [f"gs://land/{n}" for n in names]
+    assert argument["objects"] == 3
     assert argument["jobset"]["metadata"]["labels"]["retrain.dev/run-id"] == runs[0].run_id
+    manifest = json.loads(objects.read_bytes(f"gs://art-{project}/{argument['manifest_object']}"))
+    assert manifest["objects"] == [f"gs://land/{n}" for n in names]
 
     # the same data again, under new generations: acknowledged, but no second run
     for name in names:

@@ -17,6 +17,7 @@ import functions_framework
 import pytest
 
 from retrain import config
+from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.events import ObjectArrival
@@ -46,19 +47,22 @@ def executions() -> Iterator[ExecutionsServer]:
 
 
 @pytest.fixture
-def ingest(firestore_host: str, project: str, executions: ExecutionsServer) -> Ingest:
+def ingest(firestore_host: str, gcs_host: str, project: str, executions: ExecutionsServer) -> Ingest:
     settings = dataclasses.replace(
         config.load({}),
         project=project,
+        artifacts_bucket=f"art-{project}",
         trainer="datacheck",
         quiet_period_s=60,
         max_batch_age_s=3600,
         stuck_after_s=30,
     )
+    objects.storage_client().create_bucket(settings.artifacts_bucket)
     return Ingest(
         settings,
         FirestoreLedger(project),
         WorkflowsExecutions(project, settings.region, settings.workflow, executions.base_url),
+        objects,
     )
 
 
@@ -116,6 +120,12 @@ def test_a_crash_between_seal_and_start_loses_nothing(ingest: Ingest, executions
     assert recovered.action == "started" and recovered.run_id == sealed.run.run_id
     assert ingest.sweep(now=later(31)) == []  # exactly once
     assert executions.get(recovered.detail)["state"] == "ACTIVE"
+    manifest = json.loads(
+        objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json")
+    )
+    assert (
+        manifest["objects"] == ["gs://land/incoming/c/1.txt"] and manifest["snapshot"] == sealed.run.snapshot
+    )
 
 
 def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(
@@ -148,13 +158,15 @@ def test_bad_ticks_are_rejected(ingest: Ingest) -> None:
 
 
 @pytest.fixture(scope="module")
-def functions_env(firestore_host: str, executions: ExecutionsServer) -> Iterator[str]:
+def functions_env(firestore_host: str, gcs_host: str, executions: ExecutionsServer) -> Iterator[str]:
     project = f"fn-{uuid.uuid4().hex[:8]}"
     env = {
         "RETRAIN_PROJECT": project,
+        "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
         "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
         "RETRAIN_TRAINER": "datacheck",
     }
+    objects.storage_client().create_bucket(env["RETRAIN_ARTIFACTS_BUCKET"])
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield project

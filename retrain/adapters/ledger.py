@@ -1,29 +1,42 @@
-"""The ledger on Firestore: arrivals, batches, snapshots and run records, changed in transactions.
+"""The ledger on Firestore: arrivals, batches, snapshots and run records.
 
 Layout (one collection per concept):
-  events/{event_id}                 seen CloudEvent ids (dedup of redelivery)
-  objects/{sha1(bucket/name#gen)}   seen object versions (dedup across event ids)
-  datasets/{dataset}                the open batch of each dataset
-  batches/{batch_id}                state, counts; objects in batches/{id}/objects/{key}
-  snapshots/{snapshot_id}           the run that trained a snapshot (identical data never retrains)
-  runs/{run_id}                     the run record
+  events/{sha1(event id)}                     seen CloudEvent ids (dedup of redelivery)
+  datasets/{dataset}                          the dataset's seal cut-off and its live run
+  datasets/{dataset}/arrivals/{sha1(b/n#g)}   one per object version (dedup across event ids)
+  batches/{batch_id}                          a sealed window of arrivals, and what became of it
+  snapshots/{snapshot_id}                     the run that trained a snapshot (identical data never retrains)
+  runs/{run_id}                               the run record
+  watermarks/{sha1(table)}                    how far a watched BigQuery table has been exported
+
+Storm-proof by construction: recording an arrival is one atomic commit that *creates* two documents
+(its event and its object version) and touches nothing shared, so a burst of arrivals never contends
+on a hot document; a redelivery fails the create and is a duplicate.  An arrival's batch is decided by
+time, not by a pointer: each arrival carries its commit timestamp, and a seal cuts the dataset's
+timeline at its own commit timestamp, so batch k is exactly the arrivals committed in
+(cut[k-1], cut[k]] -- every arrival lands in one batch, whatever the interleaving.
 The client honours FIRESTORE_EMULATOR_HOST, so the emulator and the cloud differ only by endpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
+from google.api_core.exceptions import AlreadyExists, Conflict
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
 
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import BatchState, Run, RunStatus, new_run_id, now_iso, snapshot_id
+from retrain.domain.runs import BatchState, Pending, Run, RunStatus, iso, new_run_id, now_iso, snapshot_id
 from retrain.ports import ArrivalOutcome, SealOutcome
+
+ARRIVED_AT = "arrived_at"
 
 
 def _key(text: str) -> str:
@@ -42,83 +55,120 @@ class FirestoreLedger:
             else:
                 client = firestore.Client(project=project)
         self.db = client
+        self._known_datasets: set[str] = set()
 
-    # --- arrivals and batches ---
+    # --- arrivals ---
+
+    def _dataset(self, dataset: str) -> firestore.DocumentReference:
+        return self.db.collection("datasets").document(dataset)
+
+    def _arrivals(self, dataset: str) -> firestore.CollectionReference:
+        return self._dataset(dataset).collection("arrivals")
+
+    def _ensure_dataset(self, dataset: str) -> None:
+        """Create the dataset's document once (so sweeps can list datasets); cached per process."""
+        if dataset in self._known_datasets:
+            return
+        with contextlib.suppress(AlreadyExists, Conflict):
+            self._dataset(dataset).create({"created_at": now_iso()})
+        self._known_datasets.add(dataset)
 
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome:
-        event_ref = self.db.collection("events").document(_key(arrival.event_id))
-        object_ref = self.db.collection("objects").document(_key(arrival.identity))
-        dataset_ref = self.db.collection("datasets").document(dataset)
+        """One commit, two creates: a redelivered event or a re-announced object version fails it."""
+        self._ensure_dataset(dataset)
+        batch = self.db.batch()
+        self._add_arrival(batch, arrival, dataset, content_hash)
+        try:
+            batch.commit()
+        except (AlreadyExists, Conflict):
+            return ArrivalOutcome("duplicate")
+        return ArrivalOutcome("new")
 
-        @firestore.transactional
-        def txn(tx: firestore.Transaction) -> ArrivalOutcome:
-            event_snap, object_snap, dataset_snap = (
-                event_ref.get(transaction=tx),
-                object_ref.get(transaction=tx),
-                dataset_ref.get(transaction=tx),
-            )
-            if event_snap.exists or object_snap.exists:
-                return ArrivalOutcome("duplicate")
-            batch_id = (dataset_snap.to_dict() or {}).get("open_batch") if dataset_snap.exists else None
-            batch_ref = self.db.collection("batches").document(batch_id or uuid.uuid4().hex)
-            if batch_id is None:
-                tx.set(
-                    batch_ref,
-                    {
-                        "dataset": dataset,
-                        "state": str(BatchState.OPEN),
-                        "objects": 0,
-                        "created_at": now_iso(),
-                    },
-                )
-                tx.set(dataset_ref, {"open_batch": batch_ref.id, "updated_at": now_iso()}, merge=True)
-            tx.set(
-                batch_ref.collection("objects").document(_key(arrival.identity)),
-                {
-                    "uri": arrival.uri,
-                    "generation": arrival.generation,
-                    "size": arrival.size,
-                    "content_hash": content_hash,
-                    "time": arrival.time,
-                },
-            )
-            tx.update(batch_ref, {"objects": firestore.Increment(1), "last_arrival_at": now_iso()})
-            tx.set(event_ref, {"at": now_iso(), "object": arrival.identity})
-            tx.set(object_ref, {"at": now_iso(), "batch": batch_ref.id, "uri": arrival.uri})
-            return ArrivalOutcome("new", batch_ref.id)
+    def _add_arrival(
+        self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str
+    ) -> firestore.DocumentReference:
+        writes.create(
+            self.db.collection("events").document(_key(arrival.event_id)), {"object": arrival.identity}
+        )
+        ref = self._arrivals(dataset).document(_key(arrival.identity))
+        writes.create(
+            ref,
+            {
+                "uri": arrival.uri,
+                "generation": arrival.generation,
+                "size": arrival.size,
+                "content_hash": content_hash,
+                "time": arrival.time,
+                ARRIVED_AT: firestore.SERVER_TIMESTAMP,
+            },
+        )
+        return ref
 
-        return txn(self.db.transaction())
+    def _window(self, dataset: str, after: datetime | None, through: datetime | None = None) -> Any:
+        q: Any = self._arrivals(dataset)
+        if after is not None:
+            q = q.where(filter=FieldFilter(ARRIVED_AT, ">", after))
+        if through is not None:
+            q = q.where(filter=FieldFilter(ARRIVED_AT, "<=", through))
+        return q
+
+    def pending(self, dataset: str | None = None) -> list[Pending]:
+        """Datasets with arrivals not yet sealed: how many, the first and the last (for the sweeper)."""
+        names = [dataset] if dataset else [d.id for d in self.db.collection("datasets").stream()]
+        out = []
+        for name in names:
+            cut = (self._dataset(name).get().to_dict() or {}).get("sealed_through")
+            window = self._window(name, cut)
+            first = list(window.order_by(ARRIVED_AT).limit(1).stream())
+            if not first:
+                continue
+            (last,) = window.order_by(ARRIVED_AT, direction=firestore.Query.DESCENDING).limit(1).stream()
+            count = window.count().get()[0][0].value
+            out.append(Pending(name, int(count), iso(first[0].get(ARRIVED_AT)), iso(last.get(ARRIVED_AT))))
+        return out
+
+    # --- batches ---
 
     def seal(self, dataset: str, trigger: str) -> SealOutcome:
-        """Close the dataset's open batch and create its run, unless empty or already trained."""
-        dataset_ref = self.db.collection("datasets").document(dataset)
+        """Cut the dataset's timeline now: what arrived since the last cut becomes a batch and its run."""
+        dataset_ref = self._dataset(dataset)
+        batch_ref = self.db.collection("batches").document(uuid.uuid4().hex)
 
         @firestore.transactional
-        def close(tx: firestore.Transaction) -> str | None:
-            snap = dataset_ref.get(transaction=tx)
-            batch_id = (snap.to_dict() or {}).get("open_batch") if snap.exists else None
-            if batch_id is None:
-                return None
-            tx.update(dataset_ref, {"open_batch": None, "updated_at": now_iso()})
-            tx.update(
-                self.db.collection("batches").document(batch_id),
-                {"state": str(BatchState.SEALED), "sealed_at": now_iso(), "trigger": trigger},
+        def cut(tx: firestore.Transaction) -> bool:
+            previous = (dataset_ref.get(transaction=tx).to_dict() or {}).get("sealed_through")
+            if not list(tx.get(self._window(dataset, previous).limit(1))):
+                return False
+            tx.set(dataset_ref, {"sealed_through": firestore.SERVER_TIMESTAMP}, merge=True)
+            tx.set(
+                batch_ref,
+                {
+                    "dataset": dataset,
+                    "state": str(BatchState.SEALED),
+                    "after": previous,
+                    "through": firestore.SERVER_TIMESTAMP,
+                    "sealed_at": now_iso(),
+                    "trigger": trigger,
+                },
             )
-            return str(batch_id)
+            return True
 
-        batch_id = close(self.db.transaction())
-        if batch_id is None:
+        if not cut(self.db.transaction()):
             return SealOutcome(None, "nothing pending")
-        return self.materialize(batch_id)
+        return self.materialize(batch_ref.id)
+
+    def _batch_arrivals(self, batch: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        window = self._window(str(batch["dataset"]), batch.get("after"), batch["through"])
+        return (d.to_dict() or {} for d in window.stream())
 
     def materialize(self, batch_id: str) -> SealOutcome:
         """Turn a sealed batch into its run; idempotent, so a sweeper can finish a seal a crash cut short."""
         batch_ref = self.db.collection("batches").document(batch_id)
         batch = batch_ref.get().to_dict() or {}
         dataset, trigger = str(batch.get("dataset")), str(batch.get("trigger", "sweeper"))
-        objects = [d.to_dict() for d in batch_ref.collection("objects").stream()]
-        uris = tuple(sorted(o["uri"] for o in objects))
-        snap_id = snapshot_id(o["content_hash"] for o in objects)
+        arrivals = list(self._batch_arrivals(batch))
+        uris = tuple(sorted(a["uri"] for a in arrivals))
+        snap_id = snapshot_id(a["content_hash"] for a in arrivals)
         run = Run(
             run_id=new_run_id(dataset),
             dataset=dataset,
@@ -141,7 +191,9 @@ class FirestoreLedger:
                 return "duplicate", str(existing.get("run_id"))
             tx.set(snapshot_ref, {"run_id": run.run_id, "at": now_iso()})
             tx.set(run_ref, run.to_dict())
-            tx.update(batch_ref, {"state": str(BatchState.STARTED), "run_id": run.run_id})
+            tx.update(
+                batch_ref, {"state": str(BatchState.STARTED), "run_id": run.run_id, "objects": len(uris)}
+            )
             return "new", run.run_id
 
         outcome, run_id = claim(self.db.transaction())
@@ -153,17 +205,43 @@ class FirestoreLedger:
         return SealOutcome(run, "sealed", uris)
 
     def batch_objects(self, batch_id: str) -> tuple[str, ...]:
-        objects = self.db.collection("batches").document(batch_id).collection("objects").stream()
-        return tuple(sorted(str((d.to_dict() or {})["uri"]) for d in objects))
+        batch = self.db.collection("batches").document(batch_id).get().to_dict() or {}
+        return tuple(sorted(str(a["uri"]) for a in self._batch_arrivals(batch)))
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]:
-        """Batches in one state, each with its ``batch_id`` (few at a time: open or stuck ones)."""
+        """Batches in one state, each with its ``batch_id`` (few at a time: stuck ones)."""
         docs = self.db.collection("batches").where(filter=FieldFilter("state", "==", str(state))).stream()
         return [{**(d.to_dict() or {}), "batch_id": d.id} for d in docs]
 
+    # --- BigQuery exports ---
+
+    def watermark(self, table: str) -> Any:
+        """How far ``table`` has been exported (None: never)."""
+        return (self.db.collection("watermarks").document(_key(table)).get().to_dict() or {}).get("value")
+
+    def record_export(
+        self, table: str, after: Any, through: Any, arrival: ObjectArrival, dataset: str, content_hash: str
+    ) -> bool:
+        """Advance ``table``'s watermark from ``after`` to ``through`` and record the export's object,
+        atomically; False (nothing written) when another export moved the watermark first."""
+        self._ensure_dataset(dataset)
+        ref = self.db.collection("watermarks").document(_key(table))
+
+        @firestore.transactional
+        def advance(tx: firestore.Transaction) -> bool:
+            if (ref.get(transaction=tx).to_dict() or {}).get("value") != after:
+                return False
+            tx.set(ref, {"table": table, "value": through, "object": arrival.uri, "at": now_iso()})
+            self._add_arrival(tx, arrival, dataset, content_hash)
+            return True
+
+        return bool(advance(self.db.transaction()))
+
+    # --- runs ---
+
     def claim_start(self, run: Run) -> bool:
         """One run at a time per dataset: take the dataset's slot for ``run`` unless a live run holds it."""
-        dataset_ref = self.db.collection("datasets").document(run.dataset)
+        dataset_ref = self._dataset(run.dataset)
 
         @firestore.transactional
         def take(tx: firestore.Transaction) -> bool:
@@ -183,8 +261,6 @@ class FirestoreLedger:
             filter=FieldFilter("status", "in", [str(s) for s in statuses])
         )
         return sorted((Run.from_dict(d.to_dict() or {}) for d in query.stream()), key=lambda r: r.created_at)
-
-    # --- runs ---
 
     def attach_execution(self, run_id: str, execution: str) -> None:
         self.update_run(run_id, {"execution": execution})

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
+
+from retrain.ports import ObjectInfo
 
 GS = "gs://"
 
@@ -60,14 +62,6 @@ def _blob(uri: str) -> Any:
     return storage_client().bucket(bucket).blob(name)
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
-    uri: str
-    size: int
-    generation: int | None = None
-    md5_hash: str | None = None
-
-
 def read_bytes(uri: str) -> bytes:
     if is_gcs(uri):
         return bytes(_blob(uri).download_as_bytes())
@@ -90,6 +84,40 @@ def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-st
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+@contextmanager
+def open_write(uri: str, content_type: str = "application/octet-stream") -> Iterator[IO[bytes]]:
+    """A streaming writer; the object appears only when the block completes, and not if it raises."""
+    if is_gcs(uri):
+        with _blob(uri).open("wb", ignore_flush=True, content_type=content_type) as gf:
+            yield gf
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def delete(uri: str) -> None:
+    if is_gcs(uri):
+        _blob(uri).delete()
+    else:
+        Path(uri).unlink(missing_ok=True)
+
+
+def remove_tree(uri: str) -> None:
+    """Every object under a prefix (a folder, locally)."""
+    if is_gcs(uri):
+        for u in list(list_uris(uri.rstrip("/") + "/")):
+            delete(u)
+    else:
+        shutil.rmtree(uri, ignore_errors=True)
 
 
 def upload_file(local: str | Path, uri: str) -> None:
@@ -124,17 +152,19 @@ def stat(uri: str) -> ObjectInfo:
     return ObjectInfo(uri, Path(uri).stat().st_size)
 
 
-def list_uris(prefix: str) -> Iterator[str]:
-    """Every object under a prefix (a folder, locally), in name order."""
+def list_objects(prefix: str) -> Iterator[ObjectInfo]:
+    """Every object under a prefix (a folder, locally), in name order, with its generation and md5."""
     if is_gcs(prefix):
         bucket, name = split_gs(prefix)
         for blob in storage_client().list_blobs(bucket, prefix=name):
-            yield f"{GS}{bucket}/{blob.name}"
+            yield ObjectInfo(f"{GS}{bucket}/{blob.name}", int(blob.size or 0), blob.generation, blob.md5_hash)
         return
     root = Path(prefix)
-    if root.is_file():
-        yield str(root)
-        return
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            yield str(p)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    for p in files:
+        yield ObjectInfo(str(p), p.stat().st_size)
+
+
+def list_uris(prefix: str) -> Iterator[str]:
+    """Every object under a prefix (a folder, locally), in name order."""
+    return (o.uri for o in list_objects(prefix))

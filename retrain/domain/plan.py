@@ -16,6 +16,15 @@ def run_root(settings: Settings, run_id: str) -> str:
     return f"{settings.artifacts_uri}/runs/{run_id}"
 
 
+def manifest_object(run_id: str) -> str:
+    """The run's object list, in the artifacts bucket: written at seal time, read by the tokenize job.
+
+    Never part of the workflow argument: the Executions API caps an argument at 32 KB, about 450
+    object URIs, and one storm of files makes one run.
+    """
+    return f"runs/{run_id}/objects.json"
+
+
 def shard_root(settings: Settings) -> str:
     """Tokenized shards live outside any run: keyed by content hash, shared by every run."""
     return f"{settings.artifacts_uri}/shards"
@@ -30,8 +39,8 @@ def trainer_argv(settings: Settings, report_uri: str, checkpoint_dir: str) -> li
     return trainer_command(settings.trainer, ["@" + report_uri], checkpoint_dir, settings.max_steps)
 
 
-def workflow_argument(settings: Settings, run: Run, objects: tuple[str, ...]) -> dict[str, Any]:
-    """The argument of one execution of workflows/retrain.yaml."""
+def workflow_argument(settings: Settings, run: Run) -> dict[str, Any]:
+    """The argument of one execution of workflows/retrain.yaml (its objects are in the manifest)."""
     from retrain.k8s.render import render_jobset, render_provisioning_request
 
     root = run_root(settings, run.run_id)
@@ -70,10 +79,10 @@ def workflow_argument(settings: Settings, run: Run, objects: tuple[str, ...]) ->
         "nodes": settings.nodes,
         "gpus_per_node": settings.gpus_per_node,
         "artifacts_bucket": settings.artifacts_bucket,
-        "manifest_object": f"runs/{run.run_id}/objects.json",
+        "manifest_object": manifest_object(run.run_id),
         "report_object": f"runs/{run.run_id}/tokenize_report.json",
         "metrics_object": f"runs/{run.run_id}/checkpoints/metrics.json",
-        "objects": list(objects),
+        "objects": run.objects,
         "shard_root": shard_root(settings),
         "run_root": root,
         "report": report,

@@ -31,10 +31,21 @@ class RunStatus(StrEnum):
 
 
 class BatchState(StrEnum):
-    OPEN = "open"
+    """A batch exists once sealed; until then its arrivals are simply :class:`Pending`."""
+
     SEALED = "sealed"
     STARTED = "started"
     DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A dataset's arrivals since its last seal: what the sweeper judges quiet or old enough to seal."""
+
+    dataset: str
+    objects: int
+    first_arrival_at: str
+    last_arrival_at: str
 
 
 def iso(t: datetime) -> str:

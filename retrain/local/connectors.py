@@ -89,14 +89,6 @@ def storage_get(args: Args, _: Args) -> Any:
     }
 
 
-def storage_insert(args: Args, _: Args) -> Any:
-    uri = _object_uri(args, "name")
-    body = args.get("body")
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    objects.write_bytes(uri, data, content_type="application/json")
-    return {"bucket": args["bucket"], "name": args["name"], "size": str(len(data))}
-
-
 # --- Dataflow: flex-template launches run the Beam pipeline locally --------------------------------
 
 
@@ -231,7 +223,6 @@ def local_registry(
     for name, fn in firestore_bindings(firestore_host).items():
         registry.register(name, fn)
     registry.register("googleapis.storage.v1.objects.get", storage_get)
-    registry.register("googleapis.storage.v1.objects.insert", storage_insert)
     registry.register("googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch", dataflow.launch)
     registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.get", dataflow.get)
     registry.register("gke.request", gke_request_binding(kube))

@@ -26,7 +26,7 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.local import emulators
+from retrain.local import delivery, emulators
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
 
 log = logging.getLogger("retrain.stack")
@@ -241,8 +241,7 @@ class LocalStack:
 
         publisher = pubsub_v1.PublisherClient()
         topic = publisher.topic_path(s.project, s.jobset_topic)
-        with contextlib.suppress(Exception):
-            publisher.create_topic(name=topic)
+        delivery.ensure_topic(publisher, topic)
 
         def publish(data: bytes, attributes: dict[str, str]) -> None:
             publisher.publish(topic, data, **attributes).result(timeout=30)
@@ -283,18 +282,10 @@ class LocalStack:
 
         subscriber = pubsub_v1.SubscriberClient()
         ticks = publisher.topic_path(s.project, s.scheduler_topic)
-        with contextlib.suppress(Exception):
-            publisher.create_topic(name=ticks)
-        for source, function_url in ((topic, ep.relay_function), (ticks, ep.scheduler_function)):
-            with contextlib.suppress(Exception):  # already there: a restarted stack
-                subscriber.create_subscription(
-                    request={
-                        "name": source.replace("/topics/", "/subscriptions/") + "-push",
-                        "topic": source,
-                        "push_config": {"push_endpoint": f"{function_url}/{source}"},
-                        "ack_deadline_seconds": 60,
-                    }
-                )
+        dead_letters = publisher.topic_path(s.project, s.dead_letter_topic)
+        for source, url in ((topic, ep.relay_function), (ticks, ep.scheduler_function)):
+            delivery.push_subscription(subscriber, publisher, source, f"{url}/{source}", dead_letters)
+        delivery.dead_letter_subscription(subscriber, publisher, dead_letters)
 
         # Cloud Scheduler's twin: the sweeper's periodic tick, published like the Scheduler job does.
         stop_ticks = threading.Event()

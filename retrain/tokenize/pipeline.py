@@ -19,15 +19,12 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.pool import ThreadPool
-from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any, cast
 
 import apache_beam as beam
 import numpy as np
@@ -85,42 +82,6 @@ class Part:
     first_offset: int
     uris: list[str]
     doc_lengths: list[np.ndarray]  # int32 per document (0: a document without tokens)
-
-
-# --------------------------------------------------------------------------------------------------
-# Object helpers this pipeline needs beyond retrain.adapters.objects
-# --------------------------------------------------------------------------------------------------
-@contextmanager
-def open_write(uri: str) -> Iterator[IO[bytes]]:
-    """A streaming writer; the object appears only when the block completes."""
-    if objects.is_gcs(uri):
-        bucket, name = objects.split_gs(uri)
-        blob = objects.storage_client().bucket(bucket).blob(name)
-        with blob.open("wb", ignore_flush=True) as gf:
-            yield gf
-        return
-    path = Path(uri)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        yield f
-    tmp.replace(path)
-
-
-def delete(uri: str) -> None:
-    if objects.is_gcs(uri):
-        bucket, name = objects.split_gs(uri)
-        objects.storage_client().bucket(bucket).blob(name).delete()
-    else:
-        Path(uri).unlink(missing_ok=True)
-
-
-def remove_tree(uri: str) -> None:
-    if objects.is_gcs(uri):
-        for u in list(objects.list_uris(uri.rstrip("/") + "/")):
-            delete(u)
-    else:
-        shutil.rmtree(uri, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,7 +230,7 @@ def write_shard(
     documents = 0
     for k, key in enumerate(job.json_keys):
         prefix = f"{spec.prefix}_{key}_document"
-        with open_write(prefix + ".bin") as out:
+        with objects.open_write(prefix + ".bin") as out:
             for p in parts:
                 data = objects.read_bytes(p.uris[k])
                 want = int(p.doc_lengths[k].astype(np.int64).sum()) * itemsize
@@ -339,7 +300,7 @@ def write_shard(
     objects.write_bytes(report_uri, json.dumps(report, indent=1).encode("utf-8"), "application/json")
     for p in parts:
         for u in p.uris:
-            delete(u)
+            objects.delete(u)
     return report
 
 
@@ -433,7 +394,7 @@ def _run(
     if wait:
         result.wait_until_finish()
         if not objects.is_gcs(job.tmp_root):
-            remove_tree(job.tmp_root)
+            objects.remove_tree(job.tmp_root)
             parent = os.path.dirname(job.tmp_root.rstrip("/"))
             if os.path.isdir(parent) and not os.listdir(parent):
                 os.rmdir(parent)

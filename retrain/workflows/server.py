@@ -24,6 +24,9 @@ from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, form
 
 log = logging.getLogger("retrain.workflows.server")
 
+#: The Executions API's documented limit on ``Execution.argument`` (a JSON string): 32 KB.
+MAX_ARGUMENT_BYTES = 32 * 1024
+
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
@@ -302,6 +305,10 @@ class ExecutionsServer:
                     argument = request.get("argument") or ""
                     if not isinstance(argument, str):
                         raise ValueError("argument must be a JSON string")
+                    if len(argument.encode()) > MAX_ARGUMENT_BYTES:
+                        raise ValueError(
+                            f"argument is {len(argument.encode())} bytes; the size limit is 32KB"
+                        )
                     if argument:
                         json.loads(argument)
                 except ValueError as exc:

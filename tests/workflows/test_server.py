@@ -202,6 +202,16 @@ def test_list_and_unknown(harness: Harness) -> None:
     assert bad.status_code == 400
 
 
+def test_argument_over_32kb_is_rejected_as_the_api_does(harness: Harness) -> None:
+    url = f"{harness.server.base_url}/v1/projects/p/locations/l/workflows/sleepy/executions"
+    fits = json.dumps({"pad": "x" * (32 * 1024 - 20)})
+    assert len(fits) <= 32 * 1024
+    assert requests.post(url, json={"argument": fits}, timeout=5).status_code == 200
+    too_big = json.dumps({"pad": "x" * (32 * 1024)})
+    resp = requests.post(url, json={"argument": too_big}, timeout=5)
+    assert resp.status_code == 400 and "32KB" in resp.json()["error"]["message"]
+
+
 def test_adapter_client_against_server(harness: Harness) -> None:
     from retrain.adapters.workflows import WorkflowsExecutions
 
