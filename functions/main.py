@@ -39,7 +39,9 @@ def on_object_finalized(event: CloudEvent) -> None:
     except Rejected as e:
         log.warning("rejected event %s: %s", event.get("id"), e.reason)
         return
-    log.info("event %s: %s %s", event.get("id"), outcome.action, outcome.detail)
+    # One line per object at debug level: a storm of 10,000 files should log its seal, not 10,000 lines.
+    level = logging.DEBUG if outcome.action in ("recorded", "duplicate", "ignored") else logging.INFO
+    log.log(level, "event %s: %s %s", event.get("id"), outcome.action, outcome.detail)
 
 
 @functions_framework.cloud_event

@@ -34,7 +34,7 @@ def ledger(firestore_host: str, project: str) -> FirestoreLedger:
 
 def test_redelivered_event_and_same_object_version_are_duplicates(ledger: FirestoreLedger) -> None:
     assert ledger.record_arrival(arrival("a"), "ds", "h-a").status == "new"
-    assert ledger.record_arrival(arrival("a"), "ds", "h-a").status == "duplicate"  # same event id
+    assert ledger.record_arrival(arrival("a"), "ds", "h-a").status == "duplicate"  # the event, redelivered
     same_object = arrival("a", event_id="another-id")
     assert ledger.record_arrival(same_object, "ds", "h-a").status == "duplicate"  # same bucket/name/gen
     assert ledger.record_arrival(arrival("a", generation=2), "ds", "h-a2").status == "new"

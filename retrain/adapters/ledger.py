@@ -1,20 +1,22 @@
 """The ledger on Firestore: arrivals, batches, snapshots and run records.
 
 Layout (one collection per concept):
-  events/{sha1(event id)}                     seen CloudEvent ids (dedup of redelivery)
   datasets/{dataset}                          the dataset's seal cut-off and its live run
-  datasets/{dataset}/arrivals/{sha1(b/n#g)}   one per object version (dedup across event ids)
+  datasets/{dataset}/arrivals/{sha1(b/n#g)}   one per object version, with the event that announced it
   batches/{batch_id}                          a sealed window of arrivals, and what became of it
   snapshots/{snapshot_id}                     the run that trained a snapshot (identical data never retrains)
   runs/{run_id}                               the run record
   watermarks/{sha1(table)}                    how far a watched BigQuery table has been exported
 
-Storm-proof by construction: recording an arrival is one atomic commit that *creates* two documents
-(its event and its object version) and touches nothing shared, so a burst of arrivals never contends
-on a hot document; a redelivery fails the create and is a duplicate.  An arrival's batch is decided by
-time, not by a pointer: each arrival carries its commit timestamp, and a seal cuts the dataset's
-timeline at its own commit timestamp, so batch k is exactly the arrivals committed in
-(cut[k-1], cut[k]] -- every arrival lands in one batch, whatever the interleaving.
+Storm-proof by construction: recording an arrival is one commit that *creates* one document keyed
+by the object version's identity (bucket, name, generation) and touches nothing shared, so a burst of
+arrivals never contends on a hot document.  A redelivered event names the same object version (a
+finalize event's id is per object version), so it fails the create exactly like the same version
+announced under another event id: both are duplicates, with no second document to write.
+
+An arrival's batch is decided by time, not by a pointer: each arrival carries its commit timestamp,
+and a seal cuts the dataset's timeline at its own commit timestamp, so batch k is exactly the arrivals
+committed in (cut[k-1], cut[k]] -- every arrival lands in one batch, whatever the interleaving.
 The client honours FIRESTORE_EMULATOR_HOST, so the emulator and the cloud differ only by endpoint.
 """
 
@@ -74,7 +76,7 @@ class FirestoreLedger:
         self._known_datasets.add(dataset)
 
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome:
-        """One commit, two creates: a redelivered event or a re-announced object version fails it."""
+        """One create: a redelivered event or a re-announced object version fails it, a duplicate."""
         self._ensure_dataset(dataset)
         batch = self.db.batch()
         self._add_arrival(batch, arrival, dataset, content_hash)
@@ -84,25 +86,19 @@ class FirestoreLedger:
             return ArrivalOutcome("duplicate")
         return ArrivalOutcome("new")
 
-    def _add_arrival(
-        self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str
-    ) -> firestore.DocumentReference:
+    def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:
         writes.create(
-            self.db.collection("events").document(_key(arrival.event_id)), {"object": arrival.identity}
-        )
-        ref = self._arrivals(dataset).document(_key(arrival.identity))
-        writes.create(
-            ref,
+            self._arrivals(dataset).document(_key(arrival.identity)),
             {
                 "uri": arrival.uri,
                 "generation": arrival.generation,
                 "size": arrival.size,
                 "content_hash": content_hash,
                 "time": arrival.time,
+                "event_id": arrival.event_id,
                 ARRIVED_AT: firestore.SERVER_TIMESTAMP,
             },
         )
-        return ref
 
     def _window(self, dataset: str, after: datetime | None, through: datetime | None = None) -> Any:
         q: Any = self._arrivals(dataset)
