@@ -9,9 +9,6 @@ relayed to the waiting execution's callback.
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
-import decimal
 import fnmatch
 import json
 import logging
@@ -67,17 +64,6 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
     )
     ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
     return Outcome("recorded-failure", reason, run.run_id)
-
-
-def _json_value(value: Any) -> Any:
-    """BigQuery row values JSON has no type for: timestamps, dates, numerics, bytes."""
-    if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _safe_name(value: Any) -> str:
@@ -195,11 +181,7 @@ class Ingest:
                 f"{_safe_name(through)}-{uuid.uuid4().hex[:8]}.jsonl"
             )  # own name per attempt: a losing attempt deletes only its own object
             uri = f"gs://{self.settings.landing_bucket}/{name}"
-            rows = 0
-            with self.store.open_write(uri, "application/jsonl") as out:
-                for row in self.warehouse.rows(written.table, column, after, through):
-                    out.write(json.dumps(row, default=_json_value, ensure_ascii=False).encode() + b"\n")
-                    rows += 1
+            rows = self.warehouse.export(written.table, uri, column, after, through)
             info = self.store.stat(uri)
             arrival = ObjectArrival(
                 f"{written.event_id}/{name}", self.settings.landing_bucket, name, int(info.generation or 1),

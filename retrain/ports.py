@@ -8,9 +8,8 @@ endpoint); the Workflows executions API, which has no emulator, has a local twin
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import BatchState, Pending, Run, RunStatus
@@ -91,8 +90,6 @@ class ObjectStore(Protocol):
 
     def write_bytes(self, uri: str, data: bytes, content_type: str = ...) -> None: ...
 
-    def open_write(self, uri: str, content_type: str = ...) -> AbstractContextManager[IO[bytes]]: ...
-
     def delete(self, uri: str) -> None: ...
 
     def stat(self, uri: str) -> ObjectInfo: ...
@@ -101,8 +98,10 @@ class ObjectStore(Protocol):
 
 
 class Warehouse(Protocol):
-    """Reads the rows a watched table gained (BigQuery)."""
+    """Exports a table's rows, or the rows a watched table gained, as a JSONL object (BigQuery)."""
 
     def high_watermark(self, table: str, column: str) -> Any: ...
 
-    def rows(self, table: str, column: str, after: Any, through: Any) -> Iterator[dict[str, Any]]: ...
+    def export(
+        self, table: str, uri: str, column: str | None = None, after: Any = None, through: Any = None
+    ) -> int: ...

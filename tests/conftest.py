@@ -62,6 +62,14 @@ def gcs_host(emulator_dir: Path) -> Iterator[str]:
     yield from _serve(emulators.gcs, emulator_dir, "STORAGE_EMULATOR_HOST", needs_java=False)
 
 
+@pytest.fixture(scope="session")
+def bigquery_host(emulator_dir: Path) -> Iterator[str]:
+    """BIGQUERY_EMULATOR_HOST of bqemulator: an optional tier, skipped where it is not installed."""
+    if emulators.bqemulator_path() is None:
+        pytest.skip("bqemulator is not installed (scripts/test installs it in .tools/bqemulator)")
+    yield from _serve(emulators.bigquery, emulator_dir, "BIGQUERY_EMULATOR_HOST", needs_java=False)
+
+
 @pytest.fixture
 def project() -> str:
     """A fresh project id: the emulators keep each project's data apart."""

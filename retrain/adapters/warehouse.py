@@ -1,4 +1,5 @@
-"""BigQuery through the real client library: the rows a watched table gained, and table exports.
+"""BigQuery through the real client library: a table's rows (all, or those a watched table gained),
+exported as newline-delimited JSON objects that the tokenizer reads like any other input.
 
 Locally ``BIGQUERY_EMULATOR_HOST`` (``http://127.0.0.1:PORT``, as the other emulators' variables)
 points the same client at a BigQuery emulator, so the cloud and the emulator differ only by endpoint.
@@ -7,8 +8,10 @@ Table and column names come from settings, never from events, and are checked be
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import decimal
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from retrain.adapters import objects
 _TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,299}$")
 ROWS_PER_PAGE = 5000
+QUERY_TIMEOUT_S = 300.0  # a bound on every call, so a stuck query fails the invocation (which retries)
 
 
 def _checked(table: str, column: str | None = None) -> str:
@@ -74,30 +78,48 @@ class BigQueryWarehouse:
         config = bigquery.QueryJobConfig(
             query_parameters=[bigquery.ScalarQueryParameter(k, _param_type(v), v) for k, v in params.items()]
         )
-        return self.client.query(sql, job_config=config).result(page_size=ROWS_PER_PAGE)
+        retry = bigquery.DEFAULT_RETRY.with_deadline(QUERY_TIMEOUT_S)
+        job = self.client.query(sql, job_config=config, retry=retry, timeout=QUERY_TIMEOUT_S)
+        return job.result(page_size=ROWS_PER_PAGE, retry=retry, timeout=QUERY_TIMEOUT_S)
 
     def high_watermark(self, table: str, column: str) -> Any:
         """The largest value of ``column`` now (None: an empty table)."""
         (row,) = list(self._query(f"SELECT MAX(`{column}`) AS hi FROM {_checked(table, column)}", {}))
         return row["hi"]
 
-    def rows(self, table: str, column: str, after: Any, through: Any) -> Iterator[dict[str, Any]]:
-        """Rows with ``after < column <= through`` (every row up to ``through`` when ``after`` is None),
-        in ``column`` order, streamed page by page."""
+    def rows(
+        self, table: str, column: str | None = None, after: Any = None, through: Any = None
+    ) -> Iterator[dict[str, Any]]:
+        """Rows with ``after < column <= through`` in ``column`` order (a query), or with no column the
+        whole table in its own order (tabledata.list: no query, no bytes billed); page by page."""
+        if column is None:
+            pages = self.client.list_rows(_checked(table).strip("`"), page_size=ROWS_PER_PAGE)
+            return (dict(row.items()) for row in pages)
         where, params = f"`{column}` <= @through", {"through": through}
         if after is not None:
             where, params["after"] = f"`{column}` > @after AND {where}", after
         sql = f"SELECT * FROM {_checked(table, column)} WHERE {where} ORDER BY `{column}`"
-        for row in self._query(sql, params):
-            yield dict(row.items())
+        return (dict(row.items()) for row in self._query(sql, params))
 
-    def export(self, table: str, destination_prefix: str) -> list[str]:
-        """Export a whole table as newline-delimited JSON objects under ``destination_prefix``
-        (an extract job, BigQuery's own export path); returns the objects written, in order."""
-        from google.cloud import bigquery
+    def export(
+        self, table: str, uri: str, column: str | None = None, after: Any = None, through: Any = None
+    ) -> int:
+        """Write :meth:`rows` to one newline-delimited JSON object at ``uri``, streamed (memory stays at a
+        page); returns the number of rows. The object appears only once every row is written."""
+        count = 0
+        with objects.open_write(uri, "application/jsonl") as out:
+            for row in self.rows(table, column, after, through):
+                out.write(json.dumps(row, default=_json_value, ensure_ascii=False).encode() + b"\n")
+                count += 1
+        return count
 
-        jsonl = bigquery.DestinationFormat.NEWLINE_DELIMITED_JSON
-        config = bigquery.ExtractJobConfig(destination_format=jsonl)
-        pattern = objects.join(destination_prefix, "part-*.jsonl")
-        self.client.extract_table(_checked(table).strip("`"), pattern, job_config=config).result()
-        return list(objects.list_uris(destination_prefix.rstrip("/") + "/"))
+
+def _json_value(value: Any) -> Any:
+    """BigQuery values JSON has no type for: timestamps, dates, numerics, bytes."""
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -233,3 +233,34 @@ def gcs(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
         probe_url=f"http://127.0.0.1:{port}/storage/v1/b",
     )
     return proc, f"http://127.0.0.1:{port}"
+
+
+def bqemulator_path() -> Path | None:
+    """The ``bqemulator`` CLI: ``RETRAIN_BQEMULATOR``, else the copy scripts/test installs in .tools/."""
+    configured = os.environ.get("RETRAIN_BQEMULATOR")
+    candidates = [Path(configured)] if configured else []
+    candidates.append(Path(__file__).resolve().parents[2] / ".tools" / "bqemulator" / "bin" / "bqemulator")
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def bigquery(
+    state_dir: Path, port: int | None = None, project: str = "retrain-local"
+) -> tuple[ManagedProcess, str]:
+    """bqemulator (an optional tier: scripts/test installs it with duckdb 1.5.5 and its spatial
+    extension from PyPI wheels, so it never downloads anything); returns it and BIGQUERY_EMULATOR_HOST."""
+    cli = bqemulator_path()
+    if cli is None:
+        raise EmulatorError("bqemulator is not installed (scripts/test puts it in .tools/bqemulator)")
+    port = port or free_port()
+    argv = [str(cli), "start", "--rest-host", "127.0.0.1", "--rest-port", str(port), "--grpc-port", "0"]
+    argv += ["--project", project, "--log-level", "warning"]
+    url = f"http://127.0.0.1:{port}"
+    proc = ManagedProcess(
+        "bigquery-emulator",
+        argv,
+        state_dir / "bigquery.log",
+        ready_line=None,
+        env={"BQEMU_ENABLE_FORMAT_EXTENSIONS": "false", "BQEMU_GCS_LOCAL_ROOT": str(state_dir / "bq-gcs")},
+        probe_url=url + "/healthz",
+    )
+    return proc, url

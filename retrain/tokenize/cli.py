@@ -1,6 +1,7 @@
 """``retrain tokenize``: raw text -> Megatron .bin/.idx (one prefix, or incremental content-hash shards).
 
     retrain tokenize INPUT... --output-prefix PREFIX [--vocab-file V --merge-file M | --tokenizer-json T]
+        (INPUT: a path, glob, folder, gs:// URI, or bq://project.dataset.table, exported then read)
         [--json-keys text ...] [--append-eod | --no-append-eod] [--runner FnApiRunner|DataflowRunner]
         [--workers N] [--max-document-bytes B] [--keep-empty] [beam pipeline options...]
     retrain tokenize OBJECT... --shard-root ROOT [--report URI] [same options]
@@ -19,13 +20,20 @@ import logging
 import sys
 from typing import Any
 
+from google.api_core.exceptions import GoogleAPICallError
+
 from retrain.tokenize import records
 from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retrain tokenize", description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="*", metavar="INPUT", help="paths, globs, folders or gs:// URIs")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="paths, globs, folders, gs:// URIs or bq://project.dataset.table",
+    )
     p.add_argument("--manifest", help='JSON file or gs:// object {"objects": [URI, ...]}: more inputs')
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--output-prefix", help="write PREFIX_{key}_document.bin/.idx, PREFIX_report.json")
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             report = tokenize_incremental(args.inputs, args.shard_root, report_uri=args.report, **common)
         else:
             report = tokenize_to_prefix(args.inputs, args.output_prefix, **common)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, GoogleAPICallError) as e:
         print(f"retrain tokenize: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=1))

@@ -32,7 +32,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from retrain import megatron
 from retrain.adapters import objects
-from retrain.tokenize import records
+from retrain.tokenize import records, tables
 from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
 from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, gpt2_files
 
@@ -446,9 +446,10 @@ def tokenize_to_prefix(
     """
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
+    run_id = uuid.uuid4().hex[:12]
+    inputs, staged = tables.stage(inputs, objects.join(output_prefix + "_tmp", run_id, "bigquery"))
     uris = records.expand_inputs(inputs)
     sizes = _sizes(uris)
-    run_id = uuid.uuid4().hex[:12]
     job = Job(
         shards=(
             ShardSpec(
@@ -475,7 +476,11 @@ def tokenize_to_prefix(
     _run(job, splits, runner, workers, pipeline_args, wait)
     if not wait:
         return {"submitted": True, "run_id": run_id, "report": output_prefix + "_report.json"}
-    return cast(dict[str, Any], json.loads(objects.read_bytes(output_prefix + "_report.json")))
+    tables.unstage(staged)
+    report = cast(dict[str, Any], json.loads(objects.read_bytes(output_prefix + "_report.json")))
+    if staged:
+        report["tables"] = {t.source: {"rows": t.rows, "exported_to": t.object} for t in staged}
+    return report
 
 
 def _shard_entry(
@@ -550,6 +555,8 @@ def tokenize_incremental(
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
     fp = fingerprint(spec, tok, json_keys, append_eod, keep_empty)
+    objects_, staged = tables.stage(objects_, objects.join(shard_root, "_bigquery", uuid.uuid4().hex[:12]))
+    source = {t.object: t.source for t in staged}
     uris = records.expand_inputs(objects_)
     with ThreadPool(min(8, max(1, len(uris)))) as pool:
         shas = pool.map(records.sha256_of, uris)
@@ -560,8 +567,9 @@ def tokenize_incremental(
     plan: list[tuple[str, str, str, bool]] = []  # (uri, sha, prefix, reused)
     for uri, sha, size in zip(uris, shas, sizes, strict=True):
         prefix = objects.join(shard_root, sha, "data")
+        shown = source.get(uri, uri)  # a table's rows: named by the table, not the staged export
         if sha in todo or sha in reports:
-            plan.append((uri, sha, prefix, True))
+            plan.append((shown, sha, prefix, True))
             continue
         if objects.exists(prefix + "_report.json"):
             r = json.loads(objects.read_bytes(prefix + "_report.json"))
@@ -571,10 +579,10 @@ def tokenize_incremental(
                     "use a shard_root per tokenizer"
                 )
             reports[sha] = r
-            plan.append((uri, sha, prefix, True))
+            plan.append((shown, sha, prefix, True))
         else:
             todo[sha] = (uri, size)
-            plan.append((uri, sha, prefix, False))
+            plan.append((shown, sha, prefix, False))
     log.info("%d object(s): %d to tokenize, %d reused", len(uris), len(todo), len(uris) - len(todo))
 
     def finish(new_reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -591,7 +599,9 @@ def tokenize_incremental(
         run_id = uuid.uuid4().hex[:12]
         shards = tuple(
             ShardSpec(
-                objects.join(shard_root, sha, "data"), ((i, uri, size),), (("object", uri), ("sha256", sha))
+                objects.join(shard_root, sha, "data"),
+                ((i, uri, size),),
+                (("object", source.get(uri, uri)), ("sha256", sha)),
             )
             for i, (sha, (uri, size)) in enumerate(todo.items())
         )
@@ -620,4 +630,5 @@ def tokenize_incremental(
             reports[sha] = json.loads(
                 objects.read_bytes(objects.join(shard_root, sha, "data") + "_report.json")
             )
+    tables.unstage(staged)
     return finish([])

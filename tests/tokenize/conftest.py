@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-
-from retrain.local.emulators import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,22 +76,9 @@ def gpt2():
 
 
 @pytest.fixture(scope="session")
-def gcs_emulator() -> Iterator[str]:
-    """An in-memory gcp-storage-emulator on 127.0.0.1 with bucket BUCKET; STORAGE_EMULATOR_HOST set."""
-    from gcp_storage_emulator.server import create_server
+def gcs_emulator(gcs_host: str) -> str:
+    """Bucket BUCKET in the session's GCS emulator (STORAGE_EMULATOR_HOST is set)."""
+    from retrain.adapters import objects
 
-    port = free_port()
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
-    server.start()
-    old = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT")}
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-    os.environ["GOOGLE_CLOUD_PROJECT"] = "retrain-test"
-    try:
-        yield f"gs://{BUCKET}"
-    finally:
-        server.stop()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    objects.storage_client().create_bucket(BUCKET)
+    return f"gs://{BUCKET}"

@@ -6,14 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from retrain.local.emulators import free_port
 from retrain.megatron import IndexedDatasetWriter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,18 +70,11 @@ def read_jsonl(path: Path) -> list[dict[str, object]]:
 
 
 @pytest.fixture
-def gcs_emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """An in-memory GCS emulator with bucket "b"; STORAGE_EMULATOR_HOST is set here and for children."""
-    from gcp_storage_emulator.server import create_server
+def gcs_emulator(gcs_host: str) -> str:
+    """The session's GCS emulator with bucket "b"; STORAGE_EMULATOR_HOST is set here and for children."""
+    from retrain.adapters import objects
 
-    port = free_port()
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="b")
-    server.start()
-    host = f"http://127.0.0.1:{port}"
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)
-    try:
-        yield host
-    finally:
-        stopper = threading.Thread(target=server.stop, daemon=True)
-        stopper.start()
-        stopper.join(10)
+    client = objects.storage_client()
+    if client.lookup_bucket("b") is None:
+        client.create_bucket("b")
+    return gcs_host

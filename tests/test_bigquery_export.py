@@ -1,0 +1,164 @@
+"""A watched BigQuery table's new rows become a landed object and a run: the BigQuery emulator (optional
+tier), the real Firestore and GCS emulators, and the trigger served by functions-framework, fed the
+recorded audit-log deliveries of tests/events/bigquery."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from retrain.adapters import objects
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.warehouse import BigQueryWarehouse
+from retrain.local.stack import function_server
+from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+
+pytestmark = pytest.mark.emulators
+
+EVENTS = Path(__file__).parent / "events" / "bigquery"
+TABLE = "proj.sales.orders"  # the table the recorded events name
+HOLD = """
+main:
+  params: [args]
+  steps:
+    - hold:
+        call: sys.sleep
+        args:
+          seconds: 600
+"""
+T0 = dt.datetime(2026, 11, 20, 12, 0, tzinfo=dt.UTC)
+
+
+def post(url: str, name: str) -> requests.Response:
+    d = json.loads((EVENTS / f"{name}.json").read_text())
+    return requests.post(url, headers=d["headers"], data=json.dumps(d["body"]), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def warehouse(bigquery_host: str) -> BigQueryWarehouse:
+    from google.cloud import bigquery
+
+    w = BigQueryWarehouse("proj")
+    w.client.create_dataset("sales", exists_ok=True)
+    schema = [
+        bigquery.SchemaField("id", "INT64"),
+        bigquery.SchemaField("text", "STRING"),
+        bigquery.SchemaField("price", "NUMERIC"),
+        bigquery.SchemaField("ingested_at", "TIMESTAMP"),
+    ]
+    w.client.create_table(bigquery.Table(TABLE, schema=schema), exists_ok=True)
+    return w
+
+
+def insert(w: BigQueryWarehouse, ids: range) -> None:
+    rows = [
+        {
+            "id": i,
+            "text": f"order {i}",
+            "price": f"{i}.50",
+            "ingested_at": (T0 + dt.timedelta(seconds=i)).isoformat(),
+        }
+        for i in ids
+    ]
+    assert w.client.insert_rows_json(TABLE, rows) == []
+
+
+def lines(uri: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in objects.read_bytes(uri).splitlines()]
+
+
+@pytest.fixture(scope="module")
+def function(
+    tmp_path_factory: pytest.TempPathFactory,
+    warehouse: BigQueryWarehouse,
+    bigquery_host: str,
+    firestore_host: str,
+    gcs_host: str,
+) -> Iterator[tuple[str, str, Path]]:
+    project = f"bqx-{uuid.uuid4().hex[:8]}"
+    client = objects.storage_client()
+    for bucket in (f"land-{project}", f"art-{project}"):
+        client.create_bucket(bucket)
+    workflow = load_workflow(HOLD)
+    log = tmp_path_factory.mktemp("bqx") / "function.log"
+    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as executions:
+        env = {
+            "FIRESTORE_EMULATOR_HOST": firestore_host,
+            "STORAGE_EMULATOR_HOST": gcs_host,
+            "BIGQUERY_EMULATOR_HOST": bigquery_host,
+            "RETRAIN_PROJECT": project,
+            "RETRAIN_LANDING_BUCKET": f"land-{project}",
+            "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
+            "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
+            "RETRAIN_BIGQUERY_TABLES": f"{TABLE}=orders",
+            "RETRAIN_TRAINER": "datacheck",
+        }
+        proc, url = function_server("on_bigquery_event", log, env)
+        proc.start()
+        yield url, project, log
+        proc.stop()
+
+
+def test_the_warehouse_reads_ranges_in_watermark_order(warehouse: BigQueryWarehouse, gcs_host: str) -> None:
+    insert(warehouse, range(100, 104))
+    hi = warehouse.high_watermark(TABLE, "ingested_at")
+    assert hi == T0 + dt.timedelta(seconds=103)
+    middle = list(
+        warehouse.rows(TABLE, "ingested_at", T0 + dt.timedelta(seconds=100), T0 + dt.timedelta(seconds=102))
+    )
+    assert [r["id"] for r in middle] == [101, 102]
+    bucket = f"exp-{uuid.uuid4().hex[:8]}"
+    objects.storage_client().create_bucket(bucket)
+    n = warehouse.export(TABLE, f"gs://{bucket}/x.jsonl", "id", 101, 103)
+    exported = lines(f"gs://{bucket}/x.jsonl")
+    assert n == 2 and [(r["id"], r["text"], r["ingested_at"]) for r in exported] == [
+        (102, "order 102", "2026-11-20T12:01:42+00:00"),
+        (103, "order 103", "2026-11-20T12:01:43+00:00"),
+    ]
+    assert [Decimal(r["price"]) for r in exported] == [Decimal("102.5"), Decimal("103.5")]  # NUMERIC, exact
+    assert warehouse.high_watermark("proj.sales.orders", "id") >= 103
+    with pytest.raises(ValueError):
+        warehouse.high_watermark("proj.sales.orders`; DROP TABLE x; --", "id")
+
+
+def test_a_table_write_exports_only_new_rows_then_seals(
+    function: tuple[str, str, Path], warehouse: BigQueryWarehouse
+) -> None:
+    url, project, log = function
+    ledger = FirestoreLedger(project)
+    watermark = ledger.watermark(TABLE)
+    assert watermark is None
+    insert(warehouse, range(0, 3))  # (the table also holds the rows of the test above)
+
+    assert post(url, "table_data_change").status_code == 200
+    (run,) = [r for r in ledger.list_runs() if r.dataset == "orders"]
+    assert run.trigger == "bigquery" and run.objects == 1
+    manifest = json.loads(objects.read_bytes(f"gs://art-{project}/runs/{run.run_id}/objects.json"))
+    (first,) = manifest["objects"]
+    assert f"land-{project}/incoming/orders/_retrain/bigquery/" in first
+    exported = lines(first)
+    assert [r["id"] for r in exported] == [0, 1, 2, 100, 101, 102, 103]  # every row, in watermark order
+
+    # The same load also arrives as a jobChange: nothing is new, nothing is written twice.
+    assert post(url, "load_done").status_code == 200
+    assert "nothing-new" in log.read_text().splitlines()[-1]
+
+    insert(warehouse, range(200, 202))  # a later load
+    assert post(url, "table_data_change").status_code == 200
+    runs = [r for r in ledger.list_runs() if r.dataset == "orders"]
+    assert len(runs) == 2 and runs[1].status == "pending"  # queued behind the live first run
+    (second,) = [
+        a.uri
+        for a in objects.list_objects(f"gs://land-{project}/incoming/orders/_retrain/")
+        if a.uri != first
+    ]
+    assert [r["id"] for r in lines(second)] == [200, 201]  # only the new rows
+    assert ledger.watermark(TABLE) == T0 + dt.timedelta(seconds=201)
