@@ -38,6 +38,7 @@ class ObjectInfo:
     uri: str
     size: int
     generation: int | None = None
+    """Changes whenever the content is rewritten: GCS's generation; a local file's mtime in ns."""
     md5_hash: str | None = None
 
 

@@ -149,7 +149,8 @@ def stat(uri: str) -> ObjectInfo:
         if blob is None:
             raise FileNotFoundError(uri)
         return ObjectInfo(uri, int(blob.size or 0), blob.generation, blob.md5_hash)
-    return ObjectInfo(uri, Path(uri).stat().st_size)
+    st = Path(uri).stat()
+    return ObjectInfo(uri, st.st_size, st.st_mtime_ns)
 
 
 def list_objects(prefix: str) -> Iterator[ObjectInfo]:
@@ -162,7 +163,8 @@ def list_objects(prefix: str) -> Iterator[ObjectInfo]:
     root = Path(prefix)
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     for p in files:
-        yield ObjectInfo(str(p), p.stat().st_size)
+        st = p.stat()
+        yield ObjectInfo(str(p), st.st_size, st.st_mtime_ns)
 
 
 def list_uris(prefix: str) -> Iterator[str]:

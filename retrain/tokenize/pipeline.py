@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -29,6 +30,7 @@ from typing import Any, cast
 import apache_beam as beam
 import numpy as np
 from apache_beam.options.pipeline_options import PipelineOptions
+from google.api_core.exceptions import NotFound
 
 from retrain import megatron
 from retrain.adapters import objects
@@ -354,7 +356,6 @@ def fingerprint(
     spec: TokenizerSpec, tok: LoadedTokenizer, json_keys: Sequence[str], append_eod: bool, keep_empty: bool
 ) -> str:
     """What makes shards comparable: tokenizer files' bytes and the options that change output bytes."""
-    import hashlib
 
     h = hashlib.sha256()
     if spec.tokenizer_json:
@@ -414,9 +415,36 @@ def _prepare(
     return spec, tok
 
 
-def _sizes(uris: Sequence[str]) -> list[int]:
+def _stat_all(uris: Sequence[str]) -> list[objects.ObjectInfo]:
     with ThreadPool(min(16, max(1, len(uris)))) as pool:
-        return pool.map(lambda u: objects.stat(u).size, uris)
+        return pool.map(objects.stat, uris)
+
+
+def _sizes(uris: Sequence[str]) -> list[int]:
+    return [info.size for info in _stat_all(uris)]
+
+
+def content_hashes(infos: Sequence[objects.ObjectInfo], index_root: str) -> list[str]:
+    """The sha256 of each object, read once per object version: the hash of ``uri`` at generation
+    ``g`` is kept at ``index_root/<sha1(uri#g)>``, so a run over old objects plus a few new ones
+    reads only the new ones' bytes (and one small index object per old one)."""
+
+    def sha(info: objects.ObjectInfo) -> str:
+        if info.generation is None:
+            return records.sha256_of(info.uri)
+        entry = objects.join(index_root, hashlib.sha1(f"{info.uri}#{info.generation}".encode()).hexdigest())
+        try:
+            known = objects.read_bytes(entry).decode()
+        except (FileNotFoundError, NotFound):
+            known = ""
+        if len(known) == 64:
+            return known
+        digest = records.sha256_of(info.uri)
+        objects.write_bytes(entry, digest.encode(), "text/plain")
+        return digest
+
+    with ThreadPool(min(8, max(1, len(infos)))) as pool:
+        return pool.map(sha, infos)
 
 
 def tokenize_to_prefix(
@@ -558,9 +586,9 @@ def tokenize_incremental(
     objects_, staged = tables.stage(objects_, objects.join(shard_root, "_bigquery", uuid.uuid4().hex[:12]))
     source = {t.object: t.source for t in staged}
     uris = records.expand_inputs(objects_)
-    with ThreadPool(min(8, max(1, len(uris)))) as pool:
-        shas = pool.map(records.sha256_of, uris)
-    sizes = _sizes(uris)
+    infos = _stat_all(uris)
+    shas = content_hashes(infos, objects.join(shard_root, "_index"))
+    sizes = [info.size for info in infos]
     key = json_keys[0]
     reports: dict[str, dict[str, Any]] = {}
     todo: dict[str, tuple[str, int]] = {}  # sha -> (first object with it, size)
