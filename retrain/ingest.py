@@ -176,15 +176,16 @@ class Ingest:
             through = self.warehouse.high_watermark(written.table, column)
             if through is None or (after is not None and through <= after):
                 return Outcome("nothing-new", f"{written.table}: no rows after {after}")
-            name = (
-                f"{self.settings.landing_prefix}{dataset}/_retrain/bigquery/{_safe_name(written.table)}/"
-                f"{_safe_name(through)}-{uuid.uuid4().hex[:8]}.jsonl"
-            )  # own name per attempt: a losing attempt deletes only its own object
-            uri = f"gs://{self.settings.landing_bucket}/{name}"
+            # In the artifacts bucket (retrain's own; no trigger fires), named per attempt, so that a
+            # losing attempt deletes only its own object.
+            bucket = self.settings.artifacts_bucket
+            attempt = f"{_safe_name(through)}-{uuid.uuid4().hex[:8]}"
+            name = f"bigquery/{dataset}/{_safe_name(written.table)}/{attempt}.jsonl"
+            uri = f"gs://{bucket}/{name}"
             rows = self.warehouse.export(written.table, uri, column, after, through)
             info = self.store.stat(uri)
             arrival = ObjectArrival(
-                f"{written.event_id}/{name}", self.settings.landing_bucket, name, int(info.generation or 1),
+                f"{written.event_id}/{name}", bucket, name, int(info.generation or 1),
                 info.size, info.md5_hash or "", now_iso(),
             )  # fmt: skip
             content_hash = f"md5:{info.md5_hash}" if info.md5_hash else f"object:{arrival.identity}"

@@ -143,7 +143,7 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     assert run.trigger == "bigquery" and run.objects == 1
     manifest = json.loads(objects.read_bytes(f"gs://art-{project}/runs/{run.run_id}/objects.json"))
     (first,) = manifest["objects"]
-    assert f"land-{project}/incoming/orders/_retrain/bigquery/" in first
+    assert first.startswith(f"gs://art-{project}/bigquery/orders/proj.sales.orders/")
     exported = lines(first)
     assert [r["id"] for r in exported] == [0, 1, 2, 100, 101, 102, 103]  # every row, in watermark order
 
@@ -156,9 +156,7 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     runs = [r for r in ledger.list_runs() if r.dataset == "orders"]
     assert len(runs) == 2 and runs[1].status == "pending"  # queued behind the live first run
     (second,) = [
-        a.uri
-        for a in objects.list_objects(f"gs://land-{project}/incoming/orders/_retrain/")
-        if a.uri != first
+        a.uri for a in objects.list_objects(f"gs://art-{project}/bigquery/orders/") if a.uri != first
     ]
     assert [r["id"] for r in lines(second)] == [200, 201]  # only the new rows
     assert ledger.watermark(TABLE) == T0 + dt.timedelta(seconds=201)

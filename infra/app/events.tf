@@ -23,6 +23,17 @@ resource "google_cloud_run_v2_service_iam_member" "events_invoke_on_bigquery_eve
   member   = "serviceAccount:${local.sa.events}"
 }
 
+# The functions account reads the watched BigQuery tables (their new rows), and no other table.
+resource "google_bigquery_table_iam_member" "functions_reads_watched_tables" {
+  for_each = var.bigquery_tables
+
+  project    = split(".", each.key)[0]
+  dataset_id = split(".", each.key)[1]
+  table_id   = split(".", each.key)[2]
+  role       = "roles/bigquery.dataViewer"
+  member     = "serviceAccount:${local.sa.functions}"
+}
+
 # Pub/Sub push (JobSet events) -> on_jobset_event
 resource "google_cloud_run_v2_service_iam_member" "events_invoke_on_jobset_event" {
   project  = var.project_id

@@ -43,6 +43,9 @@ locals {
     RETRAIN_MAX_STEPS           = tostring(var.max_steps)
     RETRAIN_PROVISION_TIMEOUT_S = tostring(var.provision_timeout_s)
     RETRAIN_TRAIN_TIMEOUT_S     = tostring(var.train_timeout_s)
+
+    RETRAIN_BIGQUERY_TABLES           = join(",", [for table, dataset in var.bigquery_tables : "${table}=${dataset}"])
+    RETRAIN_BIGQUERY_WATERMARK_COLUMN = var.bigquery_watermark_column
   }
 
   # Deployment facts the workflow needs beyond retrain.config.Settings.

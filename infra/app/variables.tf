@@ -134,8 +134,28 @@ variable "bigquery_method_name" {
 
 variable "bigquery_resource_pattern" {
   type        = string
-  description = "Optional path pattern on resourceName (e.g. projects/P/datasets/D/tables/*) narrowing the BigQuery trigger; empty: every resource."
+  description = "Optional path pattern on resourceName narrowing the BigQuery trigger; empty: every resource. A table pattern (projects/P/datasets/D/tables/*) matches only tableDataChange entries: finished extract and load jobs are named by their job (projects/P/jobs/J)."
   default     = ""
+}
+
+variable "bigquery_tables" {
+  type        = map(string)
+  description = "Watched BigQuery tables (\"project.dataset.table\") and the retrain dataset each one's new rows join. A write to one exports the rows above bigquery_watermark_column into the artifacts bucket and seals; the functions account may read these tables and nothing else. Empty: no table is watched."
+  default     = {}
+
+  validation {
+    condition = alltrue([
+      for table, dataset in var.bigquery_tables :
+      can(regex("^[a-z0-9][a-z0-9.:-]{0,99}\\.[A-Za-z0-9_]{1,1024}\\.[A-Za-z0-9_-]{1,1024}$", table)) && can(regex("^[a-z0-9][a-z0-9-]{0,39}$", dataset))
+    ])
+    error_message = "Keys are project.dataset.table, values retrain dataset names (lowercase letters, digits, dashes)."
+  }
+}
+
+variable "bigquery_watermark_column" {
+  type        = string
+  description = "Column of every watched table whose value only grows as rows are added (a load timestamp or a sequence number)."
+  default     = "ingested_at"
 }
 
 variable "push_max_delivery_attempts" {

@@ -130,6 +130,28 @@ resource "google_storage_bucket_iam_member" "functions_landing_viewer" {
   member = "serviceAccount:${google_service_account.functions.email}"
 }
 
+# Run manifests (runs/, rewritten when a sweeper restarts a half-started run) and BigQuery row
+# exports (bigquery/, a losing export attempt deletes its own object); nothing else in the bucket.
+resource "google_storage_bucket_iam_member" "functions_artifacts_writer" {
+  bucket = google_storage_bucket.artifacts.name
+  role   = "roles/storage.objectUser"
+  member = "serviceAccount:${google_service_account.functions.email}"
+
+  condition {
+    title       = "run-manifests-and-bigquery-exports"
+    description = "Objects under runs/ and bigquery/ only."
+    expression  = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/objects/runs/\") || resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/objects/bigquery/\")"
+  }
+}
+
+# Query jobs that read a watched table's new rows (jobs.create exists only at project level; which
+# tables may be read is granted per table, in the app stage).
+resource "google_project_iam_member" "functions_bigquery_job_user" {
+  project = var.project_id
+  role    = "roles/bigquery.jobUser"
+  member  = "serviceAccount:${google_service_account.functions.email}"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Event delivery (Eventarc + JobSet push subscription); run.invoker on the functions is in app/
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,9 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/datastore.user", "project"),
         ("roles/workflows.invoker", "project"),
         ("roles/storage.objectViewer", "bucket:landing"),
+        ("roles/storage.objectUser", "bucket:artifacts"),  # conditioned: runs/ and bigquery/ only
+        ("roles/bigquery.jobUser", "project"),
+        ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
     },
     "events": {
         ("roles/eventarc.eventReceiver", "project"),
@@ -132,6 +135,7 @@ SCOPE_ATTRIBUTE = {
     "google_service_account_iam_member": "service_account_id",
     "google_artifact_registry_repository_iam_member": "repository",
     "google_cloud_run_v2_service_iam_member": "name",
+    "google_bigquery_table_iam_member": "table_id",
 }
 SCOPE_KIND = {
     "google_storage_bucket": "bucket",
@@ -286,6 +290,9 @@ def _scope(rtype: str, body: Mapping[str, Any]) -> str:
     attr = SCOPE_ATTRIBUTE[rtype]
     if attr is None:
         return "project"
+    for_each = re.fullmatch(r"\$\{var\.(\w+)\}", str(body.get("for_each", "")))
+    if rtype == "google_bigquery_table_iam_member" and for_each:
+        return f"table:var.{for_each.group(1)}"  # tables named by a variable: each one, nothing else
     ref = str(body.get(attr, ""))
     m = re.search(r"(google_\w+)\.(\w+)\.", ref)
     if not m or m.group(1) not in SCOPE_KIND:
@@ -611,6 +618,20 @@ def test_no_authoritative_iam(model: Model) -> None:
 
 def test_custom_role_permissions(model: Model) -> None:
     assert check_custom_roles(model) == []
+
+
+def test_every_setting_the_app_stage_passes_is_one_retrain_reads() -> None:
+    """A RETRAIN_* name in app/main.tf's retrain_env that retrain.config does not know would be
+    silently ignored by every function and job: a typo there must fail here."""
+    from dataclasses import fields
+
+    from retrain.config import Settings
+
+    block = re.search(r"\n  retrain_env = \{\n(.*?)\n  \}\n", (INFRA / "app" / "main.tf").read_text(), re.S)
+    assert block, "app/main.tf has no retrain_env local"
+    passed = set(re.findall(r"^\s+(RETRAIN_\w+)\s+=", block.group(1), re.M))
+    assert {"RETRAIN_BIGQUERY_TABLES", "RETRAIN_PROJECT"} <= passed
+    assert passed - {"RETRAIN_" + f.name.upper() for f in fields(Settings)} == set()
 
 
 def test_outputs_the_cli_reads(model: Model) -> None:
