@@ -24,6 +24,8 @@ def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
         "RETRAIN_STATE_DIR": str(state),
         "RETRAIN_TRAINER": "datacheck",
         "RETRAIN_PROVISION_DELAY_S": "0.5",
+        "RETRAIN_QUIET_PERIOD_S": "5",
+        "RETRAIN_SWEEP_INTERVAL_S": "1",
     }
     return subprocess.run(
         [sys.executable, "-m", "retrain.cli", *args],
@@ -73,6 +75,11 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         started = retrain(["run", "--dataset", "manual"], state)
         assert started.returncode == 0 and "started" in started.stderr, started.stderr
         assert wait_for_run(state, "manual")["trigger"] == "manual"
+
+        # no marker, no manual seal: the Scheduler twin's sweep ticks seal it once it has been quiet
+        data.write_text(json.dumps({"text": "a quiet batch"}) + "\n")
+        assert retrain(["drop", str(data), "--dataset", "quiet", "--no-seal"], state).returncode == 0
+        assert wait_for_run(state, "quiet")["trigger"] == "quiet-period"
 
     finally:
         down = retrain(["down"], state)
