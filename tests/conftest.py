@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from retrain.local import emulators
+from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared"))
@@ -74,3 +76,77 @@ def bigquery_host(emulator_dir: Path) -> Iterator[str]:
 def project() -> str:
     """A fresh project id: the emulators keep each project's data apart."""
     return f"test-{uuid.uuid4().hex[:10]}"
+
+
+# Every execution holds (stays ACTIVE, as a real run does for hours) until it is cancelled.
+HOLD = """
+main:
+  params: [args]
+  steps:
+    - hold:
+        call: sys.sleep
+        args:
+          seconds: 600
+"""
+
+
+@pytest.fixture(scope="session")
+def held_executions() -> Iterator[ExecutionsServer]:
+    """retrain's executions service (the Workflow Executions API's local twin) running HOLD."""
+    workflow = load_workflow(HOLD)
+    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class ServedFunction:
+    """A function of functions/main.py behind the real functions-framework server, in its own project."""
+
+    url: str
+    project: str
+    log: Path
+    landing: str
+    artifacts: str
+
+
+@pytest.fixture(scope="module")
+def serve_function(
+    tmp_path_factory: pytest.TempPathFactory,
+    firestore_host: str,
+    gcs_host: str,
+    held_executions: ExecutionsServer,
+) -> Iterator[Callable[..., ServedFunction]]:
+    """serve(target, **env): the function with the emulators, its own project and buckets (landing
+    ``land-PROJECT`` unless RETRAIN_LANDING_BUCKET says otherwise), runs starting held executions."""
+    from retrain.adapters import objects
+    from retrain.local.stack import function_server
+
+    started: list[emulators.ManagedProcess] = []
+
+    def serve(target: str, **extra: str) -> ServedFunction:
+        project = f"fn-{uuid.uuid4().hex[:8]}"
+        env = {
+            "FIRESTORE_EMULATOR_HOST": firestore_host,
+            "STORAGE_EMULATOR_HOST": gcs_host,
+            "RETRAIN_PROJECT": project,
+            "RETRAIN_LANDING_BUCKET": f"land-{project}",
+            "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
+            "RETRAIN_WORKFLOWS_ENDPOINT": held_executions.base_url,
+            "RETRAIN_TRAINER": "datacheck",
+            **extra,
+        }
+        client = objects.storage_client()
+        for bucket in (env["RETRAIN_LANDING_BUCKET"], env["RETRAIN_ARTIFACTS_BUCKET"]):
+            if client.lookup_bucket(bucket) is None:
+                client.create_bucket(bucket)
+        log = tmp_path_factory.mktemp(target) / "function.log"
+        proc, url = function_server(target, log, env)
+        started.append(proc)
+        proc.start()
+        return ServedFunction(
+            url, project, log, env["RETRAIN_LANDING_BUCKET"], env["RETRAIN_ARTIFACTS_BUCKET"]
+        )
+
+    yield serve
+    for proc in started:
+        proc.stop()

@@ -1,5 +1,5 @@
-"""The tokenization benchmark still runs and still checks what it claims (not how fast: that is the
-bench's job, on a quiet machine, never a test's)."""
+"""The benchmarks still run and still check what they claim, not how fast (that is a bench's job, on a
+quiet machine, never a test's): the storm's correctness half at test size, the tokenize bench's rows."""
 
 from __future__ import annotations
 
@@ -7,17 +7,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from retrain.local import emulators
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_tokenize_bench_runs_every_contender_and_reports_its_ratios() -> None:
+def bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "tokenize_bench.py"), "--repeat", "1", "--trials", "1"],
-        capture_output=True,
-        text=True,
-        timeout=900,
+        [sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True, timeout=900
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.skipif(bool(emulators.java_emulators_unavailable_reason()), reason="needs the Java emulators")
+def test_a_storm_of_duplicated_reordered_events_makes_one_batch_with_every_object_once() -> None:
+    """Through the real function and emulators, from concurrent senders: one run, every object once."""
+    out = bench("storm_bench.py", "--objects", "1500", "--senders", "12")
+    assert "1800 deliveries of 1500 objects" in out.stdout
+    assert "sealed: 1 run(s), its manifest holds 1500 objects; every object exactly once: True" in out.stdout
+
+
+def test_tokenize_bench_runs_every_contender_and_reports_its_ratios() -> None:
+    out = bench("tokenize_bench.py", "--repeat", "1", "--trials", "1")
     for line in (
         "pipeline speed / the best bare tokenizer (ceiling):",
         "+1 object (1% of the data)",

@@ -7,10 +7,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
@@ -18,22 +18,14 @@ import requests
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.warehouse import BigQueryWarehouse
-from retrain.local.stack import function_server
-from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+
+if TYPE_CHECKING:
+    from conftest import ServedFunction
 
 pytestmark = pytest.mark.emulators
 
 EVENTS = Path(__file__).parent / "events" / "bigquery"
 TABLE = "proj.sales.orders"  # the table the recorded events name
-HOLD = """
-main:
-  params: [args]
-  steps:
-    - hold:
-        call: sys.sleep
-        args:
-          seconds: 600
-"""
 T0 = dt.datetime(2026, 11, 20, 12, 0, tzinfo=dt.UTC)
 
 
@@ -77,34 +69,11 @@ def lines(uri: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def function(
-    tmp_path_factory: pytest.TempPathFactory,
-    warehouse: BigQueryWarehouse,
-    bigquery_host: str,
-    firestore_host: str,
-    gcs_host: str,
-) -> Iterator[tuple[str, str, Path]]:
-    project = f"bqx-{uuid.uuid4().hex[:8]}"
-    client = objects.storage_client()
-    for bucket in (f"land-{project}", f"art-{project}"):
-        client.create_bucket(bucket)
-    workflow = load_workflow(HOLD)
-    log = tmp_path_factory.mktemp("bqx") / "function.log"
-    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as executions:
-        env = {
-            "FIRESTORE_EMULATOR_HOST": firestore_host,
-            "STORAGE_EMULATOR_HOST": gcs_host,
-            "BIGQUERY_EMULATOR_HOST": bigquery_host,
-            "RETRAIN_PROJECT": project,
-            "RETRAIN_LANDING_BUCKET": f"land-{project}",
-            "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
-            "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
-            "RETRAIN_BIGQUERY_TABLES": f"{TABLE}=orders",
-            "RETRAIN_TRAINER": "datacheck",
-        }
-        proc, url = function_server("on_bigquery_event", log, env)
-        proc.start()
-        yield url, project, log
-        proc.stop()
+    serve_function: Callable[..., ServedFunction], warehouse: BigQueryWarehouse, bigquery_host: str
+) -> ServedFunction:
+    return serve_function(
+        "on_bigquery_event", BIGQUERY_EMULATOR_HOST=bigquery_host, RETRAIN_BIGQUERY_TABLES=f"{TABLE}=orders"
+    )
 
 
 def test_the_warehouse_reads_ranges_in_watermark_order(warehouse: BigQueryWarehouse, gcs_host: str) -> None:
@@ -130,10 +99,10 @@ def test_the_warehouse_reads_ranges_in_watermark_order(warehouse: BigQueryWareho
 
 
 def test_a_table_write_exports_only_new_rows_then_seals(
-    function: tuple[str, str, Path], warehouse: BigQueryWarehouse
+    function: ServedFunction, warehouse: BigQueryWarehouse
 ) -> None:
-    url, project, log = function
-    ledger = FirestoreLedger(project)
+    url, log, artifacts = function.url, function.log, function.artifacts
+    ledger = FirestoreLedger(function.project)
     watermark = ledger.watermark(TABLE)
     assert watermark is None
     insert(warehouse, range(0, 3))  # (the table also holds the rows of the test above)
@@ -141,9 +110,9 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     assert post(url, "table_data_change").status_code == 200
     (run,) = [r for r in ledger.list_runs() if r.dataset == "orders"]
     assert run.trigger == "bigquery" and run.objects == 1
-    manifest = json.loads(objects.read_bytes(f"gs://art-{project}/runs/{run.run_id}/objects.json"))
+    manifest = json.loads(objects.read_bytes(f"gs://{artifacts}/runs/{run.run_id}/objects.json"))
     (first,) = manifest["objects"]
-    assert first.startswith(f"gs://art-{project}/bigquery/orders/proj.sales.orders/")
+    assert first.startswith(f"gs://{artifacts}/bigquery/orders/proj.sales.orders/")
     exported = lines(first)
     assert [r["id"] for r in exported] == [0, 1, 2, 100, 101, 102, 103]  # every row, in watermark order
 
@@ -155,8 +124,6 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     assert post(url, "table_data_change").status_code == 200
     runs = [r for r in ledger.list_runs() if r.dataset == "orders"]
     assert len(runs) == 2 and runs[1].status == "pending"  # queued behind the live first run
-    (second,) = [
-        a.uri for a in objects.list_objects(f"gs://art-{project}/bigquery/orders/") if a.uri != first
-    ]
+    (second,) = [a.uri for a in objects.list_objects(f"gs://{artifacts}/bigquery/orders/") if a.uri != first]
     assert [r["id"] for r in lines(second)] == [200, 201]  # only the new rows
     assert ledger.watermark(TABLE) == T0 + dt.timedelta(seconds=201)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
@@ -16,13 +15,13 @@ import requests
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.local.landing import upload
-from retrain.local.stack import function_server
-from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+
+if TYPE_CHECKING:
+    from conftest import ServedFunction
 
 pytestmark = pytest.mark.emulators
 
 EVENTS = Path(__file__).parent / "events" / "bigquery"
-HOLD = "main:\n  params: [args]\n  steps:\n    - done:\n        return: ${args.run_id}\n"
 
 
 def delivery(name: str) -> dict[str, Any]:
@@ -34,63 +33,35 @@ def post(url: str, d: dict[str, Any]) -> requests.Response:
 
 
 @pytest.fixture(scope="module")
-def project() -> str:
-    return f"bq-{uuid.uuid4().hex[:8]}"
+def function(serve_function: Callable[..., ServedFunction]) -> ServedFunction:
+    return serve_function("on_bigquery_event", RETRAIN_LANDING_BUCKET="land")  # the recorded events' bucket
 
 
-@pytest.fixture(scope="module")
-def function(
-    tmp_path_factory: pytest.TempPathFactory, firestore_host: str, gcs_host: str, project: str
-) -> Iterator[tuple[str, Path]]:
-    client = objects.storage_client()
-    for bucket in ("land", f"art-{project}"):
-        if client.lookup_bucket(bucket) is None:
-            client.create_bucket(bucket)
-    workflow = load_workflow(HOLD)
-    log = tmp_path_factory.mktemp("bqfn") / "function.log"
-    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as executions:
-        env = {
-            "FIRESTORE_EMULATOR_HOST": firestore_host,
-            "STORAGE_EMULATOR_HOST": gcs_host,
-            "RETRAIN_PROJECT": project,
-            "RETRAIN_LANDING_BUCKET": "land",
-            "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
-            "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
-            "RETRAIN_TRAINER": "datacheck",
-        }
-        proc, url = function_server("on_bigquery_event", log, env)
-        proc.start()
-        yield url, log
-        proc.stop()
-
-
-def test_a_finished_export_into_the_landing_bucket_becomes_one_run(
-    function: tuple[str, Path], project: str
-) -> None:
-    url, _ = function
+def test_a_finished_export_into_the_landing_bucket_becomes_one_run(function: ServedFunction) -> None:
+    url = function.url
     parts = [f"gs://land/incoming/orders/export-2026-11-20/part-00000000000{i}.jsonl" for i in range(3)]
     for i, uri in enumerate(parts):
         upload(json.dumps({"text": f"order {i}"}).encode() + b"\n", uri)
     upload(b"not part of the export", "gs://land/incoming/orders/export-2026-11-20/notes.txt")
 
     assert post(url, delivery("extract_done")).status_code == 200
-    runs = [r for r in FirestoreLedger(project).list_runs() if r.dataset == "orders"]
+    runs = [r for r in FirestoreLedger(function.project).list_runs() if r.dataset == "orders"]
     assert len(runs) == 1 and runs[0].trigger == "bigquery-export" and runs[0].objects == 3
-    manifest = json.loads(objects.read_bytes(f"gs://art-{project}/runs/{runs[0].run_id}/objects.json"))
+    manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/runs/{runs[0].run_id}/objects.json"))
     assert manifest["objects"] == parts
 
     assert post(url, delivery("extract_done")).status_code == 200  # at-least-once: a redelivery
-    assert len([r for r in FirestoreLedger(project).list_runs() if r.dataset == "orders"]) == 1
+    assert len([r for r in FirestoreLedger(function.project).list_runs() if r.dataset == "orders"]) == 1
 
 
-def test_a_failed_export_seals_nothing(function: tuple[str, Path], project: str) -> None:
-    url, log = function
+def test_a_failed_export_seals_nothing(function: ServedFunction) -> None:
+    url, log = function.url, function.log
     assert post(url, delivery("extract_failed")).status_code == 200
     assert "ignored export projects/proj/jobs/bqjob_r1a2b3c4_export_1 failed" in log.read_text()
 
 
-def test_an_export_whose_files_are_not_listed_yet_is_retried(function: tuple[str, Path]) -> None:
-    url, _ = function
+def test_an_export_whose_files_are_not_listed_yet_is_retried(function: ServedFunction) -> None:
+    url = function.url
     d = copy.deepcopy(delivery("extract_done"))
     config = d["body"]["protoPayload"]["metadata"]["jobChange"]["job"]["jobConfig"]["extractConfig"]
     config["destinationUris"] = ["gs://land/incoming/orders/not-yet/part-*.jsonl"]
@@ -101,10 +72,8 @@ def test_an_export_whose_files_are_not_listed_yet_is_retried(function: tuple[str
     "destination",
     ["gs://someone-elses/incoming/orders/part-*.jsonl", "gs://land/elsewhere/part-*.jsonl"],
 )
-def test_an_export_outside_the_landing_prefix_is_rejected(
-    function: tuple[str, Path], destination: str
-) -> None:
-    url, log = function
+def test_an_export_outside_the_landing_prefix_is_rejected(function: ServedFunction, destination: str) -> None:
+    url, log = function.url, function.log
     d = copy.deepcopy(delivery("extract_done"))
     config = d["body"]["protoPayload"]["metadata"]["jobChange"]["job"]["jobConfig"]["extractConfig"]
     config["destinationUris"] = [destination]
@@ -112,8 +81,8 @@ def test_an_export_outside_the_landing_prefix_is_rejected(
     assert "rejected BigQuery event" in log.read_text().splitlines()[-1]
 
 
-def test_writes_to_unwatched_tables_and_job_insertions_do_nothing(function: tuple[str, Path]) -> None:
-    url, log = function
+def test_writes_to_unwatched_tables_and_job_insertions_do_nothing(function: ServedFunction) -> None:
+    url, log = function.url, function.log
     for name, said in (
         ("table_data_change", "table proj.sales.orders is not watched"),
         ("load_inserted", "not a job change"),

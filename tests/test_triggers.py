@@ -23,31 +23,14 @@ from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import RunStatus
 from retrain.ingest import Ingest
-from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+from retrain.workflows import ExecutionsServer
 
 pytestmark = pytest.mark.emulators
 REPO = Path(__file__).resolve().parents[1]
-# A run's execution stays ACTIVE (as a real one does for hours) until the test ends or cancels it.
-HOLD = """
-main:
-  params: [args]
-  steps:
-    - hold:
-        call: sys.sleep
-        args:
-          seconds: 600
-"""
-
-
-@pytest.fixture(scope="module")
-def executions() -> Iterator[ExecutionsServer]:
-    workflow = load_workflow(HOLD)
-    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as server:
-        yield server
 
 
 @pytest.fixture
-def ingest(firestore_host: str, gcs_host: str, project: str, executions: ExecutionsServer) -> Ingest:
+def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: ExecutionsServer) -> Ingest:
     settings = dataclasses.replace(
         config.load({}),
         project=project,
@@ -61,7 +44,7 @@ def ingest(firestore_host: str, gcs_host: str, project: str, executions: Executi
     return Ingest(
         settings,
         FirestoreLedger(project),
-        WorkflowsExecutions(project, settings.region, settings.workflow, executions.base_url),
+        WorkflowsExecutions(project, settings.region, settings.workflow, held_executions.base_url),
         objects,
     )
 
@@ -111,7 +94,9 @@ def test_one_run_at_a_time_per_dataset(ingest: Ingest) -> None:
     assert ingest.ledger.get_run(second.run_id).execution
 
 
-def test_a_crash_between_seal_and_start_loses_nothing(ingest: Ingest, executions: ExecutionsServer) -> None:
+def test_a_crash_between_seal_and_start_loses_nothing(
+    ingest: Ingest, held_executions: ExecutionsServer
+) -> None:
     arrive(ingest, "c", "1.txt")
     sealed = ingest.ledger.seal("c", "gcs-marker")  # ...and the function died before starting the workflow
     assert sealed.run is not None and ingest.ledger.get_run(sealed.run.run_id).execution is None
@@ -119,7 +104,7 @@ def test_a_crash_between_seal_and_start_loses_nothing(ingest: Ingest, executions
     (recovered,) = ingest.sweep(now=later(31))
     assert recovered.action == "started" and recovered.run_id == sealed.run.run_id
     assert ingest.sweep(now=later(31)) == []  # exactly once
-    assert executions.get(recovered.detail)["state"] == "ACTIVE"
+    assert held_executions.get(recovered.detail)["state"] == "ACTIVE"
     manifest = json.loads(
         objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json")
     )
@@ -129,13 +114,13 @@ def test_a_crash_between_seal_and_start_loses_nothing(ingest: Ingest, executions
 
 
 def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(
-    ingest: Ingest, executions: ExecutionsServer
+    ingest: Ingest, held_executions: ExecutionsServer
 ) -> None:
     arrive(ingest, "e", "1.txt")
     first = ingest.seal("e", "manual")
-    executions.cancel(first.detail)  # a hard cancel: no workflow step runs to record the outcome
+    held_executions.cancel(first.detail)  # a hard cancel: no workflow step runs to record the outcome
     deadline = time.monotonic() + 10
-    while executions.get(first.detail)["state"] == "ACTIVE":
+    while held_executions.get(first.detail)["state"] == "ACTIVE":
         assert time.monotonic() < deadline
         time.sleep(0.1)
     arrive(ingest, "e", "2.txt")
@@ -158,12 +143,12 @@ def test_bad_ticks_are_rejected(ingest: Ingest) -> None:
 
 
 @pytest.fixture(scope="module")
-def functions_env(firestore_host: str, gcs_host: str, executions: ExecutionsServer) -> Iterator[str]:
+def functions_env(firestore_host: str, gcs_host: str, held_executions: ExecutionsServer) -> Iterator[str]:
     project = f"fn-{uuid.uuid4().hex[:8]}"
     env = {
         "RETRAIN_PROJECT": project,
         "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
-        "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
+        "RETRAIN_WORKFLOWS_ENDPOINT": held_executions.base_url,
         "RETRAIN_TRAINER": "datacheck",
     }
     objects.storage_client().create_bucket(env["RETRAIN_ARTIFACTS_BUCKET"])
