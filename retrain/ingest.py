@@ -2,9 +2,9 @@
 
 Arrivals are recorded in the ledger (deduplicated, contention-free); a seal cuts the dataset's
 timeline, and a sealed batch whose snapshot is new becomes one run: its object list is written as the
-run's manifest and one workflow execution starts.  BigQuery writes to a watched table are exported
-to the landing bucket as new objects first.  JobSet completions come back the other way and are
-relayed to the waiting execution's callback.
+run's manifest and one workflow execution starts.  A write to a watched BigQuery table is first
+exported (its new rows, as one object in the artifacts bucket) and recorded like any arrival.  JobSet
+completions come back the other way and are relayed to the waiting execution's callback.
 """
 
 from __future__ import annotations
@@ -110,8 +110,7 @@ class Ingest:
         return self._record(arrival, dataset)
 
     def _record(self, arrival: ObjectArrival, dataset: str) -> Outcome:
-        content_hash = f"md5:{arrival.md5_hash}" if arrival.md5_hash else f"object:{arrival.identity}"
-        if self.ledger.record_arrival(arrival, dataset, content_hash).status == "duplicate":
+        if self.ledger.record_arrival(arrival, dataset, arrival.content_hash).status == "duplicate":
             return Outcome("duplicate", arrival.identity)
         return Outcome("recorded", f"{arrival.uri} -> dataset {dataset}")
 
@@ -152,9 +151,14 @@ class Ingest:
                     continue
                 bucket, name = info.uri.removeprefix("gs://").split("/", 1)
                 arrival = ObjectArrival(
-                    f"{export.event_id}/{name}", bucket, name, info.generation, info.size,
-                    info.md5_hash or "", now_iso(),
-                )  # fmt: skip
+                    event_id=f"{export.event_id}/{name}",
+                    bucket=bucket,
+                    name=name,
+                    generation=info.generation,
+                    size=info.size,
+                    md5_hash=info.md5_hash or "",
+                    time=now_iso(),
+                )
                 self._record(arrival, dataset)  # the files' own finalize events may come before or after
                 found += 1
         if not found:
@@ -185,11 +189,17 @@ class Ingest:
             rows = self.warehouse.export(written.table, uri, column, after, through)
             info = self.store.stat(uri)
             arrival = ObjectArrival(
-                f"{written.event_id}/{name}", bucket, name, int(info.generation or 1),
-                info.size, info.md5_hash or "", now_iso(),
-            )  # fmt: skip
-            content_hash = f"md5:{info.md5_hash}" if info.md5_hash else f"object:{arrival.identity}"
-            if self.ledger.record_export(written.table, after, through, arrival, dataset, content_hash):
+                event_id=f"{written.event_id}/{name}",
+                bucket=bucket,
+                name=name,
+                generation=int(info.generation or 1),
+                size=info.size,
+                md5_hash=info.md5_hash or "",
+                time=now_iso(),
+            )
+            if self.ledger.record_export(
+                written.table, after, through, arrival, dataset, arrival.content_hash
+            ):
                 log.info("%s: %d row(s) in (%s, %s] exported to %s", written.table, rows, after, through, uri)
                 return self.seal(dataset, "bigquery")
             self.store.delete(uri)  # another export moved the watermark first; go again from there

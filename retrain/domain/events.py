@@ -53,6 +53,12 @@ class ObjectArrival:
         """(bucket, name, generation): re-delivery of the same object version has the same identity."""
         return f"{self.bucket}/{self.name}#{self.generation}"
 
+    @property
+    def content_hash(self) -> str:
+        """What snapshots are made of: the object's md5 (same bytes, same hash, whatever the name);
+        an object without one (a composite upload) stands for itself."""
+        return f"md5:{self.md5_hash}" if self.md5_hash else f"object:{self.identity}"
+
 
 def check_object_name(name: object) -> str:
     """Return ``name`` if it is safe to use as an object name, else raise Rejected."""
