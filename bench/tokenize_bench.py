@@ -25,6 +25,7 @@ its best trial.  MB/s is of JSONL input, 1e6 bytes; CPU s/MB counts this process
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -286,12 +287,11 @@ def main() -> None:
     }
     startups: dict[str, float] = {}
     if not args.skip_megatron:
-        try:
-            gpt2_dir = gpt2_folder(tmp / "gpt2")
-            build_megatron_tokenizer(megatron_args(False), gpt2_dir)  # importable? (torch, transformers)
-        except ImportError as e:
-            notes.append(f"Megatron baseline skipped ({e}): {MEGATRON_SETUP}")
+        missing = [m for m in ("megatron", "transformers", "torch") if importlib.util.find_spec(m) is None]
+        if missing:
+            notes.append(f"Megatron baseline skipped (no {', '.join(missing)}): {MEGATRON_SETUP}")
         else:
+            gpt2_dir = gpt2_folder(tmp / "gpt2")
             for use_fast, flag in ((False, "defaults"), (True, "--tokenizer-hf-use-fast")):
 
                 def megatron(
