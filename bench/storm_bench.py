@@ -49,16 +49,6 @@ import functions_framework
 def noop(event):
     event.get_data()
 """
-HOLD = """
-main:
-  params: [args]
-  steps:
-    - hold:
-        call: sys.sleep
-        args:
-          seconds: 600
-"""
-
 Event = tuple[dict[str, str], bytes]
 
 
@@ -229,12 +219,11 @@ def main() -> int:
         from retrain.adapters import objects
         from retrain.adapters.ledger import FirestoreLedger
         from retrain.domain.events import ObjectArrival
-        from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+        from retrain.workflows import ExecutionsServer
 
         project = f"storm-{uuid.uuid4().hex[:6]}"
         objects.storage_client().create_bucket("art")
-        hold = load_workflow(HOLD)
-        executions = ExecutionsServer(lambda _: hold, ConnectorRegistry(), {})
+        executions = ExecutionsServer.holding()
         executions.start()
         env = {
             "FIRESTORE_EMULATOR_HOST": fs_host,

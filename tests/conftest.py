@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from retrain.local import emulators
-from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+from retrain.workflows import ExecutionsServer
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared"))
@@ -78,23 +78,10 @@ def project() -> str:
     return f"test-{uuid.uuid4().hex[:10]}"
 
 
-# Every execution holds (stays ACTIVE, as a real run does for hours) until it is cancelled.
-HOLD = """
-main:
-  params: [args]
-  steps:
-    - hold:
-        call: sys.sleep
-        args:
-          seconds: 600
-"""
-
-
 @pytest.fixture(scope="session")
 def held_executions() -> Iterator[ExecutionsServer]:
-    """retrain's executions service (the Workflow Executions API's local twin) running HOLD."""
-    workflow = load_workflow(HOLD)
-    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as server:
+    """retrain's executions service (the Workflow Executions API's local twin), every run held."""
+    with ExecutionsServer.holding() as server:
         yield server
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from retrain.domain.events import Rejected
+from retrain.domain.events import Rejected, event_id_of
 
 AUDIT_LOG_WRITTEN = "google.cloud.audit.log.v1.written"
 BIGQUERY_SERVICE = "bigquery.googleapis.com"
@@ -77,11 +77,7 @@ def _mapping(value: Any, what: str) -> Mapping[str, Any]:
 
 def parse_bigquery_audit(attributes: Mapping[str, Any], data: Any) -> BigQueryChange:
     """Validate an Eventarc audit-log CloudEvent from BigQuery and say what it means for retrain."""
-    if attributes.get("type") != AUDIT_LOG_WRITTEN:
-        raise Rejected(f"unexpected event type {attributes.get('type')!r}")
-    event_id = attributes.get("id")
-    if not isinstance(event_id, str) or not event_id or len(event_id) > 512:
-        raise Rejected("event id missing or invalid")
+    event_id = event_id_of(attributes, AUDIT_LOG_WRITTEN)
     source = str(attributes.get("source", ""))
     if not AUDIT_SOURCE_RE.match(source):
         raise Rejected(f"event source {source[:200]!r} is not a Cloud Audit Logs source")

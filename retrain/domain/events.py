@@ -83,13 +83,19 @@ def _field(data: Mapping[str, Any], key: str) -> Any:
     return data[key]
 
 
+def event_id_of(attributes: Mapping[str, Any], expected_type: str) -> str:
+    """The CloudEvent's id, once its type is the one this handler serves (the dedup key's other half)."""
+    if attributes.get("type") != expected_type:
+        raise Rejected(f"unexpected event type {str(attributes.get('type'))[:200]!r}")
+    event_id = attributes.get("id")
+    if not isinstance(event_id, str) or not event_id or len(event_id) > 512:
+        raise Rejected("event id missing or invalid")
+    return event_id
+
+
 def parse_gcs_finalized(attributes: Mapping[str, Any], data: Any) -> ObjectArrival:
     """Validate an Eventarc ``object.v1.finalized`` CloudEvent (attributes + StorageObjectData)."""
-    if attributes.get("type") != GCS_FINALIZED:
-        raise Rejected(f"unexpected event type {attributes.get('type')!r}")
-    event_id = attributes.get("id")
-    if not isinstance(event_id, str) or not event_id or len(event_id) > 256:
-        raise Rejected("event id missing or invalid")
+    event_id = event_id_of(attributes, GCS_FINALIZED)
     if not isinstance(data, Mapping):
         raise Rejected("event data is not a JSON object")
     bucket = _field(data, "bucket")

@@ -19,13 +19,24 @@ from typing import Any
 from urllib.parse import urlparse
 
 from .callbacks import CallbackHub
-from .engine import ConnectorRegistry, Workflow, error_context
+from .engine import ConnectorRegistry, Workflow, error_context, load_workflow
 from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, format_error
 
 log = logging.getLogger("retrain.workflows.server")
 
 #: The Executions API's documented limit on ``Execution.argument`` (a JSON string): 32 KB.
 MAX_ARGUMENT_BYTES = 32 * 1024
+
+# Stays ACTIVE until cancelled, as a real run does for hours.
+_HOLD = """
+main:
+  params: [args]
+  steps:
+    - hold:
+        call: sys.sleep
+        args:
+          seconds: 600
+"""
 
 
 def _now() -> str:
@@ -86,6 +97,16 @@ class ExecutionsServer:
         self.base_url = f"http://{host_name!s}:{real_port}"
         self.hub = CallbackHub(self.base_url)
         self._serve_thread: threading.Thread | None = None
+
+    @classmethod
+    def holding(cls) -> ExecutionsServer:
+        """An executions service whose every execution holds until cancelled.
+
+        It stands in for the retrain workflow wherever only the trigger side is exercised
+        (tests, the storm benchmark): executions exist, are ACTIVE and can be listed.
+        """
+        workflow = load_workflow(_HOLD)
+        return cls(lambda _name: workflow, ConnectorRegistry(), {})
 
     # -- lifecycle ---------------------------------------------------------------------------
 
