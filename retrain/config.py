@@ -16,7 +16,8 @@ from dataclasses import dataclass, fields
 
 #: A dataset name: a folder under the landing prefix, a Kubernetes label part, a Firestore document id.
 DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
-_TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
+#: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
+TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Settings:
         out = {}
         for item in filter(None, (part.strip() for part in self.bigquery_tables.split(","))):
             table, _, dataset = item.partition("=")
-            if not _TABLE_RE.match(table) or (dataset and not DATASET_RE.match(dataset)):
+            if not TABLE_RE.match(table) or (dataset and not DATASET_RE.match(dataset)):
                 raise ValueError(f"RETRAIN_BIGQUERY_TABLES: {item!r} is not project.dataset.table[=dataset]")
             out[table] = dataset or self.dataset
         return out

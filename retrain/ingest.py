@@ -71,6 +71,8 @@ def _safe_name(value: Any) -> str:
 
 
 class Ingest:
+    """Every trigger's handler (functions/, the CLI and the sweeper call these), over the ports alone."""
+
     def __init__(
         self,
         settings: Settings,

@@ -18,15 +18,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from retrain.adapters import objects
+from retrain.config import TABLE_RE
 
-_TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,299}$")
 ROWS_PER_PAGE = 5000
 QUERY_TIMEOUT_S = 300.0  # a bound on every call, so a stuck query fails the invocation (which retries)
 
 
 def _checked(table: str, column: str | None = None) -> str:
-    if not _TABLE_RE.match(table):
+    if not TABLE_RE.match(table):
         raise ValueError(f"{table!r} is not project.dataset.table")
     if column is not None and not _COLUMN_RE.match(column):
         raise ValueError(f"{column!r} is not a column name")

@@ -8,16 +8,13 @@ streams the table page by page (tabledata.list: no query, no bytes billed), so m
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from retrain.adapters import objects
+from retrain.config import TABLE_RE
 
 BIGQUERY = "bq://"
-_TABLE_RE = re.compile(
-    r"^bq://(?P<project>[a-z0-9][a-z0-9.:-]{0,99})\.(?P<dataset>\w{1,1024})\.(?P<table>[\w-]{1,1024})$"
-)
 
 
 @dataclass(frozen=True)
@@ -33,10 +30,10 @@ def is_table(uri: str) -> bool:
 
 def table_of(uri: str) -> tuple[str, str]:
     """``bq://p.d.t`` -> (``p``, ``p.d.t``); ValueError on anything else."""
-    m = _TABLE_RE.match(uri)
-    if not m:
+    table = uri.removeprefix(BIGQUERY)
+    if not is_table(uri) or not TABLE_RE.match(table):
         raise ValueError(f"{uri!r} is not bq://project.dataset.table")
-    return m["project"], uri[len(BIGQUERY) :]
+    return table.rsplit(".", 2)[0], table  # dataset and table names have no dots; a project may
 
 
 def stage(inputs: Sequence[str], staging: str) -> tuple[list[str], list[StagedTable]]:

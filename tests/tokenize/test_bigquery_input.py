@@ -13,6 +13,7 @@ from conftest import corpus_documents, megatron_bytes, read_pair
 from retrain.adapters.warehouse import BigQueryWarehouse
 from retrain.tokenize import tokenize_incremental, tokenize_to_prefix
 from retrain.tokenize.cli import main as tokenize_main
+from retrain.tokenize.tables import table_of
 
 pytestmark = pytest.mark.emulators
 
@@ -71,3 +72,19 @@ def test_bad_table_uris_and_missing_tables_are_clear_errors(
     assert "is not bq://project.dataset.table" in capsys.readouterr().err
     assert tokenize_main(["bq://books.nowhere.none", "--output-prefix", out]) == 1
     assert "retrain tokenize: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("uri", "project"),
+    [("bq://books.lib.shelf", "books"), ("bq://example.com:books.lib.shelf-1", "example.com:books")],
+)
+def test_a_table_uri_names_the_project_that_pays_for_its_export(uri: str, project: str) -> None:
+    assert table_of(uri) == (project, uri.removeprefix("bq://"))
+
+
+@pytest.mark.parametrize(
+    "uri", ["bq://books.lib", "gs://books.lib.shelf", "bq://Books.lib.shelf", "bq://b.l.s/x"]
+)
+def test_anything_else_is_not_a_table(uri: str) -> None:
+    with pytest.raises(ValueError, match=r"is not bq://project\.dataset\.table"):
+        table_of(uri)
