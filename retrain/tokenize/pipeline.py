@@ -356,7 +356,6 @@ def fingerprint(
     spec: TokenizerSpec, tok: LoadedTokenizer, json_keys: Sequence[str], append_eod: bool, keep_empty: bool
 ) -> str:
     """What makes shards comparable: tokenizer files' bytes and the options that change output bytes."""
-
     h = hashlib.sha256()
     if spec.tokenizer_json:
         files = [spec.tokenizer_json]
