@@ -135,3 +135,15 @@ def test_export_watermark_moves_once_per_range(ledger: FirestoreLedger) -> None:
     assert ledger.record_export(table, 10, 12, arrival("bq-3"), "ds", "h-3")
     sealed = ledger.seal("ds", "t")
     assert sealed.objects == ("gs://land/incoming/bq-1", "gs://land/incoming/bq-3")
+
+
+def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: FirestoreLedger) -> None:
+    # record_arrival builds its create as raw protobuf (a storm's hot path); record_export uses the client
+    ledger.record_arrival(arrival("fast", generation=3), "ds", "h-fast")
+    ledger.record_export("p.d.t", None, 1, arrival("tx", generation=3), "ds", "h-tx")
+    arrivals = ledger.db.collection("datasets").document("ds").collection("arrivals")
+    fast, tx = (d.to_dict() or {} for d in arrivals.order_by("uri").stream())
+    assert {k: type(v) for k, v in fast.items()} == {k: type(v) for k, v in tx.items()}
+    assert (fast["generation"], fast["size"], fast["content_hash"]) == (3, 10, "h-fast")
+    assert fast["event_id"] == "ev-fast-3" and fast["time"] == "2026-11-21T00:00:00Z"
+    assert fast["arrived_at"] < tx["arrived_at"]  # the server's commit time, as in the transaction

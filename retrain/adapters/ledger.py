@@ -33,6 +33,8 @@ from typing import Any
 from google.api_core.exceptions import AlreadyExists, Conflict
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
+from google.cloud.firestore_v1.types import common, document, write
+from google.cloud.firestore_v1.types import firestore as api
 
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import BatchState, Pending, Run, RunStatus, iso, new_run_id, now_iso, snapshot_id
@@ -40,9 +42,29 @@ from retrain.ports import ArrivalOutcome, SealOutcome
 
 ARRIVED_AT = "arrived_at"
 
+# Raw protobuf classes behind the client's proto-plus types (see FirestoreLedger._create_stamped).
+_Write, _Document, _Value = write.Write.pb(), document.Document.pb(), document.Value.pb()
+_Transform, _Precondition = write.DocumentTransform.FieldTransform.pb(), common.Precondition.pb()
+_CommitRequest = api.CommitRequest.pb()
+
 
 def _key(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _arrival_fields(arrival: ObjectArrival, content_hash: str) -> dict[str, str | int]:
+    return {
+        "uri": arrival.uri,
+        "generation": arrival.generation,
+        "size": arrival.size,
+        "content_hash": content_hash,
+        "time": arrival.time,
+        "event_id": arrival.event_id,
+    }
+
+
+def _value(v: str | int) -> Any:
+    return _Value(string_value=v) if isinstance(v, str) else _Value(integer_value=v)
 
 
 class FirestoreLedger:
@@ -78,27 +100,33 @@ class FirestoreLedger:
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome:
         """One create: a redelivered event or a re-announced object version fails it, a duplicate."""
         self._ensure_dataset(dataset)
-        batch = self.db.batch()
-        self._add_arrival(batch, arrival, dataset, content_hash)
+        ref = self._arrivals(dataset).document(_key(arrival.identity))
         try:
-            batch.commit()
+            self._create_stamped(ref, _arrival_fields(arrival, content_hash), ARRIVED_AT)
         except (AlreadyExists, Conflict):
             return ArrivalOutcome("duplicate")
         return ArrivalOutcome("new")
 
-    def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:
-        writes.create(
-            self._arrivals(dataset).document(_key(arrival.identity)),
-            {
-                "uri": arrival.uri,
-                "generation": arrival.generation,
-                "size": arrival.size,
-                "content_hash": content_hash,
-                "time": arrival.time,
-                "event_id": arrival.event_id,
-                ARRIVED_AT: firestore.SERVER_TIMESTAMP,
-            },
+    def _create_stamped(
+        self, ref: firestore.DocumentReference, fields: Mapping[str, str | int], stamp: str
+    ) -> None:
+        """``ref.create({**fields, stamp: SERVER_TIMESTAMP})``: the same Commit request, built as raw
+        protobuf.  It is a storm's hot path: through the client's proto-plus wrappers a create costs the
+        function about 1.2 ms of CPU, this way 0.7 ms (measured single-threaded against the emulator)."""
+        database = self.db._database_string
+        create = _Write(
+            update=_Document(
+                name=f"{database}/documents/{ref.path}", fields={k: _value(v) for k, v in fields.items()}
+            ),
+            update_transforms=[_Transform(field_path=stamp, set_to_server_value=_Transform.REQUEST_TIME)],
+            current_document=_Precondition(exists=False),
         )
+        request = _CommitRequest(database=database, writes=[create])
+        self.db._firestore_api.commit(request=request, metadata=self.db._rpc_metadata)
+
+    def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:
+        ref = self._arrivals(dataset).document(_key(arrival.identity))
+        writes.create(ref, {**_arrival_fields(arrival, content_hash), ARRIVED_AT: firestore.SERVER_TIMESTAMP})
 
     def _window(self, dataset: str, after: datetime | None, through: datetime | None = None) -> Any:
         q: Any = self._arrivals(dataset)
