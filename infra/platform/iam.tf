@@ -211,12 +211,6 @@ resource "google_storage_bucket_iam_member" "workflow_artifacts_viewer" {
   member = "serviceAccount:${google_service_account.workflow.email}"
 }
 
-resource "google_storage_bucket_iam_member" "workflow_artifacts_creator" {
-  bucket = google_storage_bucket.artifacts.name
-  role   = "roles/storage.objectCreator"
-  member = "serviceAccount:${google_service_account.workflow.email}"
-}
-
 # ---------------------------------------------------------------------------------------------
 # Dataflow workers
 # ---------------------------------------------------------------------------------------------

@@ -77,8 +77,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/datastore.user", "project"),
         ("roles/logging.logWriter", "project"),
         ("roles/iam.serviceAccountUser", "service_account:dataflow"),
-        ("roles/storage.objectViewer", "bucket:artifacts"),
-        ("roles/storage.objectCreator", "bucket:artifacts"),
+        ("roles/storage.objectViewer", "bucket:artifacts"),  # reads reports; the manifest is the function's
     },
     "dataflow": {
         ("roles/dataflow.worker", "project"),
@@ -718,7 +717,7 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         check_sa_roles,
         "platform",
         "iam.tf",
-        '"roles/storage.objectCreator"',
+        '"roles/storage.objectViewer"',
         '"roles/storage.objectAdmin"',
     ),
     (
