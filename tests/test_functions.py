@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
@@ -15,8 +14,10 @@ import requests
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.local.landing import finalized_event
-from retrain.local.stack import function_server
 from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
+
+if TYPE_CHECKING:
+    from conftest import ServedFunction
 
 pytestmark = pytest.mark.emulators
 
@@ -30,42 +31,18 @@ main:
 
 
 @pytest.fixture(scope="module")
-def project() -> str:
-    return f"fn-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
 def executions() -> Iterator[ExecutionsServer]:
     workflow = load_workflow(ECHO)
-    server = ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {})
-    server.start()
-    yield server
-    server.stop()
+    with ExecutionsServer(lambda _: workflow, ConnectorRegistry(), {}) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def function_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fn") / "function.log"
-
-
-@pytest.fixture(scope="module")
-def function_url(
-    function_log: Path, firestore_host: str, gcs_host: str, executions: ExecutionsServer, project: str
-) -> Iterator[str]:
-    objects.storage_client().create_bucket(f"art-{project}")
-    env = {
-        "FIRESTORE_EMULATOR_HOST": firestore_host,
-        "STORAGE_EMULATOR_HOST": gcs_host,
-        "RETRAIN_PROJECT": project,
-        "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
-        "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
-        "RETRAIN_LANDING_BUCKET": "land",
-        "RETRAIN_TRAINER": "datacheck",
-    }
-    proc, url = function_server("on_object_finalized", function_log, env)
-    proc.start()
-    yield url
-    proc.stop()
+def function(serve_function: Callable[..., ServedFunction], executions: ExecutionsServer) -> ServedFunction:
+    """on_object_finalized, its executions echoing their run id (so they succeed at once)."""
+    return serve_function(
+        "on_object_finalized", RETRAIN_LANDING_BUCKET="land", RETRAIN_WORKFLOWS_ENDPOINT=executions.base_url
+    )
 
 
 def resource(name: str, generation: int = 1, md5: str | None = None) -> dict[str, Any]:
@@ -89,8 +66,9 @@ def post(url: str, res: dict[str, Any], **header_overrides: str) -> requests.Res
 
 
 def test_events_become_one_execution_per_sealed_snapshot(
-    function_url: str, executions: ExecutionsServer, project: str
+    function: ServedFunction, executions: ExecutionsServer
 ) -> None:
+    function_url, project = function.url, function.project
     ds = f"d{uuid.uuid4().hex[:6]}"
     names = [f"incoming/{ds}/part-{i}.jsonl" for i in range(3)]
     for name in names:
@@ -106,7 +84,7 @@ def test_events_become_one_execution_per_sealed_snapshot(
     argument = json.loads(execution["argument"])
     assert argument["objects"] == 3
     assert argument["jobset"]["metadata"]["labels"]["retrain.dev/run-id"] == runs[0].run_id
-    manifest = json.loads(objects.read_bytes(f"gs://art-{project}/{argument['manifest_object']}"))
+    manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/{argument['manifest_object']}"))
     assert manifest["objects"] == [f"gs://land/{n}" for n in names]
 
     # the same data again, under new generations: acknowledged, but no second run
@@ -131,20 +109,20 @@ def test_events_become_one_execution_per_sealed_snapshot(
     ],
 )
 def test_bad_events_are_acknowledged_and_do_nothing(
-    function_url: str, function_log: Path, project: str, res: dict[str, Any], headers: dict[str, str]
+    function: ServedFunction, res: dict[str, Any], headers: dict[str, str]
 ) -> None:
-    ledger = FirestoreLedger(project)
+    ledger = FirestoreLedger(function.project)
     before = ledger.pending()
     if "name" not in res:
         h, _ = finalized_event(resource("incoming/x"))
-        resp = requests.post(function_url, headers=h, data=json.dumps(res), timeout=30)
+        resp = requests.post(function.url, headers=h, data=json.dumps(res), timeout=30)
     else:
-        resp = post(function_url, res, **headers)
+        resp = post(function.url, res, **headers)
     assert resp.status_code == 200  # acknowledged: no redelivery loop
     assert ledger.pending() == before  # no arrival recorded
-    assert "rejected event" in function_log.read_text().splitlines()[-1]
+    assert "rejected event" in function.log.read_text().splitlines()[-1]
 
 
-def test_not_a_cloudevent_is_a_client_error(function_url: str) -> None:
-    resp = requests.post(function_url, data=b"hello", headers={"content-type": "text/plain"}, timeout=30)
+def test_not_a_cloudevent_is_a_client_error(function: ServedFunction) -> None:
+    resp = requests.post(function.url, data=b"hello", headers={"content-type": "text/plain"}, timeout=30)
     assert 400 <= resp.status_code < 500
