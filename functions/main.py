@@ -1,7 +1,8 @@
 """Cloud Functions (gen2) entry points: small and explicit; the logic lives in ``retrain.ingest``.
 
-A malformed or foreign event is logged and acknowledged (returning normally), so the platform does
-not redeliver it forever; a transient failure (ledger or API unavailable) raises, so it retries.
+A malformed or foreign event (``Rejected``) is logged and acknowledged (returning normally), so the
+platform does not redeliver it forever; a transient failure (``Retry``, or the ledger or an API being
+unavailable) raises, so the platform redelivers it with backoff.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import flask
 import functions_framework
 from cloudevents.http import CloudEvent
 
-from retrain import config
-from retrain.domain.events import Rejected
-from retrain.ingest import Ingest, from_settings
+from retrain import composition, config
+from retrain.domain.errors import Rejected
+from retrain.ingest import Action, Ingest
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("retrain.functions")
@@ -28,7 +29,7 @@ log = logging.getLogger("retrain.functions")
 @cache
 def ingest() -> Ingest:
     """One Ingest per instance: clients are reused across invocations."""
-    return from_settings(config.load())
+    return composition.ingest(config.load())
 
 
 @functions_framework.cloud_event
@@ -40,7 +41,11 @@ def on_object_finalized(event: CloudEvent) -> None:
         log.warning("rejected event %s: %s", event.get("id"), e.reason)
         return
     # One line per object at debug level: a storm of 10,000 files should log its seal, not 10,000 lines.
-    level = logging.DEBUG if outcome.action in ("recorded", "duplicate", "ignored") else logging.INFO
+    level = (
+        logging.DEBUG
+        if outcome.action in (Action.RECORDED, Action.DUPLICATE, Action.IGNORED)
+        else logging.INFO
+    )
     log.log(level, "event %s: %s %s", event.get("id"), outcome.action, outcome.detail)
 
 
@@ -80,7 +85,7 @@ def on_jobset_event(event: CloudEvent) -> None:
 
 @functions_framework.cloud_event
 def on_scheduler_tick(event: CloudEvent) -> None:
-    """Pub/Sub (scheduler-ticks): {"action": "seal"} seals what is pending, {"action": "sweep"} sweeps."""
+    """Pub/Sub (Scheduler ticks): {"job": "seal" | "sweeper" | "reaper"} (retrain.contracts.SchedulerTick)."""
     try:
         outcomes = ingest().on_scheduler_tick(pubsub_json(event))
     except Rejected as e:

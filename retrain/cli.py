@@ -27,9 +27,16 @@ def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def stack_settings() -> config.Settings:
+    """The local stack's settings: infra/'s own values (retrain.deployment), RETRAIN_* on top."""
+    from retrain.deployment import local_settings as from_deployment
+
+    return from_deployment()
+
+
 def local_settings() -> config.Settings:
     """Settings for the local stack: the trainer falls back to a data check when torch is absent."""
-    settings = config.load()
+    settings = stack_settings()
     if "RETRAIN_TRAINER" not in os.environ:
         from retrain.train import torch_available
 
@@ -46,15 +53,15 @@ def local_settings() -> config.Settings:
 
 
 def _ledger(settings: config.Settings) -> Any:
-    from retrain.adapters.ledger import FirestoreLedger
+    from retrain import composition
 
-    return FirestoreLedger(settings.project)
+    return composition.ledger(settings)
 
 
 def _executions(settings: config.Settings) -> Any:
-    from retrain.adapters.workflows import WorkflowsExecutions
+    from retrain import composition
 
-    return WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+    return composition.orchestrator(settings)
 
 
 def format_run(run: Run) -> str:
@@ -129,7 +136,7 @@ def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str) -> st
 def cmd_cancel(args: argparse.Namespace) -> int:
     from retrain.local.stack import attach
 
-    settings = config.load()
+    settings = stack_settings()
     attach(settings)
     executions = _executions(settings)
     _say(request_cancel(_ledger(settings), executions, args.run_id, args.reason))
@@ -138,12 +145,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Seal pending data now, as the manual HTTP entrypoint does (the same Ingest code path)."""
-    from retrain.ingest import from_settings
+    from retrain import composition
     from retrain.local.stack import attach
 
-    settings = config.load()
+    settings = local_settings()
     attach(settings)
-    outcomes = from_settings(settings).seal_pending(args.dataset, "manual")
+    outcomes = composition.ingest(settings).seal_pending(args.dataset, "manual")
     if not outcomes:
         _say("nothing pending: no run started")
     for o in outcomes:
@@ -191,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from retrain.local.stack import stack_file
 
-    settings = config.load()
+    settings = stack_settings()
     path = stack_file(settings)
     if path.exists():
         _say(f"a local stack is already up ({path}); `retrain down` first")
@@ -222,7 +229,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     from retrain.local.stack import Endpoints, stack_file
 
-    path = stack_file(config.load())
+    path = stack_file(stack_settings())
     if not path.exists():
         _say("no local stack is running")
         return 0
@@ -247,7 +254,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import attach
 
-    settings = config.load()
+    settings = stack_settings()
     ep = attach(settings)
     drop(
         settings,
@@ -263,7 +270,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from retrain.local.stack import ledger_access
 
-    settings = config.load()
+    settings = stack_settings()
     with ledger_access(settings):
         runs = _ledger(settings).list_runs(args.limit)
     if args.json:
@@ -281,7 +288,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from retrain.local.stack import ledger_access
 
-    settings = config.load()
+    settings = stack_settings()
     with ledger_access(settings):
         run = _ledger(settings).get_run(args.run_id)
     if run is None:

@@ -50,20 +50,23 @@ class Settings:
     sequence number): a table write exports the rows above the last exported value."""
     workflow: str = "retrain"
     """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
-    scheduler_topic: str = "scheduler-ticks"
-    """Pub/Sub topic Cloud Scheduler publishes seal and sweep ticks to."""
-    sweep_interval_s: float = 60.0
-    """How often the sweeper runs (the Cloud Scheduler job's period)."""
     jobset_topic: str = "jobset-events"
     """Pub/Sub topic the notifier publishes JobSet terminal states to."""
-    dead_letter_topic: str = "dead-letter"
-    """Pub/Sub topic that receives pushes a function kept failing on (after 5 attempts locally)."""
+    functions_service_account: str = ""
+    """Email the functions run as: BigQuery jobs it starts itself (its watermark queries and exports)
+    write audit-log entries too, and those must not trigger another export."""
     cluster: str = "retrain"
     """GKE cluster name."""
+    cluster_endpoint: str = ""
+    """DNS name of the cluster's DNS-based control-plane endpoint: where the reaper (a function) reaches
+    the Kubernetes API with Google credentials.  Unused when ``KUBECONFIG`` is set (the local stack)."""
     node_pool: str = "a3-dws"
     """The DWS queued-provisioning GPU node pool."""
     namespace: str = "default"
     """Kubernetes namespace of training JobSets."""
+    training_ksa: str = "retrain-trainer"
+    """Kubernetes service account training pods run as (bound to the training Google service account
+    through Workload Identity: without it the Cloud Storage FUSE mounts are refused)."""
     local_queue: str = "dws-local-queue"
     """Kueue LocalQueue the JobSets are submitted to."""
     machine_type: str = "a3-highgpu-8g"
@@ -84,13 +87,30 @@ class Settings:
     """How long a run waits for DWS capacity before it fails."""
     train_timeout_s: int = 86400
     """How long a run waits for the training JobSet to finish."""
-    # --- local stack only ---
+    dataflow_template: str = ""
+    """``gs://`` URI of the tokenization flex-template spec (empty: the artifacts bucket's
+    ``templates/tokenize.json``)."""
+    dataflow_service_account: str = ""
+    """Email the Dataflow workers run as (never the default compute account)."""
+    dataflow_subnetwork: str = ""
+    """Self link of the subnetwork the Dataflow workers run in (private IPs only)."""
+    dataflow_temp_location: str = ""
+    """``gs://`` folder for Dataflow's temporary files (empty: ``<artifacts>/dataflow/tmp``)."""
+    # --- local stack only (LOCAL_ONLY below): the cloud deployment never sets these ---
     provision_delay_s: float = 2.0
     """Local DWS twin: seconds before a ProvisioningRequest is answered."""
     twin_faults: str = ""
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
     """Local stack: where emulator data, logs and the stack's endpoints file live."""
+
+    @property
+    def template_uri(self) -> str:
+        return self.dataflow_template or f"{self.artifacts_uri}/templates/tokenize.json"
+
+    @property
+    def temp_location(self) -> str:
+        return self.dataflow_temp_location or f"{self.artifacts_uri}/dataflow/tmp"
 
     @property
     def watched_tables(self) -> dict[str, str]:
@@ -110,6 +130,10 @@ class Settings:
     @property
     def artifacts_uri(self) -> str:
         return f"gs://{self.artifacts_bucket}"
+
+
+#: Settings only the local stack uses; every other field is set by Terraform (tests/test_contracts.py).
+LOCAL_ONLY = frozenset({"provision_delay_s", "twin_faults", "state_dir"})
 
 
 def _coerce(value: str, like: object) -> object:

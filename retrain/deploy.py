@@ -10,7 +10,9 @@ every stage with a ``backend`` block.
 
 Before the app stage the Cloud Functions source is assembled in ``build/functions/``
 (``functions/main.py``, ``functions/requirements.txt`` and a copy of the ``retrain`` package, which
-the functions import); the app stage zips that folder (``functions_source_dir``).
+the functions import); the app stage zips that folder (``functions_source_dir``).  The Kubernetes
+manifests are rendered there too, from the platform stage's outputs, into ``build/k8s/``
+(``retrain.k8s.manifests``; what the app stage applies, ``k8s_manifests_dir``).
 
 Inputs are validated before Terraform runs at all. Progress goes to stderr, with elapsed times;
 ``--dry-run`` prints what would change per stage on stdout. A failing step stops the run, names
@@ -39,6 +41,8 @@ from typing import IO, Any
 STAGES: tuple[str, ...] = ("bootstrap", "platform", "app")
 FUNCTIONS_BUILD_DIR = "build/functions"
 """Where the function source is assembled, relative to the repository root (what infra/app zips)."""
+K8S_BUILD_DIR = "build/k8s"
+"""Where the k8s/ templates are rendered for this deployment (what infra/app applies)."""
 
 # Google Cloud project ids: 6-30 characters, lowercase letters, digits and hyphens, starting with a
 # letter and not ending with a hyphen (the same rule as infra/bootstrap's validation).
@@ -252,6 +256,21 @@ def build_functions_source(root: Path, dest: Path | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Running terraform
 # ---------------------------------------------------------------------------------------------
+
+
+def render_manifests(root: Path, carried: Mapping[str, Any], app_vars: Mapping[str, str]) -> bool:
+    """Render k8s/ into build/k8s from the platform stage's outputs (``terraform output -json`` shape);
+    False when they are not all known (a dry run of a platform not yet applied)."""
+    from retrain.deployment import manifest_values
+    from retrain.k8s.manifests import write
+
+    platform = {k: (v or {}).get("value") for k, v in carried.items()}
+    try:
+        values = manifest_values(platform, app_vars)
+    except (KeyError, TypeError):
+        return False
+    write(values, root / K8S_BUILD_DIR, root / "k8s")
+    return True
 
 
 def _fmt_s(seconds: float) -> str:
@@ -567,6 +586,13 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                     values["state_bucket"] = state_bucket
                 if name == "app" and "functions_source_dir" in stage.variables:
                     values["functions_source_dir"] = FUNCTIONS_BUILD_DIR
+                if name == "app" and "k8s_manifests_dir" in stage.variables:
+                    values["k8s_manifests_dir"] = K8S_BUILD_DIR
+                    app_vars = {k: v for scope, k, v in opts.user_vars if scope in (None, "app")}
+                    if render_manifests(opts.root, carried, app_vars):
+                        progress.say(f"app: render k8s/ for this deployment -> {K8S_BUILD_DIR}/")
+                    else:
+                        progress.say("app: platform outputs not known yet (dry run): manifests not rendered")
                 for scope, key, value in opts.user_vars:
                     if (scope is None or scope == name) and key in stage.variables:
                         values[key] = value

@@ -10,27 +10,32 @@ completions come back the other way and are relayed to the waiting execution's c
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from retrain.config import DATASET_RE, Settings
+from retrain.contracts import CallbackPayload, JobSetCompletion, RunManifest, SchedulerJob, SchedulerTick
 from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
-from retrain.domain.events import (
-    ObjectArrival,
-    Rejected,
-    check_object_name,
-    is_retrain_output,
-    parse_gcs_finalized,
-)
-from retrain.domain.plan import manifest_object, workflow_argument
+from retrain.domain.errors import Rejected, Retry
+from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
-from retrain.ports import Ledger, ObjectStore, Orchestrator, SealOutcome, Warehouse
+from retrain.plan import manifest_object, workflow_argument
+from retrain.ports import (
+    ArrivalStatus,
+    Cluster,
+    Ledger,
+    ObjectStore,
+    Orchestrator,
+    SealOutcome,
+    SealVerdict,
+    Warehouse,
+)
 
 log = logging.getLogger("retrain.ingest")
 
@@ -38,12 +43,38 @@ log = logging.getLogger("retrain.ingest")
 EXPORT_ATTEMPTS = 3
 
 
+class Action(StrEnum):
+    """What handling one event did."""
+
+    RECORDED = "recorded"
+    """An arrival was recorded in its dataset's open batch."""
+    DUPLICATE = "duplicate"
+    """The event, or that object version, was seen before."""
+    IGNORED = "ignored"
+    """Not training data, or nothing waits for it (acknowledged)."""
+    STARTED = "started"
+    """A run's workflow execution started."""
+    QUEUED = "queued"
+    """A run waits behind its dataset's live run."""
+    NOTHING_TO_SEAL = "nothing-to-seal"
+    """A seal found no arrival since the last one."""
+    NOTHING_NEW = "nothing-new"
+    """A watched table has no row after its watermark."""
+    ALREADY_TRAINED = "already-trained"
+    """The sealed snapshot trained before: no run."""
+    RECORDED_FAILURE = "recorded-failure"
+    """A run whose execution ended without an outcome was recorded as failed."""
+    RELAYED = "relayed"
+    """A JobSet completion reached its run's callback."""
+    REAPED = "reaped"
+    """The reaper ran (the detail says what it deleted and which GPU nodes are up)."""
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What handling one event did, for logs and tests: action is one of recorded, duplicate, ignored,
-    started, queued, nothing-to-seal, nothing-new, already-trained, recorded-failure, relayed."""
+    """What handling one event did, for logs, the CLI and tests."""
 
-    action: str
+    action: Action
     detail: str = ""
     run_id: str | None = None
 
@@ -63,7 +94,7 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
         f": {error}" if error else ""
     )
     ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
-    return Outcome("recorded-failure", reason, run.run_id)
+    return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
 
 
 def _safe_name(value: Any) -> str:
@@ -80,12 +111,14 @@ class Ingest:
         orchestrator: Orchestrator,
         store: ObjectStore,
         warehouse: Warehouse | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.orchestrator = orchestrator
         self.store = store
         self.warehouse = warehouse
+        self.cluster = cluster
 
     # --- objects landing in the bucket ---
 
@@ -105,25 +138,28 @@ class Ingest:
         if arrival.bucket != self.settings.landing_bucket:
             raise Rejected(f"bucket {arrival.bucket!r} is not the landing bucket")
         if not arrival.name.startswith(self.settings.landing_prefix) or is_retrain_output(arrival.name):
-            return Outcome("ignored", f"{arrival.name} is not new training data")
+            return Outcome(Action.IGNORED, f"{arrival.name} is not new training data")
         dataset = self.dataset_of(arrival.name)
         if arrival.name.rsplit("/", 1)[-1] == self.settings.seal_marker:
             return self.seal(dataset, trigger="gcs-marker")
         return self._record(arrival, dataset)
 
     def _record(self, arrival: ObjectArrival, dataset: str) -> Outcome:
-        if self.ledger.record_arrival(arrival, dataset, arrival.content_hash).status == "duplicate":
-            return Outcome("duplicate", arrival.identity)
-        return Outcome("recorded", f"{arrival.uri} -> dataset {dataset}")
+        if (
+            self.ledger.record_arrival(arrival, dataset, arrival.content_hash).status
+            == ArrivalStatus.DUPLICATE
+        ):
+            return Outcome(Action.DUPLICATE, arrival.identity)
+        return Outcome(Action.RECORDED, f"{arrival.uri} -> dataset {dataset}")
 
     # --- BigQuery ---
 
     def on_bigquery_event(self, attributes: Mapping[str, Any], data: Any) -> Outcome:
         """A BigQuery audit-log event: export a watched table's new rows, or take in a finished extract
         job's files; either way the batch is sealed once the data has landed. Raises Rejected."""
-        change = parse_bigquery_audit(attributes, data)
+        change = parse_bigquery_audit(attributes, data, own_principal=self.settings.functions_service_account)
         if isinstance(change, NotRelevant):
-            return Outcome("ignored", change.reason)
+            return Outcome(Action.IGNORED, change.reason)
         if isinstance(change, ExportFinished):
             return self._take_export(change)
         return self._export_new_rows(change)
@@ -144,7 +180,7 @@ class Ingest:
             raise Rejected(f"export {export.job} writes to several datasets: {sorted(datasets)}")
         (dataset,) = datasets
         if export.error:
-            return Outcome("ignored", f"export {export.job} failed: {export.error}")
+            return Outcome(Action.IGNORED, f"export {export.job} failed: {export.error}")
         found = 0
         for pattern in export.destination_uris:
             prefix = pattern.split("*", 1)[0]
@@ -165,7 +201,7 @@ class Ingest:
                 found += 1
         if not found:
             # Not there yet (a listing can trail the job by moments): fail so the platform retries.
-            raise RuntimeError(f"export {export.job} finished but none of its files are listed yet")
+            raise Retry(f"export {export.job} finished but none of its files are listed yet")
         log.info("export %s: %d file(s) in dataset %s", export.job, found, dataset)
         return self.seal(dataset, "bigquery-export")
 
@@ -173,15 +209,15 @@ class Ingest:
         """Write the rows the table gained since its watermark to one JSONL object, record it, seal."""
         dataset = self.settings.watched_tables.get(written.table)
         if dataset is None:
-            return Outcome("ignored", f"table {written.table} is not watched")
+            return Outcome(Action.IGNORED, f"table {written.table} is not watched")
         if self.warehouse is None:
-            raise RuntimeError("a watched table changed but no BigQuery warehouse is configured")
+            raise Retry("a watched table changed but no BigQuery warehouse is configured")
         column = self.settings.bigquery_watermark_column
         for _ in range(EXPORT_ATTEMPTS):
             after = self.ledger.watermark(written.table)
             through = self.warehouse.high_watermark(written.table, column)
             if through is None or (after is not None and through <= after):
-                return Outcome("nothing-new", f"{written.table}: no rows after {after}")
+                return Outcome(Action.NOTHING_NEW, f"{written.table}: no rows after {after}")
             # In the artifacts bucket (retrain's own; no trigger fires), named per attempt, so that a
             # losing attempt deletes only its own object.
             bucket = self.settings.artifacts_bucket
@@ -205,7 +241,7 @@ class Ingest:
                 log.info("%s: %d row(s) in (%s, %s] exported to %s", written.table, rows, after, through, uri)
                 return self.seal(dataset, "bigquery")
             self.store.delete(uri)  # another export moved the watermark first; go again from there
-        raise RuntimeError(f"{written.table}: {EXPORT_ATTEMPTS} export attempts lost the race; retry later")
+        raise Retry(f"{written.table}: {EXPORT_ATTEMPTS} export attempts lost the race; retry later")
 
     # --- seals and starts ---
 
@@ -215,10 +251,14 @@ class Ingest:
 
     def _started(self, sealed: SealOutcome) -> Outcome:
         if sealed.run is None:
-            action = "nothing-to-seal" if sealed.reason == "nothing pending" else "already-trained"
+            action = (
+                Action.NOTHING_TO_SEAL
+                if sealed.verdict == SealVerdict.NOTHING_PENDING
+                else Action.ALREADY_TRAINED
+            )
             return Outcome(action, sealed.reason)
         if sealed.run.execution:
-            return Outcome("started", sealed.run.execution, sealed.run.run_id)
+            return Outcome(Action.STARTED, sealed.run.execution, sealed.run.run_id)
         return self.start(sealed.run, sealed.objects)
 
     def start(self, run: Run, objects: tuple[str, ...] | None = None) -> Outcome:
@@ -227,34 +267,42 @@ class Ingest:
         The object list goes to the run's manifest first (arguments are capped at 32 KB)."""
         if not self.ledger.claim_start(run):
             log.info("run %s queued behind the live run of dataset %s", run.run_id, run.dataset)
-            return Outcome("queued", f"dataset {run.dataset} has a live run", run.run_id)
+            return Outcome(Action.QUEUED, f"dataset {run.dataset} has a live run", run.run_id)
         objects = objects or self.ledger.batch_objects(run.batch_id)
-        manifest = {
-            "run_id": run.run_id,
-            "dataset": run.dataset,
-            "batch_id": run.batch_id,
-            "snapshot": run.snapshot,
-            "objects": list(objects),
-        }
+        manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(objects))
         self.store.write_bytes(
             f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
-            json.dumps(manifest, indent=1).encode(),
+            manifest.to_json(),
             "application/json",
         )
-        execution = self.orchestrator.start(workflow_argument(self.settings, run))
+        execution = self.orchestrator.start(workflow_argument(self.settings, run).to_dict())
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
-        return Outcome("started", execution, run.run_id)
+        return Outcome(Action.STARTED, execution, run.run_id)
 
     def on_scheduler_tick(self, message: Mapping[str, Any]) -> list[Outcome]:
-        """Cloud Scheduler: ``{"action": "seal"}`` seals whatever is pending (all datasets, or
-        ``dataset``); ``{"action": "sweep"}`` runs the sweeper."""
-        action = message.get("action", "seal")
-        if action == "sweep":
+        """A Cloud Scheduler job's tick (:class:`SchedulerTick`): seal, sweeper or reaper."""
+        tick = SchedulerTick.parse(message)
+        if tick.job == SchedulerJob.SWEEPER:
             return self.sweep()
-        if action != "seal":
-            raise Rejected(f"unknown scheduler action {action!r}")
-        return self.seal_pending(message.get("dataset"), "scheduler")
+        if tick.job == SchedulerJob.REAPER:
+            return [self.reap()]
+        return self.seal_pending(tick.dataset, "scheduler")
+
+    def reap(self) -> Outcome:
+        """Delete the cluster objects no live run owns (a crashed or hard-cancelled execution leaves
+        its JobSet and capacity request behind); say which GPU nodes are still up."""
+        if self.cluster is None:
+            raise Retry("the reaper needs the cluster, and none is configured")
+        report = self.cluster.reap(self.ledger)
+        deleted = [f"{d['kind']} {d['name']}" for d in report["deleted"]]
+        nodes = [n["name"] for n in report["nodes_up"]]
+        detail = f"deleted {deleted or 'nothing'}; GPU nodes up: {nodes or 'none'}"
+        if report["idle_nodes"]:
+            log.warning("reaper: GPU nodes up with no live run: %s", nodes)
+        if report["errors"]:
+            raise Retry(f"reaper: {report['errors']}")
+        return Outcome(Action.REAPED, detail)
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""
@@ -292,42 +340,17 @@ class Ingest:
     # --- completions ---
 
     def on_jobset_event(self, message: Mapping[str, Any]) -> Outcome:
-        """Relay a JobSet terminal state (published by the notifier) to the run's workflow callback."""
-        url = message.get("callback_url")
-        if not isinstance(url, str) or not url:
-            raise Rejected("JobSet event carries no callback URL")
-        state = message.get("state")
-        if state not in ("Completed", "Failed"):
-            raise Rejected(f"JobSet event has unknown state {state!r}")
-        keys = ("run_id", "jobset", "state", "reason", "message", "restarts", "start_time", "finish_time")
-        payload = {k: message.get(k) for k in keys}
+        """Relay a JobSet terminal state (a :class:`JobSetCompletion` from the notifier) to the run's
+        workflow callback (as a :class:`CallbackPayload`)."""
+        completion = JobSetCompletion.parse(message)
+        url = str(completion.callback_url)
         try:
-            status = self.orchestrator.send_callback(url, payload)
+            status = self.orchestrator.send_callback(url, CallbackPayload.of(completion).to_dict())
         except ValueError as e:
             raise Rejected(str(e)) from None
         if status == 404:
             # The execution is gone (finished, cancelled or timed out): nothing waits, so acknowledge.
-            return Outcome("ignored", f"callback {url} no longer exists")
+            return Outcome(Action.IGNORED, f"callback {url} no longer exists")
         if status >= 300:
-            raise RuntimeError(f"callback {url} answered {status}")  # transient: let the platform retry
-        return Outcome("relayed", str(state), str(message.get("run_id")))
-
-
-def from_settings(settings: Settings) -> Ingest:
-    """The real adapters for ``settings`` (the cloud, or the emulators the environment points at)."""
-    from retrain.adapters import objects
-    from retrain.adapters.ledger import FirestoreLedger
-    from retrain.adapters.workflows import WorkflowsExecutions
-
-    warehouse = None
-    if settings.bigquery_tables:
-        from retrain.adapters.warehouse import BigQueryWarehouse
-
-        warehouse = BigQueryWarehouse(settings.project)
-    return Ingest(
-        settings,
-        FirestoreLedger(settings.project),
-        WorkflowsExecutions(settings.project, settings.region, settings.workflow),
-        objects,
-        warehouse,
-    )
+            raise Retry(f"callback {url} answered {status}")
+        return Outcome(Action.RELAYED, str(completion.state), completion.run_id)

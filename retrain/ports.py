@@ -9,24 +9,44 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import BatchState, Pending, Run, RunStatus
 
 
+class ArrivalStatus(StrEnum):
+    NEW = "new"
+    """The first time this object version is seen."""
+    DUPLICATE = "duplicate"
+    """That event, or that object version, was recorded before."""
+
+
 @dataclass(frozen=True)
 class ArrivalOutcome:
-    """What recording an arrival did: ``new``, or ``duplicate`` (that event or object version was seen)."""
+    """What recording an arrival did."""
 
-    status: str
+    status: ArrivalStatus
+
+
+class SealVerdict(StrEnum):
+    SEALED = "sealed"
+    """A new batch and its run (``run``) exist now."""
+    ALREADY_SEALED = "already-sealed"
+    """The batch had been sealed before (a retried seal); ``run`` is its run."""
+    NOTHING_PENDING = "nothing-pending"
+    """No arrival since the last seal: nothing sealed."""
+    ALREADY_TRAINED = "already-trained"
+    """The batch's snapshot trained before: no run."""
 
 
 @dataclass(frozen=True)
 class SealOutcome:
-    """What sealing did: ``run`` is the new run to start, or None with a reason."""
+    """What sealing did: ``run`` is the run to start (None unless sealed), ``reason`` says why."""
 
     run: Run | None
+    verdict: SealVerdict
     reason: str
     objects: tuple[str, ...] = ()
 
@@ -74,6 +94,20 @@ class Ledger(Protocol):
     def get_run(self, run_id: str) -> Run | None: ...
 
     def list_runs(self, limit: int = 100) -> list[Run]: ...
+
+
+class Cluster(Protocol):
+    """The GKE cluster, for what must happen there on a schedule (the reaper)."""
+
+    def reap(self, runs: RunLookup) -> dict[str, Any]:
+        """Delete the training objects no live run owns; the report (what went, what stayed, nodes up)."""
+        ...
+
+
+class RunLookup(Protocol):
+    """The part of :class:`Ledger` the reaper needs."""
+
+    def get_run(self, run_id: str) -> Run | None: ...
 
 
 class Orchestrator(Protocol):

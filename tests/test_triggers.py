@@ -20,6 +20,7 @@ from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.deployment import Deployment
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import RunStatus
 from retrain.ingest import Ingest
@@ -59,13 +60,13 @@ def later(seconds: float) -> datetime:
 
 
 def test_scheduler_tick_seals_whatever_is_pending_and_nothing_else(ingest: Ingest) -> None:
-    assert ingest.on_scheduler_tick({"action": "seal"}) == []
+    assert ingest.on_scheduler_tick({"job": "seal"}) == []
     arrive(ingest, "a", "1.txt")
     arrive(ingest, "b", "1.txt")
-    outcomes = ingest.on_scheduler_tick({"action": "seal"})
+    outcomes = ingest.on_scheduler_tick({"job": "seal"})
     assert sorted(o.action for o in outcomes) == ["started", "started"]
     assert {r.trigger for r in ingest.ledger.list_runs()} == {"scheduler"}
-    assert ingest.on_scheduler_tick({"action": "seal"}) == []
+    assert ingest.on_scheduler_tick({"job": "seal"}) == []
 
 
 def test_sweeper_seals_after_the_quiet_period_or_at_max_age(ingest: Ingest) -> None:
@@ -131,12 +132,13 @@ def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(
 
 
 def test_bad_ticks_are_rejected(ingest: Ingest) -> None:
-    from retrain.domain.events import Rejected
+    from retrain.domain.errors import Rejected
 
     for message in (
-        {"action": "explode"},
-        {"action": "seal", "dataset": "../x"},
-        {"action": "seal", "dataset": 3},
+        {"action": "sweep"},  # the shape the local twin once sent; no job infra/ declares
+        {"job": "explode"},
+        {"job": "seal", "dataset": "../x"},
+        {"job": "seal", "dataset": 3},
     ):
         with pytest.raises(Rejected):
             ingest.on_scheduler_tick(message)
@@ -177,7 +179,9 @@ def test_scheduler_tick_entrypoint(functions_env: str) -> None:
     )
     ledger = FirestoreLedger(functions_env)
     ledger.record_arrival(ObjectArrival("ev-t", "land", "incoming/t/1.txt", 1, 1, "", "t"), "t", "md5:t")
-    data = base64.b64encode(json.dumps({"action": "seal"}).encode()).decode()
+    # Exactly what infra/app/scheduler.tf makes the "seal" job publish.
+    (seal,) = [job for job in Deployment().scheduler_jobs() if job.name == "seal"]
+    data = base64.b64encode(seal.data).decode()
     headers = {
         "ce-specversion": "1.0",
         "ce-id": "tick-1",

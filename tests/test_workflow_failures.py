@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from retrain import config
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cli import follow, request_cancel
+from retrain.deployment import local_settings
 from retrain.domain.runs import Run
 from retrain.local import emulators
 from retrain.local.cluster_twin import Faults
@@ -33,7 +33,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         if reason:
             pytest.skip(reason)
     settings = dataclasses.replace(
-        config.load({}),
+        local_settings({}),  # what the local stack runs on: infra/'s values (retrain.deployment)
         trainer="datacheck",
         provision_timeout_s=8,
         provision_delay_s=0.5,

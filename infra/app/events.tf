@@ -2,7 +2,7 @@
 # grant is roles/run.invoker on that one service; nothing is granted project-wide here.
 
 locals {
-  pubsub_service_agent = "serviceAccount:service-${local.platform.project_number}@gcp-sa-pubsub.iam.gserviceaccount.com"
+  pubsub_service_agent = local.platform.pubsub_service_agent
 }
 
 # Eventarc (GCS finalize) -> on_object_finalized

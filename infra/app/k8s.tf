@@ -1,16 +1,22 @@
-# In-cluster pieces: Kueue and JobSet (upstream release manifests), the retrain namespace
-# objects that carry Terraform-known values (Workload Identity service accounts, RETRAIN_*
-# ConfigMap), and every manifest under k8s/. Everything is gated by var.apply_kubernetes; with it
-# off, infra/README.md ("Kubernetes step") gives the equivalent kubectl commands.
+# In-cluster pieces: Kueue and JobSet (upstream release manifests), the retrain namespace, the RETRAIN_*
+# ConfigMap, and the k8s/ templates rendered from this deployment's values into build/k8s by
+# `retrain deploy` (retrain.k8s.manifests: Kueue queues, the training and notifier service accounts
+# with their Workload Identity annotations, the notifier, the reaper's RBAC). k8s/ itself is never
+# applied: it holds templates and examples. Everything is gated by var.apply_kubernetes; with it off,
+# infra/README.md ("Kubernetes step") gives the equivalent commands.
 
 locals {
   k8s_enabled   = var.apply_kubernetes
   k8s_namespace = local.platform.k8s_namespace
   k8s_dir       = "${local.repo_root}/${var.k8s_manifests_dir}"
-  k8s_files = local.k8s_enabled ? toset([
-    for f in fileset(local.k8s_dir, "**/*.{yaml,yml}") : f
-    if !can(regex("(^|/)kustomization\\.ya?ml$", f))
-  ]) : toset([])
+  k8s_files     = local.k8s_enabled ? fileset(local.k8s_dir, "*.yaml") : toset([])
+}
+
+check "k8s_manifests_rendered" {
+  assert {
+    condition     = !local.k8s_enabled || length(fileset(local.k8s_dir, "*.yaml")) > 0
+    error_message = "No rendered manifests in k8s_manifests_dir: run `retrain deploy`, which renders k8s/ from this deployment's values before this stage."
+  }
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -68,42 +74,6 @@ resource "kubernetes_namespace_v1" "retrain" {
   }
 }
 
-# Workload Identity: the notifier pods act as the notifier GSA (publisher on the JobSet topic).
-resource "kubernetes_service_account_v1" "notifier" {
-  count = local.k8s_enabled ? 1 : 0
-
-  metadata {
-    name      = local.platform.notifier_ksa
-    namespace = local.k8s_namespace
-    labels    = { "app.kubernetes.io/part-of" = "retrain" }
-    annotations = {
-      "iam.gke.io/gcp-service-account" = local.sa.notifier
-    }
-  }
-
-  automount_service_account_token = true # the notifier watches JobSets through the API server
-
-  depends_on = [kubernetes_namespace_v1.retrain]
-}
-
-# Workload Identity: training pods act as the training GSA (objectAdmin on the artifacts bucket).
-resource "kubernetes_service_account_v1" "training" {
-  count = local.k8s_enabled ? 1 : 0
-
-  metadata {
-    name      = local.platform.training_ksa
-    namespace = local.k8s_namespace
-    labels    = { "app.kubernetes.io/part-of" = "retrain" }
-    annotations = {
-      "iam.gke.io/gcp-service-account" = local.sa.training
-    }
-  }
-
-  automount_service_account_token = false # training never talks to the API server
-
-  depends_on = [kubernetes_namespace_v1.retrain]
-}
-
 resource "kubernetes_config_map_v1" "settings" {
   count = local.k8s_enabled ? 1 : 0
 
@@ -119,8 +89,7 @@ resource "kubernetes_config_map_v1" "settings" {
 }
 
 # ---------------------------------------------------------------------------------------------
-# k8s/ manifests (ResourceFlavor, ClusterQueue, AdmissionCheck + ProvisioningRequestConfig,
-# LocalQueue, the notifier Deployment and its RBAC, ...), applied after the CRDs exist.
+# The rendered manifests (build/k8s), applied after the CRDs and the ConfigMap exist.
 # ---------------------------------------------------------------------------------------------
 
 data "kubectl_file_documents" "retrain" {
@@ -142,8 +111,6 @@ resource "kubectl_manifest" "retrain" {
   depends_on = [
     kubectl_manifest.kueue,
     kubectl_manifest.jobset,
-    kubernetes_service_account_v1.notifier,
-    kubernetes_service_account_v1.training,
     kubernetes_config_map_v1.settings,
   ]
 }

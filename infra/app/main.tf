@@ -18,8 +18,10 @@ locals {
   dataflow_template_path = "gs://${local.platform.artifacts_bucket}/${var.dataflow_template_object}"
   dataflow_temp_location = "gs://${local.platform.artifacts_bucket}/dataflow/tmp"
 
-  # The settings every component reads through retrain.config.load(): functions (environment),
-  # the workflow (user_env_vars, at most 20), pods (ConfigMap, envFrom).
+  # The settings every component reads through retrain.config.load(): the functions (environment),
+  # which hand the workflow its run plan as its argument, and pods (the ConfigMap, envFrom). Every key
+  # is a retrain.config.Settings field, and every field but the local stack's own is here
+  # (tests/test_contracts.py); the local stack reads this very map (retrain.deployment).
   retrain_env = {
     RETRAIN_PROJECT             = var.project_id
     RETRAIN_REGION              = var.region
@@ -28,11 +30,16 @@ locals {
     RETRAIN_ARTIFACTS_BUCKET    = local.platform.artifacts_bucket
     RETRAIN_DATASET             = var.default_dataset
     RETRAIN_SEAL_MARKER         = var.seal_marker
+    RETRAIN_QUIET_PERIOD_S      = tostring(var.quiet_period_s)
+    RETRAIN_MAX_BATCH_AGE_S     = tostring(var.max_batch_age_s)
+    RETRAIN_STUCK_AFTER_S       = tostring(var.stuck_after_s)
     RETRAIN_WORKFLOW            = var.workflow_name
     RETRAIN_JOBSET_TOPIC        = local.platform.jobset_topic
     RETRAIN_CLUSTER             = local.platform.cluster_name
+    RETRAIN_CLUSTER_ENDPOINT    = local.platform.cluster_dns_endpoint
     RETRAIN_NODE_POOL           = local.platform.gpu_node_pool
     RETRAIN_NAMESPACE           = local.platform.k8s_namespace
+    RETRAIN_TRAINING_KSA        = local.platform.training_ksa
     RETRAIN_LOCAL_QUEUE         = var.local_queue
     RETRAIN_MACHINE_TYPE        = local.platform.gpu_machine_type
     RETRAIN_GPUS_PER_NODE       = tostring(local.platform.gpus_per_node)
@@ -44,29 +51,13 @@ locals {
     RETRAIN_PROVISION_TIMEOUT_S = tostring(var.provision_timeout_s)
     RETRAIN_TRAIN_TIMEOUT_S     = tostring(var.train_timeout_s)
 
+    RETRAIN_DATAFLOW_TEMPLATE         = local.dataflow_template_path
+    RETRAIN_DATAFLOW_TEMP_LOCATION    = local.dataflow_temp_location
+    RETRAIN_DATAFLOW_SERVICE_ACCOUNT  = local.sa.dataflow
+    RETRAIN_DATAFLOW_SUBNETWORK       = local.platform.subnetwork
+    RETRAIN_FUNCTIONS_SERVICE_ACCOUNT = local.sa.functions
+
     RETRAIN_BIGQUERY_TABLES           = join(",", [for table, dataset in var.bigquery_tables : "${table}=${dataset}"])
     RETRAIN_BIGQUERY_WATERMARK_COLUMN = var.bigquery_watermark_column
   }
-
-  # Deployment facts the workflow needs beyond retrain.config.Settings.
-  deployment_env = {
-    RETRAIN_DATAFLOW_TEMPLATE        = local.dataflow_template_path
-    RETRAIN_DATAFLOW_TEMP_LOCATION   = local.dataflow_temp_location
-    RETRAIN_DATAFLOW_SERVICE_ACCOUNT = local.sa.dataflow
-    RETRAIN_DATAFLOW_SUBNETWORK      = local.platform.subnetwork
-    RETRAIN_TRAINING_KSA             = local.platform.training_ksa
-  }
-
-  # Workflows accepts at most 20 user environment variables: the ones the workflow reads.
-  workflow_env = merge(
-    {
-      for k, v in local.retrain_env : k => v if contains([
-        "RETRAIN_PROJECT", "RETRAIN_REGION", "RETRAIN_ARTIFACTS_BUCKET", "RETRAIN_CLUSTER",
-        "RETRAIN_NODE_POOL", "RETRAIN_NAMESPACE", "RETRAIN_LOCAL_QUEUE", "RETRAIN_MACHINE_TYPE",
-        "RETRAIN_GPUS_PER_NODE", "RETRAIN_NODES", "RETRAIN_IMAGE", "RETRAIN_TRAINER",
-        "RETRAIN_MAX_STEPS", "RETRAIN_PROVISION_TIMEOUT_S", "RETRAIN_TRAIN_TIMEOUT_S",
-      ], k)
-    },
-    local.deployment_env,
-  )
 }

@@ -1,6 +1,6 @@
 output "retrain_env" {
   description = "RETRAIN_* settings of this deployment (what retrain.config.load reads); the CLI exports these."
-  value       = merge(local.retrain_env, local.deployment_env)
+  value       = local.retrain_env
 }
 
 output "workflow_name" {

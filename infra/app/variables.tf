@@ -68,8 +68,14 @@ variable "dataflow_metadata" {
 
 variable "k8s_manifests_dir" {
   type        = string
-  description = "Directory of the Kubernetes manifests (Kueue queues, notifier, RBAC), relative to the repository root."
-  default     = "k8s"
+  description = "Directory of the rendered Kubernetes manifests (Kueue queues, service accounts, notifier, reaper RBAC), relative to the repository root: the k8s/ templates rendered from this deployment's values by `retrain deploy` (retrain.k8s.manifests) before this stage. k8s/ itself holds templates and examples and is never applied."
+  default     = "build/k8s"
+}
+
+variable "notifier_image" {
+  type        = string
+  description = "Image of the JobSet notifier (`retrain notify`). Empty: <artifact registry>/retrain:latest."
+  default     = ""
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -180,20 +186,26 @@ variable "scheduler_jobs" {
     schedule    = string
     description = string
   }))
-  description = "Periodic jobs; each publishes {\"job\": <key>} to the Scheduler ticks topic, which on_scheduler_tick receives."
+  description = "Periodic jobs; each publishes {\"job\": <key>} to the Scheduler ticks topic, which on_scheduler_tick receives. Keys are retrain.contracts.SchedulerJob values (seal, sweeper, reaper); schedules fire at a steady rate (minute and hour fields only)."
+
   default = {
     seal = {
-      schedule    = "*/15 * * * *"
-      description = "Seal open batches that have been idle long enough and start their runs."
+      schedule    = "0 * * * *"
+      description = "Seal every dataset's pending arrivals and start their runs (the hourly cut)."
     }
     sweeper = {
-      schedule    = "0 * * * *"
-      description = "Re-drive batches and runs whose events were lost (no execution started, no callback seen)."
+      schedule    = "*/5 * * * *"
+      description = "Seal quiet or old batches, finish seals and starts a crash cut short, record executions that ended silently, start queued runs."
     }
     reaper = {
-      schedule    = "*/30 * * * *"
-      description = "Fail runs past their provisioning/training deadline and scale the GPU pool back to zero."
+      schedule    = "*/15 * * * *"
+      description = "Delete JobSets and capacity requests that no live run owns, and report GPU nodes left up."
     }
+  }
+
+  validation {
+    condition     = alltrue([for k, _ in var.scheduler_jobs : contains(["seal", "sweeper", "reaper"], k)])
+    error_message = "scheduler_jobs keys are the jobs on_scheduler_tick runs: seal, sweeper, reaper."
   }
 }
 
@@ -207,10 +219,34 @@ variable "workflow_name" {
   default     = "retrain"
 }
 
+variable "workflow_deletion_protection" {
+  type        = bool
+  description = "Refuse to destroy (or replace, as a rename does) the workflow. Provider 6.x defaults it to true; false lets `terraform destroy` and renames go through."
+  default     = false
+}
+
 variable "workflow_call_log_level" {
   type        = string
   description = "Workflows call logging level."
   default     = "LOG_ERRORS_ONLY"
+}
+
+variable "quiet_period_s" {
+  type        = number
+  description = "The sweeper seals a dataset's batch once no object has arrived for this long (RETRAIN_QUIET_PERIOD_S)."
+  default     = 300
+}
+
+variable "max_batch_age_s" {
+  type        = number
+  description = "The sweeper seals a batch this old even while data keeps arriving (RETRAIN_MAX_BATCH_AGE_S)."
+  default     = 21600
+}
+
+variable "stuck_after_s" {
+  type        = number
+  description = "The sweeper finishes seals and starts that a crash left half done for this long (RETRAIN_STUCK_AFTER_S)."
+  default     = 120
 }
 
 variable "landing_prefix" {

@@ -1,3 +1,11 @@
+# The newest GKE version of the configured minor (var.kubernetes_version is a prefix such as "1.31"):
+# a pinned patch version falls out of support and makes the next apply fail.
+data "google_container_engine_versions" "gke" {
+  project        = var.project_id
+  location       = var.region
+  version_prefix = "${var.kubernetes_version}."
+}
+
 resource "google_container_cluster" "retrain" {
   #checkov:skip=CKV_GCP_65:Google Groups for RBAC needs a Google Workspace gke-security-groups group the project may not have; access is granted through IAM (container.developer) instead.
   #checkov:skip=CKV_GCP_24:PodSecurityPolicy was removed from Kubernetes in 1.25; this cluster runs 1.28+ where Pod Security Admission replaces it.
@@ -80,7 +88,7 @@ resource "google_container_cluster" "retrain" {
   release_channel {
     channel = var.release_channel
   }
-  min_master_version = var.kubernetes_version
+  min_master_version = data.google_container_engine_versions.gke.latest_master_version
 
   enable_shielded_nodes       = true
   enable_intranode_visibility = true
@@ -168,6 +176,12 @@ resource "google_container_node_pool" "default" {
       disable-legacy-endpoints = "true"
     }
   }
+
+  # Nodes start only once their service account may run as a node and pull images.
+  depends_on = [
+    google_project_iam_member.gke_nodes_default_node_sa,
+    google_artifact_registry_repository_iam_member.gke_nodes_reader,
+  ]
 }
 
 # DWS (Dynamic Workload Scheduler) queued-provisioning A3 pool. It has no nodes until a
@@ -260,4 +274,10 @@ resource "google_container_node_pool" "gpu_dws" {
       error_message = "The DWS pool turns node auto-upgrade off, which GKE only allows outside release channels: set release_channel = \"UNSPECIFIED\"."
     }
   }
+
+  # Nodes start only once their service account may run as a node and pull images.
+  depends_on = [
+    google_project_iam_member.gke_nodes_default_node_sa,
+    google_artifact_registry_repository_iam_member.gke_nodes_reader,
+  ]
 }

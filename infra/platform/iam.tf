@@ -72,24 +72,6 @@ resource "google_service_account" "builder" {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Custom role: resize the DWS pool and nothing else GKE-administrative
-# ---------------------------------------------------------------------------------------------
-
-# nodePools.setAutoscaling needs container.clusters.update, which roles/container.developer lacks;
-# roles/container.clusterAdmin would add create/delete of clusters and IAM-relevant settings.
-resource "google_project_iam_custom_role" "node_pool_scaler" {
-  project     = var.project_id
-  role_id     = "retrainNodePoolScaler"
-  title       = "retrain node pool scaler"
-  description = "Lets the retrain workflow change the DWS node pool's autoscaling limits and follow the operation."
-  permissions = [
-    "container.clusters.get",
-    "container.clusters.update",
-    "container.operations.get",
-  ]
-}
-
-# ---------------------------------------------------------------------------------------------
 # GKE nodes
 # ---------------------------------------------------------------------------------------------
 
@@ -177,12 +159,6 @@ resource "google_project_iam_member" "workflow_dataflow_developer" {
 resource "google_project_iam_member" "workflow_container_developer" {
   project = var.project_id
   role    = "roles/container.developer"
-  member  = "serviceAccount:${google_service_account.workflow.email}"
-}
-
-resource "google_project_iam_member" "workflow_node_pool_scaler" {
-  project = var.project_id
-  role    = google_project_iam_custom_role.node_pool_scaler.name
   member  = "serviceAccount:${google_service_account.workflow.email}"
 }
 
@@ -304,6 +280,22 @@ resource "google_storage_bucket_iam_member" "builder_sources_viewer" {
   member = "serviceAccount:${google_service_account.builder.email}"
 }
 
+# Cloud Functions (gen2) copies the uploaded source into its own gcf-v2-sources-NUMBER-REGION bucket
+# and the build reads it from there as the build service account; without this grant a custom build
+# account fails with a storage 403 (hashicorp/terraform-provider-google#20571). That bucket is created
+# by Google on the first deployment, so the grant is on the project, conditioned on that bucket alone.
+resource "google_project_iam_member" "builder_gcf_sources_viewer" {
+  project = var.project_id
+  role    = "roles/storage.objectViewer"
+  member  = "serviceAccount:${google_service_account.builder.email}"
+
+  condition {
+    title       = "gcf-v2-sources bucket only"
+    description = "The bucket Cloud Functions copies function sources into, in this region."
+    expression  = "resource.name.startsWith(\"projects/_/buckets/gcf-v2-sources-${data.google_project.this.number}-${var.region}\")"
+  }
+}
+
 # ---------------------------------------------------------------------------------------------
 # Google-managed service agents
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +309,14 @@ resource "google_project_iam_member" "gcs_agent_pubsub_publisher" {
   project = var.project_id
   role    = "roles/pubsub.publisher"
   member  = "serviceAccount:${data.google_storage_project_service_account.gcs.email_address}"
+}
+
+# The Pub/Sub service agent exists only once Google creates it (on first use of the API); granting
+# roles to it before that fails. Asking for its identity creates it first.
+resource "google_project_service_identity" "pubsub" {
+  provider = google-beta
+  project  = var.project_id
+  service  = "pubsub.googleapis.com"
 }
 
 # Pub/Sub forwards undeliverable push messages to the dead-letter topic as its service agent

@@ -9,5 +9,5 @@ locals {
   workload_pool = "${var.project_id}.svc.id.goog"
 
   # Google-managed service agents that need a grant on a retrain resource.
-  pubsub_service_agent = "serviceAccount:service-${data.google_project.this.number}@gcp-sa-pubsub.iam.gserviceaccount.com"
+  pubsub_service_agent = "serviceAccount:${google_project_service_identity.pubsub.email}"
 }

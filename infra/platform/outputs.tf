@@ -8,6 +8,11 @@ output "project_number" {
   value       = data.google_project.this.number
 }
 
+output "pubsub_service_agent" {
+  description = "IAM member of the project's Pub/Sub service agent (created by this stage before any grant to it)."
+  value       = local.pubsub_service_agent
+}
+
 output "region" {
   description = "Region of the cluster, buckets, topics (RETRAIN_REGION)."
   value       = var.region

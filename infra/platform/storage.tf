@@ -33,6 +33,14 @@ resource "google_storage_bucket" "access_logs" {
   }
 }
 
+# Cloud Storage writes usage and storage logs as this Google group; the log bucket must let it create
+# objects (cloud.google.com/storage/docs/access-logs, "Set IAM permissions").
+resource "google_storage_bucket_iam_member" "access_logs_analytics_writer" {
+  bucket = google_storage_bucket.access_logs.name
+  role   = "roles/storage.objectCreator"
+  member = "group:cloud-storage-analytics@google.com"
+}
+
 # Where new training data lands. Its object-finalize events (Eventarc) start runs, so it lives in
 # the same region as the trigger.
 resource "google_storage_bucket" "landing" {

@@ -85,7 +85,7 @@ variable "cluster_name" {
 
 variable "kubernetes_version" {
   type        = string
-  description = "Minimum GKE control-plane version (queued provisioning needs 1.28.3 or later; a prefix such as \"1.31\" picks the newest patch)."
+  description = "GKE minor version, a prefix such as \"1.31\": the cluster gets the newest patch of it that google_container_engine_versions lists (queued provisioning needs 1.28.3 or later)."
   default     = "1.31"
 }
 

@@ -6,6 +6,11 @@ terraform {
       source  = "hashicorp/google"
       version = ">= 6.14.0, < 7.0.0"
     }
+    # google_project_service_identity (the Pub/Sub service agent) is in the beta provider only.
+    google-beta = {
+      source  = "hashicorp/google-beta"
+      version = ">= 6.14.0, < 7.0.0"
+    }
   }
 
   # Partial configuration: the bucket comes from the bootstrap stage,
@@ -16,6 +21,11 @@ terraform {
 }
 
 provider "google" {
+  project = var.project_id
+  region  = var.region
+}
+
+provider "google-beta" {
   project = var.project_id
   region  = var.region
 }

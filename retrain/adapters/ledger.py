@@ -38,7 +38,7 @@ from google.cloud.firestore_v1.types import firestore as api
 
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import BatchState, Pending, Run, RunStatus, iso, new_run_id, now_iso, snapshot_id
-from retrain.ports import ArrivalOutcome, SealOutcome
+from retrain.ports import ArrivalOutcome, ArrivalStatus, SealOutcome, SealVerdict
 
 ARRIVED_AT = "arrived_at"
 
@@ -104,8 +104,8 @@ class FirestoreLedger:
         try:
             self._create_stamped(ref, _arrival_fields(arrival, content_hash), ARRIVED_AT)
         except (AlreadyExists, Conflict):
-            return ArrivalOutcome("duplicate")
-        return ArrivalOutcome("new")
+            return ArrivalOutcome(ArrivalStatus.DUPLICATE)
+        return ArrivalOutcome(ArrivalStatus.NEW)
 
     def _create_stamped(
         self, ref: firestore.DocumentReference, fields: Mapping[str, str | int], stamp: str
@@ -178,7 +178,7 @@ class FirestoreLedger:
             return True
 
         if not cut(self.db.transaction()):
-            return SealOutcome(None, "nothing pending")
+            return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
         return self.materialize(batch_ref.id)
 
     def _batch_arrivals(self, batch: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
@@ -222,11 +222,16 @@ class FirestoreLedger:
 
         outcome, run_id = claim(self.db.transaction())
         if outcome == "duplicate":
-            return SealOutcome(None, f"snapshot {snap_id[:12]} already trained by run {run_id}", uris)
+            return SealOutcome(
+                None,
+                SealVerdict.ALREADY_TRAINED,
+                f"snapshot {snap_id[:12]} already trained by run {run_id}",
+                uris,
+            )
         if outcome == "done":
             existing_run = self.get_run(str(run_id)) if run_id else None
-            return SealOutcome(existing_run, "already sealed", uris)
-        return SealOutcome(run, "sealed", uris)
+            return SealOutcome(existing_run, SealVerdict.ALREADY_SEALED, "already sealed", uris)
+        return SealOutcome(run, SealVerdict.SEALED, "sealed", uris)
 
     def batch_objects(self, batch_id: str) -> tuple[str, ...]:
         batch = self.db.collection("batches").document(batch_id).get().to_dict() or {}

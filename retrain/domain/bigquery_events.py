@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from retrain.domain.events import Rejected, event_id_of
+from retrain.domain.errors import Rejected
+from retrain.domain.events import event_id_of
 
 AUDIT_LOG_WRITTEN = "google.cloud.audit.log.v1.written"
 BIGQUERY_SERVICE = "bigquery.googleapis.com"
@@ -75,8 +76,13 @@ def _mapping(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
-def parse_bigquery_audit(attributes: Mapping[str, Any], data: Any) -> BigQueryChange:
-    """Validate an Eventarc audit-log CloudEvent from BigQuery and say what it means for retrain."""
+def parse_bigquery_audit(attributes: Mapping[str, Any], data: Any, own_principal: str = "") -> BigQueryChange:
+    """Validate an Eventarc audit-log CloudEvent from BigQuery and say what it means for retrain.
+
+    ``own_principal`` is the functions' own service account: the jobs it runs (watermark queries,
+    exports) are logged like anyone's, and acting on them would loop.  Eventarc cannot filter on the
+    caller, so it is done here, from ``protoPayload.authenticationInfo.principalEmail`` (the AuditLog
+    type, google/cloud/audit/audit_log.proto)."""
     event_id = event_id_of(attributes, AUDIT_LOG_WRITTEN)
     source = str(attributes.get("source", ""))
     if not AUDIT_SOURCE_RE.match(source):
@@ -85,6 +91,9 @@ def parse_bigquery_audit(attributes: Mapping[str, Any], data: Any) -> BigQueryCh
     if payload.get("serviceName") != BIGQUERY_SERVICE:
         raise Rejected(f"audit log of {str(payload.get('serviceName'))[:100]!r}, not BigQuery")
     method = payload.get("methodName")
+    principal = _mapping(payload.get("authenticationInfo") or {}, "authenticationInfo").get("principalEmail")
+    if own_principal and principal == own_principal:
+        return NotRelevant(f"a job of retrain's own account {own_principal}")
     if method not in (INSERT_JOB, QUERY):
         return NotRelevant(f"method {str(method)[:100]} writes no rows")
     metadata = _mapping(payload.get("metadata"), "protoPayload.metadata")

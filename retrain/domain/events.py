@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from retrain.domain.errors import Rejected
+
 GCS_FINALIZED = "google.cloud.storage.object.v1.finalized"
 GCS_SOURCE_PREFIX = "//storage.googleapis.com/projects/_/buckets/"
 
@@ -22,14 +24,6 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 # Objects retrain writes itself; they must never start a run even if they land under the prefix.
 RETRAIN_OWNED_MARKERS = ("/_retrain/", "_text_document.", "_report.json", "_quarantine.jsonl")
-
-
-class Rejected(Exception):
-    """An event that is malformed or not ours: acknowledge it and log the reason."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

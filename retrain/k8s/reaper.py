@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from retrain.domain.runs import Run
 from retrain.k8s.render import (
@@ -39,6 +39,7 @@ from retrain.k8s.render import (
     RUN_ID_ANNOTATION,
     RUN_ID_LABEL,
 )
+from retrain.ports import RunLookup
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -50,12 +51,6 @@ _CUSTOM = {
     PROVREQ: (*PROVREQ_API.split("/"), "provisioningrequests"),
 }
 _ORDER = (JOBSET, PROVREQ, PODTEMPLATE)  # what uses the nodes first, the request's template last
-
-
-class RunLookup(Protocol):
-    """The part of :class:`retrain.ports.Ledger` the reaper needs."""
-
-    def get_run(self, run_id: str) -> Run | None: ...
 
 
 @dataclass

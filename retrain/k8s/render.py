@@ -10,7 +10,8 @@ GCS paths (``gs://bucket/path``) given to the NeMo command are read through Clou
 volumes mounted at ``/gcs/<bucket>``; the original URIs are also passed as ``RETRAIN_*`` variables for
 trainers that talk to GCS themselves (the local trainer does).
 
-Run ``python -m retrain.k8s.render > k8s/jobset.example.yaml`` to regenerate the sample manifest.
+Run ``python -m retrain.k8s.render > k8s/examples/jobset.example.yaml`` to regenerate the sample
+(never applied).
 """
 
 from __future__ import annotations
@@ -213,9 +214,13 @@ def render_jobset(
     tcpx: bool = False,
     env: dict[str, str] | None = None,
     provisioning_request: str | None = None,
+    service_account: str | None = None,
 ) -> dict[str, Any]:
     """The JobSet of run ``run_id``.
 
+    ``service_account`` is the Kubernetes service account the pods run as: the training KSA that
+    Workload Identity binds to the training Google service account (the Cloud Storage FUSE CSI driver
+    authenticates as it; see GKE's "Access Cloud Storage buckets with the Cloud Storage FUSE CSI driver").
     ``command`` None runs NeMo under torchrun with Hydra overrides; a given ``command`` (the local
     trainer) replaces the container command and gets no args, everything else stays.
     ``provisioning_request`` names a ProvisioningRequest created outside Kueue that the pods consume
@@ -325,6 +330,8 @@ def render_jobset(
         "containers": [container],
         "volumes": volumes,
     }
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
     if tcpx:
         _tcpx(pod_spec, container, pod_annotations)
 
@@ -438,7 +445,7 @@ def example_jobset() -> dict[str, Any]:
         checkpoint_dir="gs://retrain-artifacts/checkpoints/example-run-0001",
         resume_from="gs://retrain-artifacts/checkpoints/previous/last.ckpt",
         max_steps=60,
-        callback_url="https://workflowexecutions.googleapis.com/v1/projects/retrain-local/locations/us-central1/workflows/retrain/executions/example/callbacks/example",
+        callback_url="https://workflowexecutions.googleapis.com/v1/projects/example-project/locations/us-central1/workflows/retrain/executions/example/callbacks/example",
         tcpx=True,
     )
 

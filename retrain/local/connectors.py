@@ -107,6 +107,12 @@ class LocalDataflow:
         for required in ("manifest", "shard_root", "report"):
             if required not in params:
                 raise WorkflowError(http_error(400, f"launchParameter.parameters.{required} is required"))
+        # Not Dataflow's rule but the deployment's: workers never run as the default compute account on
+        # the default network, so a launch that leaves these out is refused here as a bug.
+        environment = launch.get("environment") or {}
+        for required in ("serviceAccountEmail", "subnetwork", "tempLocation"):
+            if not environment.get(required):
+                raise WorkflowError(http_error(400, f"launchParameter.environment.{required} is required"))
         job_id = f"{launch.get('jobName', 'job')}-{uuid.uuid4().hex[:8]}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{job_id}.log", "wb")  # noqa: SIM115 - handed to the child
@@ -192,31 +198,11 @@ def gke_request_binding(kube: KubeEndpoint) -> Callable[[Args, Args], Any]:
     return request
 
 
-def set_autoscaling_binding(set_autoscaling: Callable[[int, int], None]) -> Callable[[Args, Args], Any]:
-    def call(args: Args, _: Args) -> Any:
-        auto = args.get("body", {}).get("autoscaling", {})
-        low = int(auto.get("totalMinNodeCount", auto.get("minNodeCount", 0)))
-        high = int(auto.get("totalMaxNodeCount", auto.get("maxNodeCount", 0)))
-        if low < 0 or high < low:
-            raise WorkflowError(http_error(400, f"invalid autoscaling bounds {low}..{high}"))
-        set_autoscaling(low, high)
-        # The connector waits for the long-running operation; the twin applies it at once.
-        return {
-            "name": f"operation-{uuid.uuid4().hex[:12]}",
-            "operationType": "SET_NODE_POOL_MANAGEMENT",
-            "status": "DONE",
-            "targetLink": args.get("name"),
-        }
-
-    return call
-
-
 def local_registry(
     *,
     firestore_host: str,
     kube: KubeEndpoint,
     dataflow: LocalDataflow,
-    set_autoscaling: Callable[[int, int], None],
 ) -> ConnectorRegistry:
     """Every connector workflows/retrain.yaml calls, bound to the local stack."""
     registry = ConnectorRegistry()
@@ -226,8 +212,4 @@ def local_registry(
     registry.register("googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch", dataflow.launch)
     registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.get", dataflow.get)
     registry.register("gke.request", gke_request_binding(kube))
-    registry.register(
-        "googleapis.container.v1.projects.locations.clusters.nodePools.setAutoscaling",
-        set_autoscaling_binding(set_autoscaling),
-    )
     return registry

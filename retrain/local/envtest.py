@@ -263,3 +263,36 @@ def ensure_service_account(api: Any, namespace: str, name: str = "default") -> N
     except client.ApiException as e:
         if e.status != 409:
             raise
+
+
+def apply_documents(api: Any, docs: list[dict[str, Any]]) -> list[str]:
+    """Create each object (as ``kubectl create`` would; one that exists is left as it is), custom
+    resources included; returns ``Kind/name`` of each.  Errors from the API server propagate: a manifest
+    it refuses is a broken manifest."""
+    from kubernetes import client, utils
+
+    custom = client.CustomObjectsApi(api)
+    done = []
+    for doc in docs:
+        group, _, version = doc["apiVersion"].rpartition("/")
+        meta = doc["metadata"]
+        try:
+            if group.endswith(".x-k8s.io"):  # the CRDs of ../shared/crds (Kueue, JobSet, autoscaling)
+                plural = doc["kind"].lower() + "s"
+                if "namespace" in meta:
+                    ensure_service_account(api, meta["namespace"])
+                    custom.create_namespaced_custom_object(group, version, meta["namespace"], plural, doc)
+                else:
+                    custom.create_cluster_custom_object(group, version, plural, doc)
+            else:
+                if "namespace" in meta:
+                    ensure_service_account(api, meta["namespace"])
+                utils.create_from_dict(api, doc)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+        except utils.FailToCreateError as e:
+            if any(getattr(x, "status", None) != 409 for x in e.api_exceptions):
+                raise
+        done.append(f"{doc['kind']}/{meta['name']}")
+    return done

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
+from retrain.deployment import LOCAL_TIME_FACTOR, Deployment, ScheduledJob
 from retrain.local import delivery, emulators
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
 
@@ -135,6 +137,30 @@ def parse_faults(spec: str) -> Any:
     return Faults(**values)
 
 
+def scheduler_twin(jobs: list[ScheduledJob], publish: Callable[[ScheduledJob], None]) -> Callable[[], None]:
+    """Cloud Scheduler's twin: publishes each job's message on its schedule, sped up by
+    LOCAL_TIME_FACTOR (the first tick of each job comes one period after the start, as in the cloud).
+    Returns the function that stops it."""
+    stop = threading.Event()
+    periods = {job.name: job.period_s / LOCAL_TIME_FACTOR for job in jobs}
+
+    def loop() -> None:
+        started = time.monotonic()
+        due = {job.name: started + periods[job.name] for job in jobs}
+        while True:
+            job = min(jobs, key=lambda j: due[j.name])
+            if stop.wait(max(0.0, due[job.name] - time.monotonic())):
+                return
+            due[job.name] += periods[job.name]
+            try:
+                publish(job)
+            except Exception as e:  # a missed tick is harmless; the next one does the work
+                log.warning("scheduler job %s: tick not published: %s", job.name, e)
+
+    threading.Thread(target=loop, name="scheduler-twin", daemon=True).start()
+    return stop.set
+
+
 @dataclass
 class LocalStack:
     settings: config.Settings
@@ -146,6 +172,18 @@ class LocalStack:
     _procs: list[emulators.ManagedProcess] = field(default_factory=list)
     _closers: list[Callable[[], None]] = field(default_factory=list)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
+    deployment: Deployment | None = None
+    """What infra/ declares (topics, Scheduler jobs, the pool's bounds, the Kubernetes manifests) for
+    the settings' project; by default read from infra/."""
+
+    def __post_init__(self) -> None:
+        if self.deployment is None:
+            self.deployment = Deployment(project=self.settings.project)
+
+    @property
+    def _deployment(self) -> Deployment:
+        assert self.deployment is not None
+        return self.deployment
 
     @property
     def state_dir(self) -> Path:
@@ -221,6 +259,20 @@ class LocalStack:
 
         api = control_plane.api_client()
         self.kube_api = api
+        # What Terraform applies in the cluster, rendered by the same code from infra/'s values: the
+        # Kueue queues, the service accounts, the notifier's and the reaper's RBAC, and the settings
+        # ConfigMap (Terraform writes it from local.retrain_env).
+        from retrain.k8s.manifests import documents
+        from retrain.local.envtest import apply_documents
+
+        values = self._deployment.manifest_values()
+        settings_map = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": values.settings_config_map, "namespace": values.namespace},
+            "data": self._deployment.env,
+        }
+        apply_documents(api, [settings_map, *documents(values)])
         child_env = {**config.to_env(s), **ep.env(), **self.pod_env}
         twin = ClusterTwin(
             api,
@@ -233,6 +285,8 @@ class LocalStack:
             pod_env=child_env,
             faults=parse_faults(s.twin_faults),
         )
+        # The pool's bounds are Terraform's (google_container_node_pool.gpu_dws): 0..gpu_max_nodes.
+        twin.set_autoscaling(0, int(self._deployment.platform.output("gpu_max_nodes")))
         twin.start()
         self._closers.append(twin.stop)
         self.twin = twin
@@ -259,7 +313,6 @@ class LocalStack:
             firestore_host=ep.firestore,
             kube=KubeEndpoint.from_kubeconfig(control_plane.kubeconfig),
             dataflow=dataflow,
-            set_autoscaling=twin.set_autoscaling,
         )
         workflow = load_workflow(WORKFLOW_FILE)
         server = ExecutionsServer(lambda _name: workflow, registry, {"GOOGLE_CLOUD_PROJECT_ID": s.project})
@@ -281,24 +334,18 @@ class LocalStack:
             setattr(ep, attr, url)
 
         subscriber = pubsub_v1.SubscriberClient()
-        ticks = publisher.topic_path(s.project, s.scheduler_topic)
-        dead_letters = publisher.topic_path(s.project, s.dead_letter_topic)
-        for source, url in ((topic, ep.relay_function), (ticks, ep.scheduler_function)):
+        jobs = self._deployment.scheduler_jobs()
+        ticks = {job.topic for job in jobs}
+        dead_letters = self._deployment.topic("dead_letter_topic_id")
+        routes = [(topic, ep.relay_function), *((t, ep.scheduler_function) for t in sorted(ticks))]
+        for source, url in routes:
             delivery.push_subscription(subscriber, publisher, source, f"{url}/{source}", dead_letters)
         delivery.dead_letter_subscription(subscriber, publisher, dead_letters)
 
-        # Cloud Scheduler's twin: the sweeper's periodic tick, published like the Scheduler job does.
-        stop_ticks = threading.Event()
+        def publish_tick(job: ScheduledJob) -> None:
+            publisher.publish(job.topic, job.data, **job.attributes).result(timeout=30)
 
-        def tick() -> None:
-            while not stop_ticks.wait(s.sweep_interval_s):
-                try:
-                    publisher.publish(ticks, json.dumps({"action": "sweep"}).encode()).result(timeout=30)
-                except Exception as e:  # a missed tick is harmless; the next one sweeps
-                    log.warning("scheduler tick not published: %s", e)
-
-        threading.Thread(target=tick, name="scheduler-twin", daemon=True).start()
-        self._closers.append(stop_ticks.set)
+        self._closers.append(scheduler_twin(jobs, publish_tick))
         ep.save(stack_file(s))
         self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
         self.progress("local stack is up")

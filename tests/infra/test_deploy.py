@@ -106,7 +106,19 @@ OUTPUTS: dict[str, dict[str, Any]] = {
         "cluster_endpoint": _out("10.0.0.2", sensitive=True),
         "landing_bucket": _out(f"{PROJECT}-retrain-landing"),
         "gpus_per_node": _out(8, "number"),
-        "service_accounts": _out({"functions": f"retrain-functions@{PROJECT}.iam.gserviceaccount.com"}),
+        "service_accounts": _out(
+            {
+                "functions": f"retrain-functions@{PROJECT}.iam.gserviceaccount.com",
+                "notifier": f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com",
+                "training": f"retrain-training@{PROJECT}.iam.gserviceaccount.com",
+            }
+        ),
+        "k8s_namespace": _out("retrain"),
+        "notifier_ksa": _out("jobset-notifier"),
+        "training_ksa": _out("retrain-trainer"),
+        "artifact_registry": _out(f"{REGION}-docker.pkg.dev/{PROJECT}/retrain"),
+        "gpu_node_pool": _out("a3-dws"),
+        "gpu_max_nodes": _out(4, "number"),
     },
     "app": {
         "workflow_name": _out("retrain"),
@@ -175,7 +187,7 @@ PLANS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    """A copy of the repository parts deploy needs: infra/ (the .tf files) and functions/."""
+    """A copy of the repository parts deploy needs: infra/ (the .tf files), functions/ and k8s/."""
     root = tmp_path / "repo"
     root.mkdir()
     shutil.copytree(
@@ -184,6 +196,7 @@ def checkout(tmp_path: Path) -> Path:
         ignore=shutil.ignore_patterns(".terraform", ".build", "*.tfstate*", ".terraform.lock.hcl"),
     )
     shutil.copytree(REPO / "functions", root / "functions", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "k8s", root / "k8s")
     return root
 
 
@@ -319,8 +332,24 @@ def test_outputs_become_vars_of_later_stages_only_where_declared(tf: FakeTerrafo
         "region": REGION,
         "state_bucket": STATE_BUCKET,
         "functions_source_dir": deploy.FUNCTIONS_BUILD_DIR,
+        "k8s_manifests_dir": deploy.K8S_BUILD_DIR,
     }
     assert "state_bucket" in declared("app") and "state_bucket" not in declared("platform")
+
+
+def test_manifests_are_rendered_from_the_platform_outputs(
+    tf: FakeTerraform, run: Run, checkout: Path
+) -> None:
+    rc, _out, err = run("--auto-approve")
+    assert rc == 0, err
+    rendered = checkout / deploy.K8S_BUILD_DIR
+    assert sorted(p.name for p in rendered.glob("*.yaml")) == sorted(
+        ["kueue.yaml", "notifier.yaml", "reaper.yaml", "training.yaml"]
+    )
+    notifier = (rendered / "notifier.yaml").read_text()
+    assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in notifier
+    assert f"image: {REGION}-docker.pkg.dev/{PROJECT}/retrain/retrain:latest" in notifier
+    assert "namespace: retrain" in notifier and "retrain-local" not in notifier
 
 
 def test_forwarded_vars_types_sensitivity_and_declared_only() -> None:

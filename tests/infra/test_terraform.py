@@ -73,7 +73,6 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
     "workflow": {
         ("roles/dataflow.developer", "project"),
         ("roles/container.developer", "project"),
-        ("custom:node_pool_scaler", "project"),
         ("roles/datastore.user", "project"),
         ("roles/logging.logWriter", "project"),
         ("roles/iam.serviceAccountUser", "service_account:dataflow"),
@@ -95,6 +94,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/logging.logWriter", "project"),
         ("roles/artifactregistry.writer", "repository:retrain"),
         ("roles/storage.objectViewer", "bucket:function_sources"),
+        ("roles/storage.objectViewer", "project"),  # conditioned: the gcf-v2-sources bucket only
     },
 }
 
@@ -119,11 +119,12 @@ EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
     "var.run_http_invokers": {
         ("roles/run.invoker", "function:run_http"),
     },
+    "literal:group:cloud-storage-analytics@google.com": {
+        ("roles/storage.objectCreator", "bucket:access_logs"),
+    },
 }
 
-EXPECTED_CUSTOM_ROLE_PERMISSIONS = {
-    "node_pool_scaler": {"container.clusters.get", "container.clusters.update", "container.operations.get"},
-}
+EXPECTED_CUSTOM_ROLE_PERMISSIONS: dict[str, set[str]] = {}
 
 # For each IAM resource type: the attribute naming the resource the grant is made on.
 SCOPE_ATTRIBUTE = {
@@ -543,6 +544,59 @@ def check_sa_roles(model: Model) -> list[str]:
     return problems
 
 
+def _resource(model: Model, rtype: str, name: str) -> Block | None:
+    return next((b for b in model.of("resource", rtype) if b.name == name), None)
+
+
+def check_apply_readiness(model: Model) -> list[str]:
+    """What makes a first `terraform apply` (or a later destroy) fail although `plan` passes."""
+    problems = []
+    # Cloud Functions gen2 builds read the source from Google's gcf-v2-sources bucket as the builder.
+    gcf = [
+        g
+        for g in grants(model)[0]
+        if g.principal == "sa:builder" and g.role == "roles/storage.objectViewer" and g.scope == "project"
+    ]
+    builder = [b for b in model.of("resource") if gcf and b.address in {g.address for g in gcf}]
+    if not any("gcf-v2-sources-" in str(one(b.body.get("condition")).get("expression")) for b in builder):
+        problems.append("the builder account cannot read the gcf-v2-sources bucket (provider issue #20571)")
+    # Deletion protection of the workflow is a choice (provider 6.x defaults it to true).
+    wf = _resource(model, "google_workflows_workflow", "retrain")
+    if wf is None or wf.body.get("deletion_protection") != "${var.workflow_deletion_protection}":
+        problems.append(
+            "google_workflows_workflow.retrain: deletion_protection is not var.workflow_deletion_protection"
+        )
+    # Usage logs are written by Google's analytics group.
+    if ("roles/storage.objectCreator", "bucket:access_logs") not in grants_by_principal(model).get(
+        "literal:group:cloud-storage-analytics@google.com", set()
+    ):
+        problems.append("the access-log bucket does not let cloud-storage-analytics@google.com write logs")
+    # The GKE version is looked up by prefix, never pinned.
+    cluster = _resource(model, "google_container_cluster", "retrain")
+    versions = [b for b in model.of("data", "google_container_engine_versions") if "version_prefix" in b.body]
+    if (
+        cluster is None
+        or not versions
+        or "google_container_engine_versions" not in str(cluster.body.get("min_master_version"))
+    ):
+        problems.append("the cluster's version is not taken from google_container_engine_versions by prefix")
+    # Node pools wait for their service account's roles.
+    for pool in model.of("resource", "google_container_node_pool"):
+        deps = str(pool.body.get("depends_on", ""))
+        if "gke_nodes_default_node_sa" not in deps:
+            problems.append(f"{pool.address}: does not wait for its service account's node role")
+    # The Pub/Sub service agent is created before roles are granted to it.
+    identity = [
+        b
+        for b in model.of("resource", "google_project_service_identity")
+        if b.body.get("service") == "pubsub.googleapis.com"
+    ]
+    main = model.sources["platform"].get("main.tf", "")
+    if not identity or "google_project_service_identity.pubsub" not in main:
+        problems.append("the Pub/Sub service agent is granted roles without being created first")
+    return problems
+
+
 def check_no_authoritative_iam(model: Model) -> list[str]:
     return [
         f"{b.address}: authoritative IAM ({b.type}) can silently drop or hide bindings; use *_iam_member"
@@ -615,6 +669,10 @@ def test_no_authoritative_iam(model: Model) -> None:
     assert check_no_authoritative_iam(model) == []
 
 
+def test_first_apply_readiness(model: Model) -> None:
+    assert check_apply_readiness(model) == []
+
+
 def test_custom_role_permissions(model: Model) -> None:
     assert check_custom_roles(model) == []
 
@@ -656,6 +714,54 @@ def test_outputs_the_cli_reads(model: Model) -> None:
 # ---------------------------------------------------------------------------------------------
 
 MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = [
+    (
+        "builder cannot read gcf-v2-sources",
+        check_apply_readiness,
+        "platform",
+        "iam.tf",
+        "gcf-v2-sources-${data",
+        "fn-sources-${data",
+    ),
+    (
+        "workflow deletion protection left to the provider",
+        check_apply_readiness,
+        "app",
+        "workflow.tf",
+        "  deletion_protection = var.workflow_deletion_protection\n",
+        "",
+    ),
+    (
+        "access logs not writable by the analytics group",
+        check_apply_readiness,
+        "platform",
+        "storage.tf",
+        'member = "group:cloud-storage-analytics@google.com"',
+        'member = "group:someone-else@example.com"',
+    ),
+    (
+        "GKE version pinned",
+        check_apply_readiness,
+        "platform",
+        "gke.tf",
+        "min_master_version = data.google_container_engine_versions.gke.latest_master_version",
+        "min_master_version = var.kubernetes_version",
+    ),
+    (
+        "node pool does not wait for its roles",
+        check_apply_readiness,
+        "platform",
+        "gke.tf",
+        "  depends_on = [\n    google_project_iam_member.gke_nodes_default_node_sa,",
+        "  depends_on = [\n",
+    ),
+    (
+        "Pub/Sub agent granted before it exists",
+        check_apply_readiness,
+        "platform",
+        "main.tf",
+        '"serviceAccount:${google_project_service_identity.pubsub.email}"',
+        '"serviceAccount:service-${data.google_project.this.number}@gcp-sa-pubsub.iam.gserviceaccount.com"',
+    ),
     (
         "gpu pool min 1",
         check_gpu_pool,

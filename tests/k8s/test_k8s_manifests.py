@@ -67,7 +67,8 @@ def create(api: Any, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
         out = client.RbacAuthorizationV1Api(api).create_namespaced_role(namespace, obj)
     elif kind == "RoleBinding":
         for s in obj.get("subjects", []):
-            s["namespace"] = namespace
+            if s["kind"] == "ServiceAccount":
+                s["namespace"] = namespace
         out = client.RbacAuthorizationV1Api(api).create_namespaced_role_binding(namespace, obj)
     elif kind == "Deployment":
         out = client.AppsV1Api(api).create_namespaced_deployment(namespace, obj)
@@ -76,54 +77,100 @@ def create(api: Any, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
     return dict(api.sanitize_for_serialization(out))
 
 
+def rendered(name: str, namespace: str) -> list[dict[str, Any]]:
+    """k8s/NAME rendered as retrain deploy renders it, for the test's namespace."""
+    import dataclasses
+
+    from retrain.deployment import Deployment
+    from retrain.k8s.manifests import render
+
+    values = dataclasses.replace(Deployment().manifest_values(), namespace=namespace)
+    return list(yaml.safe_load_all(render(values)[name]))
+
+
+def allowed(
+    api: Any,
+    user: str,
+    groups: list[str],
+    namespace: str | None,
+    verb: str,
+    resource: str,
+    group: str,
+    sub: str = "",
+) -> bool:
+    """The API server's own answer (SubjectAccessReview): may ``user`` do this?"""
+    from kubernetes import client
+
+    attributes = {"verb": verb, "group": group, "resource": resource, "subresource": sub}
+    if namespace:
+        attributes["namespace"] = namespace
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {"user": user, "groups": groups, "resourceAttributes": attributes},
+    }
+    return bool(client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed)
+
+
 def test_kueue_manifests_accepted(api: Any, namespace: str) -> None:
-    for doc in yaml.safe_load_all((REPO / "k8s" / "kueue.yaml").read_text()):
+    for doc in rendered("kueue.yaml", namespace):
         stored = create(api, doc, namespace)
         assert subset(doc["spec"], stored["spec"]) == [], doc["kind"]
 
 
 def test_notifier_manifests_accepted_and_least_privilege(api: Any, namespace: str) -> None:
-    from kubernetes import client
-
-    docs = list(yaml.safe_load_all((REPO / "k8s" / "notifier.yaml").read_text()))
+    docs = rendered("notifier.yaml", namespace)
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "Deployment"]
+    ksa = docs[0]["metadata"]["name"]
     for doc in docs:
         stored = create(api, doc, namespace)
         if doc["kind"] == "Deployment":
             c = stored["spec"]["template"]["spec"]["containers"][0]
             assert c["command"] == ["retrain", "notify"]
-            assert stored["spec"]["template"]["spec"]["serviceAccountName"] == "retrain-notifier"
-    authz = client.AuthorizationV1Api(api)
+            assert stored["spec"]["template"]["spec"]["serviceAccountName"] == ksa
+    user = f"system:serviceaccount:{namespace}:{ksa}"
+    groups = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"]
 
-    def allowed(verb: str, resource: str, group: str = "jobset.x-k8s.io", sub: str = "") -> bool:
-        review = {
-            "apiVersion": "authorization.k8s.io/v1",
-            "kind": "SubjectAccessReview",
-            "spec": {
-                "user": f"system:serviceaccount:{namespace}:retrain-notifier",
-                "groups": [
-                    "system:serviceaccounts",
-                    f"system:serviceaccounts:{namespace}",
-                    "system:authenticated",
-                ],
-                "resourceAttributes": {
-                    "namespace": namespace,
-                    "verb": verb,
-                    "group": group,
-                    "resource": resource,
-                    "subresource": sub,
-                },
-            },
-        }
-        return bool(authz.create_subject_access_review(review).status.allowed)
+    def may(verb: str, resource: str, group: str = "jobset.x-k8s.io", sub: str = "") -> bool:
+        return allowed(api, user, groups, namespace, verb, resource, group, sub)
 
     for verb in ("get", "list", "watch", "patch"):
-        assert allowed(verb, "jobsets"), verb
-    assert not allowed("delete", "jobsets")
-    assert not allowed("create", "jobsets")
-    assert not allowed("update", "jobsets", sub="status")
-    assert not allowed("list", "secrets", group="")
-    assert not allowed("create", "pods", group="")
+        assert may(verb, "jobsets"), verb
+    assert not may("delete", "jobsets")
+    assert not may("create", "jobsets")
+    assert not may("update", "jobsets", sub="status")
+    assert not may("list", "secrets", group="")
+    assert not may("create", "pods", group="")
+
+
+def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) -> None:
+    """The functions' Google account, as GKE names it to RBAC, may delete training objects of the
+    namespace and list nodes: what retrain.k8s.reaper does, and nothing else."""
+    from kubernetes import client
+
+    docs = rendered("reaper.yaml", namespace)
+    for doc in docs:
+        if doc["kind"] in ("Role", "RoleBinding"):
+            create(api, doc, namespace)
+        elif doc["kind"] == "ClusterRole":
+            client.RbacAuthorizationV1Api(api).create_cluster_role(doc)
+        else:
+            client.RbacAuthorizationV1Api(api).create_cluster_role_binding(doc)
+    user = docs[1]["subjects"][0]["name"]
+    assert user.endswith(".iam.gserviceaccount.com")
+
+    def may(verb: str, resource: str, group: str, ns: str | None = namespace) -> bool:
+        return allowed(api, user, ["system:authenticated"], ns, verb, resource, group)
+
+    for verb in ("list", "delete"):
+        assert may(verb, "jobsets", "jobset.x-k8s.io")
+        assert may(verb, "provisioningrequests", "autoscaling.x-k8s.io")
+        assert may(verb, "podtemplates", "")
+    assert may("list", "nodes", "", ns=None)
+    assert not may("delete", "nodes", "", ns=None)
+    assert not may("create", "jobsets", "jobset.x-k8s.io")
+    assert not may("list", "secrets", "")
+    assert not may("delete", "jobsets", "jobset.x-k8s.io", ns="kube-system")
 
 
 @pytest.mark.parametrize("tcpx", [False, True])

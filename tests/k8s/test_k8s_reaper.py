@@ -250,3 +250,29 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     cluster.delete_nodes()
     code, out = run_main(capsys, "--max-age-hours", "1")
     assert code == 0 and out["nodes_up"] == [] and out["max_age_s"] == HOUR
+
+
+def test_the_scheduler_reaper_job_reaps_through_the_function_side_adapter(
+    cluster: Cluster, ledger: Any, project: str, control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick infra/ declares for the "reaper" job, handled by Ingest as the function handles it,
+    reaches the cluster through GkeCluster (KUBECONFIG here, the DNS endpoint in the cloud)."""
+    import dataclasses
+
+    from retrain.adapters.cluster import GkeCluster
+    from retrain.deployment import Deployment
+    from retrain.ingest import Action, Ingest
+
+    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
+    record(ledger, "live-run", RunStatus.TRAINING)
+    cluster.create_run_objects("live-run")
+    cluster.create_run_objects("gone-run")  # no record: its execution crashed before writing one
+    settings = dataclasses.replace(
+        config.load({}), project=project, namespace=cluster.ns, node_pool=cluster.pool
+    )
+    ingest = Ingest(settings, ledger, None, None, cluster=GkeCluster(settings))  # type: ignore[arg-type]
+    (reaper_job,) = [j for j in Deployment().scheduler_jobs() if j.name == "reaper"]
+    (outcome,) = ingest.on_scheduler_tick(json.loads(reaper_job.data))
+    assert outcome.action == Action.REAPED
+    assert cluster.inventory() == names("live-run")
+    assert "retrain-gone-run" in outcome.detail

@@ -1,0 +1,45 @@
+"""The composition root: the one place that picks the adapter behind each port.
+
+Cloud and emulator differ only by endpoint (the client libraries' ``*_EMULATOR_HOST`` variables,
+``RETRAIN_WORKFLOWS_ENDPOINT``, ``KUBECONFIG``), so there is one adapter per port and no switch here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from retrain.config import Settings
+from retrain.ingest import Ingest
+
+if TYPE_CHECKING:
+    from retrain.adapters.ledger import FirestoreLedger
+    from retrain.adapters.workflows import WorkflowsExecutions
+
+
+def ledger(settings: Settings) -> FirestoreLedger:
+    """The Firestore ledger (:class:`retrain.ports.Ledger`)."""
+    from retrain.adapters.ledger import FirestoreLedger
+
+    return FirestoreLedger(settings.project)
+
+
+def orchestrator(settings: Settings) -> WorkflowsExecutions:
+    """Workflow executions (:class:`retrain.ports.Orchestrator`)."""
+    from retrain.adapters.workflows import WorkflowsExecutions
+
+    return WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+
+
+def ingest(settings: Settings) -> Ingest:
+    """Every trigger's handler with its real adapters."""
+    from retrain.adapters import objects
+    from retrain.adapters.cluster import GkeCluster
+
+    warehouse = None
+    if settings.bigquery_tables:
+        from retrain.adapters.warehouse import BigQueryWarehouse
+
+        warehouse = BigQueryWarehouse(settings.project)
+    return Ingest(
+        settings, ledger(settings), orchestrator(settings), objects, warehouse, GkeCluster(settings)
+    )

@@ -1,0 +1,377 @@
+"""The messages that cross a language boundary, each declared once, field by field.
+
+retrain is five languages talking to each other: Python (functions, jobs), Workflows YAML, HCL,
+Kubernetes YAML and JSON messages.  Every message between two of them is one type here; producers
+build it and consumers parse it through that type, and ``tests/test_contracts.py`` reads the other
+side (``workflows/retrain.yaml``, ``infra/``) and fails when it names a field or a value not declared
+here.
+
+============================  ======================================  =====================================
+boundary                      producer                                consumer
+============================  ======================================  =====================================
+:class:`SchedulerTick`        Cloud Scheduler (``infra/app/scheduler``) ``Ingest.on_scheduler_tick``
+:class:`WorkflowArgument`     ``retrain.plan.workflow_argument``      ``workflows/retrain.yaml`` (``args``)
+run record                    the workflow's ``record`` steps, Ingest ``retrain.domain.runs.Run`` readers
+:class:`RunManifest`          ``Ingest.start``                        ``retrain tokenize --manifest``
+:class:`TokenizeReport`       ``retrain tokenize`` (Dataflow)         the workflow's ``tokenize`` step
+:class:`JobSetCompletion`     the notifier (in the cluster)           ``Ingest.on_jobset_event``
+:class:`CallbackPayload`      the relay, ``retrain cancel``           the workflow's waits
+============================  ======================================  =====================================
+
+The run record itself is :class:`retrain.domain.runs.Run` (its statuses :class:`RunStatus`): the domain
+owns it, and it is re-exported here so that every contract can be found in one place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+from retrain.config import DATASET_RE
+from retrain.domain.errors import Rejected
+from retrain.domain.runs import Run as RunRecord
+from retrain.domain.runs import RunStatus
+
+__all__ = [
+    "CallbackPayload",
+    "CompletionState",
+    "JobSetCompletion",
+    "JobSetRef",
+    "RunManifest",
+    "RunRecord",
+    "RunStatus",
+    "SchedulerJob",
+    "SchedulerTick",
+    "TokenizeReport",
+    "WorkflowArgument",
+    "field_names",
+]
+
+
+def field_names(cls: type) -> frozenset[str]:
+    """The declared fields of a contract (what the other side may name)."""
+    return frozenset(f.name for f in fields(cls))
+
+
+# --- Cloud Scheduler -> on_scheduler_tick ---------------------------------------------------------
+
+
+class SchedulerJob(StrEnum):
+    """The periodic jobs ``infra/app`` declares (``var.scheduler_jobs``), one message key each."""
+
+    SEAL = "seal"
+    """Seal every dataset's pending arrivals now and start their runs (the scheduled cut)."""
+    SWEEPER = "sweeper"
+    """Seal quiet or old batches, finish seals and starts a crash cut short, record executions that
+    ended silently, and start queued runs."""
+    REAPER = "reaper"
+    """Delete the JobSets, ProvisioningRequests and PodTemplates no live run owns; report GPU nodes up."""
+
+
+@dataclass(frozen=True)
+class SchedulerTick:
+    """The Pub/Sub message a Cloud Scheduler job publishes: ``{"job": "<name>"}`` (the job's key in
+    ``var.scheduler_jobs``; ``infra/app/scheduler.tf`` writes it as the data and the ``job`` attribute)."""
+
+    job: SchedulerJob
+    """Which periodic job this tick runs."""
+    dataset: str | None = None
+    """Only for ``seal``: seal this dataset alone (absent: every dataset with pending arrivals)."""
+
+    @classmethod
+    def parse(cls, message: Mapping[str, Any]) -> SchedulerTick:
+        """The tick a message carries; Rejected (acknowledged, logged) for anything else."""
+        unknown = set(message) - field_names(cls)
+        if unknown:
+            raise Rejected(f"scheduler tick has unknown field(s) {sorted(unknown)}")
+        try:
+            job = SchedulerJob(str(message.get("job")))
+        except ValueError:
+            raise Rejected(
+                f"unknown scheduler job {message.get('job')!r} (one of {[j.value for j in SchedulerJob]})"
+            ) from None
+        dataset = message.get("dataset")
+        if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
+            raise Rejected("dataset must be a valid dataset name")
+        return cls(job, dataset)
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {"job": str(self.job)}
+        if self.dataset is not None:
+            body["dataset"] = self.dataset
+        return json.dumps(body).encode()
+
+
+# --- the run plan -> workflows/retrain.yaml ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkflowArgument:
+    """The argument of one execution of ``workflows/retrain.yaml`` (``args`` in ``main``, ``run`` in its
+    sub-workflows): the run plan, decided in typed Python when the run starts.  Capped at 32 KB by the
+    Executions API, so object lists travel in the :class:`RunManifest`, never here."""
+
+    run_id: str
+    """The run's id: the ledger document ``runs/<run_id>`` and the ``retrain.dev/run-id`` label."""
+    dataset: str
+    """The dataset the run trains."""
+    project: str
+    """Google Cloud project id of every resource the workflow calls."""
+    region: str
+    """Region of the Dataflow job and the GKE cluster."""
+    cluster: str
+    """GKE cluster name (``gke.request``'s ``cluster_id``)."""
+    node_pool: str
+    """The DWS GPU node pool whose nodes the release waits to see gone."""
+    namespace: str
+    """Kubernetes namespace of the JobSet, ProvisioningRequest and PodTemplate."""
+    nodes: int
+    """GPU nodes the run trains on."""
+    gpus_per_node: int
+    """GPUs per node, for the record's GPU-hours."""
+    artifacts_bucket: str
+    """Bucket holding the manifest, the tokenize report, shards and checkpoints."""
+    manifest_object: str
+    """Object (in ``artifacts_bucket``) holding the :class:`RunManifest`."""
+    report_object: str
+    """Object (in ``artifacts_bucket``) where the tokenize job writes its :class:`TokenizeReport`."""
+    metrics_object: str
+    """Object (in ``artifacts_bucket``) where the trainer writes its final metrics."""
+    objects: int
+    """How many objects the manifest lists (for the record; the list itself is in the manifest)."""
+    shard_root: str
+    """``gs://`` root of the content-addressed Megatron shards, shared by every run."""
+    run_root: str
+    """``gs://`` folder of this run's outputs."""
+    report: str
+    """``gs://`` URI of the tokenize report (``report_object`` as a URI)."""
+    checkpoint_dir: str
+    """``gs://`` folder the trainer writes checkpoints to."""
+    dataflow_template: str
+    """``gs://`` URI of the tokenization flex-template spec."""
+    dataflow_service_account: str
+    """Email of the service account Dataflow workers run as (never the default compute account)."""
+    dataflow_subnetwork: str
+    """Subnetwork (self link) of the Dataflow workers; they get private IPs only."""
+    dataflow_temp_location: str
+    """``gs://`` folder for Dataflow's temporary files."""
+    jobset: dict[str, Any]
+    """The training JobSet (``retrain.k8s.render.render_jobset``), submitted as is."""
+    podtemplate: dict[str, Any]
+    """The PodTemplate the ProvisioningRequest refers to."""
+    provisioning_request: dict[str, Any]
+    """The DWS ProvisioningRequest for the run's nodes."""
+    provision_timeout_s: int
+    """How long the run waits for DWS capacity."""
+    train_timeout_s: int
+    """How long the run waits for the JobSet to finish."""
+    price_per_node_hour: float
+    """USD per node-hour, for the record's cost."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- Ingest.start -> retrain tokenize ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """``runs/<run_id>/objects.json`` in the artifacts bucket: exactly what a run trains on, written
+    before its execution starts and read by the tokenize job (``--manifest``)."""
+
+    run_id: str
+    """The run this manifest belongs to."""
+    dataset: str
+    """The run's dataset."""
+    batch_id: str
+    """The sealed batch the objects came from."""
+    snapshot: str
+    """The snapshot id: the hash of the objects' content hashes."""
+    objects: list[str] = field(default_factory=list)
+    """``gs://bucket/name`` of every object, once each."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes | str) -> RunManifest:
+        """A manifest from its JSON; ValueError naming what is wrong."""
+        body = json.loads(data)
+        if not isinstance(body, dict) or not isinstance(body.get("objects"), list):
+            raise ValueError('not a run manifest: expected {"objects": [URI, ...], ...}')
+        if not all(isinstance(o, str) for o in body["objects"]):
+            raise ValueError("run manifest: every object must be a gs:// URI string")
+        known = {k: body[k] for k in field_names(cls) if k in body}
+        return cls(**{"run_id": "", "dataset": "", "batch_id": "", "snapshot": "", **known})
+
+
+# --- retrain tokenize -> the workflow --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizeReport:
+    """``runs/<run_id>/tokenize_report.json``: what tokenizing a run's objects produced.  Written last
+    by the tokenize job (its commit marker); the workflow reads it once the job is done."""
+
+    documents: int
+    """Documents written, over every object's shard."""
+    tokens: int
+    """Tokens written (a run with none fails before any capacity is requested)."""
+    quarantined: int
+    """Records set aside with a reason (``input_records = documents + quarantined``)."""
+    input_records: int
+    """Records read."""
+    bytes: int
+    """Bytes read."""
+    seconds: float
+    """Wall time of the tokenize job."""
+    new_objects: int
+    """Objects tokenized by this job."""
+    reused_objects: int
+    """Objects whose shard already existed (same content), reused."""
+    tokenized: dict[str, int]
+    """The totals above restricted to the newly tokenized objects."""
+    shards: list[dict[str, Any]]
+    """One entry per object: ``object``, ``sha256``, ``data_prefix``, ``documents``, ``tokens``,
+    ``reused``."""
+    data_prefix_blend: list[Any]
+    """Megatron's blend: ``[weight, prefix, weight, prefix, ...]``, weights proportional to tokens."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- the notifier -> on_jobset_event -> the waiting execution ---------------------------------------
+
+
+class CompletionState(StrEnum):
+    """How a run's training ended, as its callback reports it."""
+
+    COMPLETED = "Completed"
+    """The JobSet's ``Completed`` condition is true."""
+    FAILED = "Failed"
+    """The JobSet's ``Failed`` condition is true (restarts exhausted)."""
+    CANCELLED = "Cancelled"
+    """An operator cancelled the run (``retrain cancel``); never sent by the notifier."""
+
+
+@dataclass(frozen=True)
+class JobSetRef:
+    """Which JobSet a completion is about."""
+
+    name: str
+    """The JobSet's name."""
+    namespace: str
+    """Its namespace."""
+    uid: str
+    """Its uid: a re-created JobSet of the same name is another one."""
+
+
+@dataclass(frozen=True)
+class JobSetCompletion:
+    """The JSON message the notifier publishes to the JobSet-events topic when a training JobSet
+    reaches a terminal state (once per JobSet and state), relayed by ``on_jobset_event``."""
+
+    type: str
+    """Always ``jobset.terminal``."""
+    run_id: str
+    """The run (the JobSet's ``retrain.dev/run-id`` annotation)."""
+    state: CompletionState
+    """``Completed`` or ``Failed``."""
+    succeeded: bool
+    """``state == Completed``."""
+    reason: str
+    """The terminal condition's reason."""
+    message: str
+    """The terminal condition's message."""
+    start_time: str | None
+    """When the JobSet was created (RFC 3339)."""
+    finish_time: str | None
+    """When the terminal condition became true (RFC 3339)."""
+    restarts: int
+    """How many times the JobSet was restarted."""
+    jobset: JobSetRef
+    """The JobSet."""
+    callback_url: str | None
+    """The waiting execution's callback (the JobSet's ``retrain.dev/callback-url`` annotation)."""
+    dedupe_key: str
+    """``<uid>:<state>``: the same completion published twice has the same key."""
+
+    TYPE = "jobset.terminal"
+
+    def to_json(self) -> bytes:
+        body = asdict(self)
+        body["state"] = str(self.state)
+        return json.dumps(body, sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, message: Mapping[str, Any]) -> JobSetCompletion:
+        """A completion from its JSON object; Rejected with the reason for anything else."""
+        url = message.get("callback_url")
+        if not isinstance(url, str) or not url:
+            raise Rejected("JobSet event carries no callback URL")
+        state = message.get("state")
+        if state not in (CompletionState.COMPLETED, CompletionState.FAILED):
+            raise Rejected(f"JobSet event has unknown state {state!r}")
+        raw_ref = message.get("jobset")
+        ref: Mapping[str, Any] = raw_ref if isinstance(raw_ref, dict) else {}
+        return cls(
+            type=str(message.get("type", cls.TYPE)),
+            run_id=str(message.get("run_id") or ""),
+            state=CompletionState(state),
+            succeeded=state == CompletionState.COMPLETED,
+            reason=str(message.get("reason") or ""),
+            message=str(message.get("message") or ""),
+            start_time=message.get("start_time"),
+            finish_time=message.get("finish_time"),
+            restarts=int(message.get("restarts") or 0),
+            jobset=JobSetRef(
+                str(ref.get("name", "")), str(ref.get("namespace", "")), str(ref.get("uid", ""))
+            ),
+            callback_url=url,
+            dedupe_key=str(message.get("dedupe_key") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class CallbackPayload:
+    """The body POSTed to a run's callback endpoint; the workflow's waits read ``state`` and ``reason``."""
+
+    state: CompletionState
+    """How training ended, or ``Cancelled``."""
+    reason: str = ""
+    """Why (the JobSet condition's reason, or the operator's words)."""
+    run_id: str = ""
+    """The run the payload is about."""
+    jobset: str = ""
+    """The JobSet's name (empty for a cancel)."""
+    message: str = ""
+    """The terminal condition's message."""
+    restarts: int = 0
+    """JobSet restarts."""
+    start_time: str | None = None
+    """When the JobSet was created."""
+    finish_time: str | None = None
+    """When it finished."""
+
+    @classmethod
+    def of(cls, completion: JobSetCompletion) -> CallbackPayload:
+        return cls(
+            state=completion.state,
+            reason=completion.reason,
+            run_id=completion.run_id,
+            jobset=completion.jobset.name,
+            message=completion.message,
+            restarts=completion.restarts,
+            start_time=completion.start_time,
+            finish_time=completion.finish_time,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["state"] = str(self.state)
+        return body

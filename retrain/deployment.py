@@ -1,0 +1,239 @@
+"""The deployment as ``infra/`` declares it, read from the Terraform itself (never restated).
+
+The local stack takes from here what the cloud gets from Terraform: the functions' ``RETRAIN_*``
+environment (``local.retrain_env`` of the app stage), the Scheduler jobs with their schedules and
+payloads (``var.scheduler_jobs`` and the ``pubsub_target`` of ``google_cloud_scheduler_job.tick``),
+the topics, service accounts and Kubernetes names of the platform stage's outputs.  Locally the project
+is :data:`LOCAL_PROJECT`, values Google computes get stand-ins (``retrain.hcl``), and time runs
+:data:`LOCAL_TIME_FACTOR` times faster: every schedule and every period below is divided by it.
+
+``retrain deploy`` renders the Kubernetes manifests from the same :class:`ManifestValues`, built from
+the real platform outputs instead (:func:`manifest_values`).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from retrain import config
+from retrain.hcl import HclError, Stage
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+INFRA = REPO_ROOT / "infra"
+
+#: The project id the local stack plays (the emulators accept any).
+LOCAL_PROJECT = "retrain-local"
+#: Local time runs this many times faster than the deployment's: a Scheduler job every 15 minutes
+#: ticks every 15 s, a 300 s quiet period lasts 5 s.
+LOCAL_TIME_FACTOR = 60.0
+#: Settings whose values are periods, scaled by LOCAL_TIME_FACTOR locally.
+SCALED_PERIODS = (
+    "quiet_period_s",
+    "max_batch_age_s",
+    "stuck_after_s",
+    "provision_timeout_s",
+    "train_timeout_s",
+)
+
+
+@dataclass(frozen=True)
+class ScheduledJob:
+    """One Cloud Scheduler job as infra/app/scheduler.tf creates it."""
+
+    name: str
+    """The job's key in ``var.scheduler_jobs`` (a :class:`retrain.contracts.SchedulerJob`)."""
+    schedule: str
+    """Its cron schedule."""
+    period_s: float
+    """Seconds between two ticks, from the schedule."""
+    topic: str
+    """Full id of the topic it publishes to (``projects/P/topics/T``)."""
+    data: bytes
+    """The message body it publishes (decoded from the base64 Terraform gives Scheduler)."""
+    attributes: dict[str, str]
+    """The message attributes it publishes."""
+
+
+def _cron_field(spec: str, low: int, high: int) -> list[int]:
+    out: set[int] = set()
+    for part in spec.split(","):
+        body, _, step_s = part.partition("/")
+        step = int(step_s) if step_s else 1
+        if body == "*":
+            start, end = low, high
+        elif "-" in body:
+            a, b = body.split("-")
+            start, end = int(a), int(b)
+        else:
+            start = int(body)
+            end = high if step_s else start
+        out.update(range(start, end + 1, step))
+    if not out or min(out) < low or max(out) > high:
+        raise ValueError(f"cron field {spec!r} is out of range {low}-{high}")
+    return sorted(out)
+
+
+def cron_period_s(schedule: str) -> float:
+    """The period of a cron schedule that fires at a steady rate (minute and hour fields; the day
+    fields ``*``); ValueError for anything irregular, so a schedule is never misread."""
+    fields = schedule.split()
+    if len(fields) != 5 or fields[2:] != ["*", "*", "*"]:
+        raise ValueError(f"schedule {schedule!r}: only minute and hour fields are supported")
+    minutes = _cron_field(fields[0], 0, 59)
+    hours = _cron_field(fields[1], 0, 23)
+    fires = sorted(h * 60 + m for h in hours for m in minutes)
+    gaps = {b - a for a, b in itertools.pairwise(fires)} | {fires[0] + 1440 - fires[-1]}
+    if len(gaps) != 1:
+        raise ValueError(f"schedule {schedule!r} does not fire at a steady rate")
+    return 60.0 * gaps.pop()
+
+
+@dataclass(frozen=True)
+class ManifestValues:
+    """What the Kubernetes manifests under ``k8s/`` are rendered with (``${name}`` placeholders)."""
+
+    project: str
+    """Google Cloud project id."""
+    namespace: str
+    """Namespace of the training JobSets, the notifier and their RBAC."""
+    notifier_ksa: str
+    """Kubernetes service account of the notifier (Workload Identity: the notifier GSA)."""
+    notifier_gsa: str
+    """The notifier's Google service account (publisher on the JobSet topic)."""
+    notifier_image: str
+    """Image of the notifier (``retrain notify``)."""
+    settings_config_map: str
+    """ConfigMap holding the ``RETRAIN_*`` settings (Terraform writes it from ``local.retrain_env``)."""
+    training_ksa: str
+    """Kubernetes service account of the training pods (Workload Identity: the training GSA)."""
+    training_gsa: str
+    """The training Google service account (reads shards, writes checkpoints)."""
+    reaper_user: str
+    """The Google service account the reaper runs as (the functions'), as Kubernetes RBAC names it."""
+    node_pool: str
+    """The DWS GPU node pool (Kueue's ResourceFlavor)."""
+    local_queue: str
+    """Kueue LocalQueue of the training JobSets."""
+    gpu_quota: int
+    """The ClusterQueue's GPU quota: the pool's maximum nodes times GPUs per node."""
+
+    def as_strings(self) -> dict[str, str]:
+        return {k: str(v) for k, v in dataclasses.asdict(self).items()}
+
+
+def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> ManifestValues:
+    """The manifests' values from the platform stage's outputs and the app stage's variables;
+    KeyError naming an output that is missing or not known yet."""
+
+    def out(key: str, sub: str | None = None) -> Any:
+        value = platform.get(key)
+        if sub is not None and isinstance(value, Mapping):
+            value = value.get(sub)
+        if value is None:
+            raise KeyError(f"platform output {key}{'.' + sub if sub else ''} is not known")
+        return value
+
+    return ManifestValues(
+        project=str(out("project_id")),
+        namespace=str(out("k8s_namespace")),
+        notifier_ksa=str(out("notifier_ksa")),
+        notifier_gsa=str(out("service_accounts", "notifier")),
+        notifier_image=str(app.get("notifier_image") or f"{out('artifact_registry')}/retrain:latest"),
+        settings_config_map=str(app.get("settings_config_map") or "retrain-settings"),
+        training_ksa=str(out("training_ksa")),
+        training_gsa=str(out("service_accounts", "training")),
+        reaper_user=str(out("service_accounts", "functions")),
+        node_pool=str(out("gpu_node_pool")),
+        local_queue=str(app.get("local_queue") or "dws-local-queue"),
+        gpu_quota=int(out("gpu_max_nodes")) * int(out("gpus_per_node")),
+    )
+
+
+@dataclass
+class Deployment:
+    """``infra/`` evaluated for one project (by default the local stand-in)."""
+
+    project: str = LOCAL_PROJECT
+    infra: Path = INFRA
+    variables: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Values for the app stage's variables beyond their defaults."""
+
+    @cached_property
+    def platform(self) -> Stage:
+        return Stage(self.infra / "platform", {"project_id": self.project})
+
+    @cached_property
+    def app(self) -> Stage:
+        values = {"project_id": self.project, "state_bucket": "local", **self.variables}
+        return Stage(self.infra / "app", values, platform=self.platform.outputs())
+
+    @cached_property
+    def env(self) -> dict[str, str]:
+        """The ``RETRAIN_*`` environment Terraform gives every function (``local.retrain_env``)."""
+        return {k: str(v) for k, v in self.app.local("retrain_env").items()}
+
+    def settings(self) -> config.Settings:
+        return config.load(self.env)
+
+    def scheduler_jobs(self) -> list[ScheduledJob]:
+        """Each Cloud Scheduler job, with the message it publishes (evaluated from scheduler.tf)."""
+        tick = self.app.resource("google_cloud_scheduler_job", "tick")
+        jobs = self.app.evaluate(tick["for_each"])
+        out = []
+        for name, spec in jobs.items():
+            target = self.app.evaluate(tick["pubsub_target"], each={"key": name, "value": spec})[0]
+            out.append(
+                ScheduledJob(
+                    name=name,
+                    schedule=spec["schedule"],
+                    period_s=cron_period_s(spec["schedule"]),
+                    topic=target["topic_name"],
+                    data=base64.b64decode(target["data"]),
+                    attributes=dict(target.get("attributes") or {}),
+                )
+            )
+        return out
+
+    def topic(self, output: str) -> str:
+        """A topic's full id from the platform stage's outputs (``jobset_topic_id`` ...)."""
+        return str(self.platform.output(output))
+
+    def manifest_values(self) -> ManifestValues:
+        app = {k: self.app.var(k) for k in ("local_queue", "notifier_image", "settings_config_map")}
+        return manifest_values(self.platform.outputs(), app)
+
+
+def local_settings(env: Mapping[str, str] | None = None) -> config.Settings:
+    """The local stack's settings: the deployment's, periods divided by LOCAL_TIME_FACTOR, then any
+    ``RETRAIN_*`` variable of ``env`` (the operator's environment) on top."""
+    env = os.environ if env is None else env
+    deployed = Deployment().env
+    scaled = {}
+    for name in SCALED_PERIODS:
+        key = "RETRAIN_" + name.upper()
+        default = getattr(config.Settings(), name)
+        value = float(deployed.get(key, default)) / LOCAL_TIME_FACTOR
+        scaled[key] = str(int(value) if isinstance(default, int) else value)
+    merged = {**deployed, **scaled, **{k: v for k, v in env.items() if k.startswith("RETRAIN_")}}
+    return config.load(merged)
+
+
+__all__ = [
+    "LOCAL_PROJECT",
+    "LOCAL_TIME_FACTOR",
+    "Deployment",
+    "HclError",
+    "ManifestValues",
+    "ScheduledJob",
+    "cron_period_s",
+    "local_settings",
+    "manifest_values",
+]
