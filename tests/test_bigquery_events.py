@@ -124,3 +124,16 @@ def test_table_names() -> None:
     ):
         with pytest.raises(Rejected):
             table_id(bad)
+
+
+@pytest.mark.parametrize("name", ["load_done", "table_data_change", "extract_done"])
+def test_the_functions_own_jobs_do_not_trigger_it_again(name: str) -> None:
+    """The export's own queries and jobs are audit-logged too; Eventarc cannot filter on the caller, so
+    an event whose principal is the functions' account (RETRAIN_FUNCTIONS_SERVICE_ACCOUNT) is ignored."""
+    attributes, data = recorded(name)
+    caller = data["protoPayload"]["authenticationInfo"]["principalEmail"]
+    assert not isinstance(
+        parse_bigquery_audit(attributes, data, own_principal="other@p.iam.gserviceaccount.com"), NotRelevant
+    )
+    ignored = parse_bigquery_audit(attributes, data, own_principal=caller)
+    assert isinstance(ignored, NotRelevant) and caller in ignored.reason

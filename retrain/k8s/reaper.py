@@ -355,9 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_age_hours <= 0:
         p.error("--max-age-hours must be positive")
 
-    from retrain.adapters.ledger import FirestoreLedger
+    import dataclasses
 
-    ledger = FirestoreLedger(args.project)
+    from retrain import composition
+
+    ledger = composition.ledger(dataclasses.replace(settings, project=args.project))
     api = _api_client(args.kubeconfig)
     try:
         report = reap(
