@@ -52,6 +52,9 @@ class Settings:
     """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
     jobset_topic: str = "jobset-events"
     """Pub/Sub topic the notifier publishes JobSet terminal states to."""
+    scheduler_topic: str = "projects/retrain-local/topics/retrain-scheduler-ticks"
+    """Full id of the topic the Scheduler's ticks go to; a run's workflow publishes a sweeper tick there
+    when it ends, so that the dataset's pending run starts at once."""
     functions_service_account: str = ""
     """Email the functions run as: BigQuery jobs it starts itself (its watermark queries and exports)
     write audit-log entries too, and those must not trigger another export."""

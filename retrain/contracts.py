@@ -170,6 +170,9 @@ class WorkflowArgument:
     """How long the run waits for the JobSet to finish."""
     price_per_node_hour: float
     """USD per node-hour, for the record's cost."""
+    ticks_topic: str
+    """Full id of the Scheduler ticks topic: when the run ends, the workflow publishes a ``sweeper``
+    :class:`SchedulerTick` there, so the dataset's pending run starts at once."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

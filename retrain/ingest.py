@@ -9,6 +9,7 @@ completions come back the other way and are relayed to the waiting execution's c
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import re
@@ -34,6 +35,7 @@ from retrain.ports import (
     Orchestrator,
     SealOutcome,
     SealVerdict,
+    StartVerdict,
     Warehouse,
 )
 
@@ -61,7 +63,7 @@ class Action(StrEnum):
     NOTHING_NEW = "nothing-new"
     """A watched table has no row after its watermark."""
     ALREADY_TRAINED = "already-trained"
-    """The sealed snapshot trained before: no run."""
+    """Nothing new: every object's content trained before or is in the live or pending run."""
     RECORDED_FAILURE = "recorded-failure"
     """A run whose execution ended without an outcome was recorded as failed."""
     RELAYED = "relayed"
@@ -250,26 +252,33 @@ class Ingest:
         return self._started(self.ledger.seal(dataset, trigger))
 
     def _started(self, sealed: SealOutcome) -> Outcome:
+        if sealed.verdict == SealVerdict.NOTHING_PENDING:
+            return Outcome(Action.NOTHING_TO_SEAL, sealed.reason)
         if sealed.run is None:
-            action = (
-                Action.NOTHING_TO_SEAL
-                if sealed.verdict == SealVerdict.NOTHING_PENDING
-                else Action.ALREADY_TRAINED
-            )
-            return Outcome(action, sealed.reason)
+            log.info("seal: %s", sealed.reason)
+            return Outcome(Action.ALREADY_TRAINED, sealed.reason)
         if sealed.run.execution:
             return Outcome(Action.STARTED, sealed.run.execution, sealed.run.run_id)
-        return self.start(sealed.run, sealed.objects)
+        return self.start(sealed.run)
 
-    def start(self, run: Run, objects: tuple[str, ...] | None = None) -> Outcome:
-        """Start a run's workflow if its dataset has no live run; otherwise it waits, queued, as pending.
+    def start(self, run: Run) -> Outcome:
+        """Start a pending run's workflow if its dataset has no live run; otherwise it stays pending
+        (later seals join it) until the live run ends.
 
-        The object list goes to the run's manifest first (arguments are capped at 32 KB)."""
-        if not self.ledger.claim_start(run):
-            log.info("run %s queued behind the live run of dataset %s", run.run_id, run.dataset)
+        The object list is fixed here and goes to the run's manifest (arguments are capped at 32 KB)."""
+        claim = self.ledger.claim_start(run, self.settings.stuck_after_s)
+        if claim.verdict == StartVerdict.QUEUED:
+            log.info("run %s pending behind the live run of dataset %s", run.run_id, run.dataset)
             return Outcome(Action.QUEUED, f"dataset {run.dataset} has a live run", run.run_id)
-        objects = objects or self.ledger.batch_objects(run.batch_id)
-        manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(objects))
+        if claim.verdict == StartVerdict.EMPTY:
+            return Outcome(Action.ALREADY_TRAINED, f"run {run.run_id} had nothing left to train", run.run_id)
+        if claim.verdict == StartVerdict.STARTING:
+            return Outcome(Action.QUEUED, "its start was claimed moments ago and is under way", run.run_id)
+        if claim.verdict == StartVerdict.STARTED:
+            current = self.ledger.get_run(run.run_id)
+            return Outcome(Action.STARTED, str(current.execution if current else ""), run.run_id)
+        run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
+        manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         self.store.write_bytes(
             f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
             manifest.to_json(),
@@ -332,8 +341,9 @@ class Ingest:
             if run.execution and (ended := record_silent_end(self.ledger, self.orchestrator, run)):
                 outcomes.append(ended)
         for run in self.ledger.runs_in(RunStatus.PENDING):
-            # queued behind a finished run, or orphaned by a crash; the newest are still being started
-            if not run.execution and run.created_at < stuck_before:
+            # queued behind a finished run, or orphaned by a crash (a start claimed moments ago is left
+            # to its starter: claim_start says so)
+            if not run.execution:
                 outcomes.append(self.start(run))
         return outcomes
 

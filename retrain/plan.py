@@ -97,4 +97,5 @@ def workflow_argument(settings: Settings, run: Run) -> WorkflowArgument:
         provision_timeout_s=settings.provision_timeout_s,
         train_timeout_s=settings.train_timeout_s,
         price_per_node_hour=settings.price_per_node_hour,
+        ticks_topic=settings.scheduler_topic,
     )

@@ -37,18 +37,43 @@ class SealVerdict(StrEnum):
     """The batch had been sealed before (a retried seal); ``run`` is its run."""
     NOTHING_PENDING = "nothing-pending"
     """No arrival since the last seal: nothing sealed."""
-    ALREADY_TRAINED = "already-trained"
-    """The batch's snapshot trained before: no run."""
+    NOTHING_NEW = "nothing-new"
+    """Every object's content trained before or is in the live or pending run: no run."""
 
 
 @dataclass(frozen=True)
 class SealOutcome:
-    """What sealing did: ``run`` is the run to start (None unless sealed), ``reason`` says why."""
+    """What sealing did: ``run`` is the (pending) run the new content joined, ``reason`` says why not."""
 
     run: Run | None
     verdict: SealVerdict
     reason: str
     objects: tuple[str, ...] = ()
+    """The objects whose content is new (one per content hash)."""
+    skipped: int = 0
+    """Objects of the batch that add nothing (their content is held by a run already)."""
+
+
+class StartVerdict(StrEnum):
+    CLAIMED = "claimed"
+    """The run holds its dataset's live slot now; its object list is fixed."""
+    QUEUED = "queued"
+    """Another live run holds the slot: the run stays pending."""
+    STARTING = "starting"
+    """Someone else claimed its start moments ago and may still be at it."""
+    STARTED = "started"
+    """It has an execution already (or no longer exists)."""
+    EMPTY = "empty"
+    """Nothing was left for it to train (its content went to another run): it was dropped."""
+
+
+@dataclass(frozen=True)
+class StartClaim:
+    verdict: StartVerdict
+    objects: tuple[str, ...]
+    """Every object the run trains (one per content hash), when claimed."""
+    snapshot: str = ""
+    """The run's snapshot id: the hash of its objects' content hashes."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +98,7 @@ class Ledger(Protocol):
 
     def materialize(self, batch_id: str) -> SealOutcome: ...
 
-    def batch_objects(self, batch_id: str) -> tuple[str, ...]: ...
+    def run_objects(self, run: Run) -> tuple[str, ...]: ...
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]: ...
 
@@ -83,7 +108,7 @@ class Ledger(Protocol):
         self, table: str, after: Any, through: Any, arrival: ObjectArrival, dataset: str, content_hash: str
     ) -> bool: ...
 
-    def claim_start(self, run: Run) -> bool: ...
+    def claim_start(self, run: Run, stale_after_s: float) -> StartClaim: ...
 
     def runs_in(self, *statuses: RunStatus) -> list[Run]: ...
 

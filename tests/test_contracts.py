@@ -409,3 +409,23 @@ def test_base64_of_the_tick_is_what_terraform_writes() -> None:
     tick = Deployment().app.resource("google_cloud_scheduler_job", "tick")
     target = Deployment().app.evaluate(tick["pubsub_target"], each={"key": "sweeper", "value": {}})[0]
     assert json.loads(base64.b64decode(target["data"])) == {"job": "sweeper"}
+
+
+def test_the_workflows_end_of_run_tick_is_a_scheduler_tick_published_as_pubsub_defines_it() -> None:
+    """The workflow's last act publishes the sweeper tick (so a pending run starts at once): the message
+    must parse as the Scheduler's own, and the call must match pubsub.v1's discovery document."""
+    googleapiclient = pytest.importorskip("googleapiclient")
+    docs = Path(googleapiclient.__file__).parent / "discovery_cache" / "documents"
+    pubsub = json.loads((docs / "pubsub.v1.json").read_text())
+    method = pubsub["resources"]["projects"]["resources"]["topics"]["methods"]["publish"]
+    wf = yaml.safe_load(WORKFLOW.read_text())
+    init = wf["main"]["steps"][0]["init"]["assign"]
+    (tick,) = [a["sweeper_tick"] for a in init if "sweeper_tick" in a]
+    assert SchedulerTick.parse(tick) == SchedulerTick(SchedulerJob.SWEEPER)
+    (call,) = _calls(wf, "googleapis.pubsub.v1.projects.topics.publish")
+    args = call["args"]
+    assert set(args) == {"topic", "body"} and set(method["parameters"]) == {"topic"}
+    assert set(args["body"]) <= set(pubsub["schemas"]["PublishRequest"]["properties"])
+    (message,) = args["body"]["messages"]
+    assert set(message) <= set(pubsub["schemas"]["PubsubMessage"]["properties"])
+    assert re.fullmatch(method["parameters"]["topic"]["pattern"], local_settings({}).scheduler_topic)

@@ -11,6 +11,7 @@ import pytest
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.domain.events import ObjectArrival
+from retrain.ports import SealVerdict, StartVerdict
 
 pytestmark = pytest.mark.emulators
 
@@ -39,7 +40,7 @@ def test_redelivered_event_and_same_object_version_are_duplicates(ledger: Firest
     assert ledger.record_arrival(same_object, "ds", "h-a").status == "duplicate"  # same bucket/name/gen
     assert ledger.record_arrival(arrival("a", generation=2), "ds", "h-a2").status == "new"
     sealed = ledger.seal("ds", "test")
-    assert sealed.run is not None and sealed.run.objects == 2  # both versions, once each
+    assert sealed.run is not None and len(sealed.objects) == 2  # both versions, once each
 
 
 def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedger) -> None:
@@ -52,17 +53,15 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
     assert sealed.run is not None
     assert sealed.objects == ("gs://land/incoming/a", "gs://land/incoming/b", "gs://land/incoming/c")
     stored = ledger.get_run(sealed.run.run_id)
-    assert (
-        stored is not None and stored.objects == 3 and stored.status == "pending" and stored.trigger == "test"
-    )
-    assert ledger.seal("ds", "test").reason == "nothing pending"
+    assert stored is not None and stored.status == "pending" and stored.trigger == "test"
+    assert ledger.seal("ds", "test").verdict == SealVerdict.NOTHING_PENDING
     assert ledger.pending() == []
-    # arrivals after the seal open the next batch, which holds only them
+    # arrivals after the seal open the next batch; while the run is pending, it joins that run
     ledger.record_arrival(arrival("d"), "ds", "h-d")
     later = ledger.seal("ds", "test")
     assert later.objects == ("gs://land/incoming/d",) and later.run is not None
-    assert later.run.batch_id != sealed.run.batch_id
-    assert ledger.batch_objects(sealed.run.batch_id) == sealed.objects  # a batch never changes
+    assert later.run.run_id == sealed.run.run_id
+    assert ledger.run_objects(later.run) == (*sealed.objects, "gs://land/incoming/d")
 
 
 def test_identical_data_never_trains_twice(ledger: FirestoreLedger) -> None:
@@ -74,8 +73,45 @@ def test_identical_data_never_trains_twice(ledger: FirestoreLedger) -> None:
     ledger.record_arrival(arrival("copy-of-b", generation=7), "ds", "h-b")
     ledger.record_arrival(arrival("copy-of-a", generation=9), "ds", "h-a")
     again = ledger.seal("ds", "test")
-    assert again.run is None and first.run.run_id in again.reason
+    assert (again.run, again.verdict, again.skipped) == (None, SealVerdict.NOTHING_NEW, 2)
+    assert "2 object(s) skipped" in again.reason
     assert [r.run_id for r in ledger.list_runs()] == [first.run.run_id]
+
+
+def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) -> None:
+    """Per-object content identity: each content joins one run, whatever the grouping; a started run's
+    list is fixed, and what arrives after joins the next pending run."""
+    ledger.record_arrival(arrival("a"), "ds", "h-a")
+    first = ledger.seal("ds", "t").run
+    assert first is not None
+    claim = ledger.claim_start(first, stale_after_s=60)
+    assert (claim.verdict, claim.objects) == (StartVerdict.CLAIMED, ("gs://land/incoming/a",))
+    assert ledger.claim_start(first, stale_after_s=60).verdict == StartVerdict.STARTING  # claimed already
+    for name, content in (("b", "h-b"), ("a-again", "h-a"), ("c", "h-c")):
+        ledger.record_arrival(arrival(name), "ds", content)
+        sealed = ledger.seal("ds", "t")
+        assert sealed.run is None or sealed.run.run_id != first.run_id
+    second = ledger.seal("ds", "t")
+    pending = ledger.pending_run("ds")
+    assert second.verdict == SealVerdict.NOTHING_PENDING and pending is not None
+    assert ledger.run_objects(pending) == ("gs://land/incoming/b", "gs://land/incoming/c")  # h-a: trained
+    assert ledger.claim_start(pending, stale_after_s=60).verdict == StartVerdict.QUEUED  # first is live
+    ledger.update_run(first.run_id, {"status": "succeeded"})
+    started = ledger.claim_start(pending, stale_after_s=60)
+    assert started.verdict == StartVerdict.CLAIMED and len(started.objects) == 2
+    assert ledger.get_run(pending.run_id).objects == 2  # type: ignore[union-attr]
+
+
+def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: FirestoreLedger) -> None:
+    ledger.record_arrival(arrival("z"), "ds", "h-z")
+    run = ledger.seal("ds", "t").run
+    assert run is not None
+    assert ledger.claim_start(run, stale_after_s=60).verdict == StartVerdict.CLAIMED
+    # ...the starter died before attaching an execution
+    assert ledger.claim_start(run, stale_after_s=60).verdict == StartVerdict.STARTING
+    assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.CLAIMED
+    ledger.attach_execution(run.run_id, "e-1")
+    assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
 
 
 def test_datasets_have_separate_batches(ledger: FirestoreLedger) -> None:
@@ -141,8 +177,8 @@ def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: Fires
     # record_arrival builds its create as raw protobuf (a storm's hot path); record_export uses the client
     ledger.record_arrival(arrival("fast", generation=3), "ds", "h-fast")
     ledger.record_export("p.d.t", None, 1, arrival("tx", generation=3), "ds", "h-tx")
-    arrivals = ledger.db.collection("datasets").document("ds").collection("arrivals")
-    fast, tx = (d.to_dict() or {} for d in arrivals.order_by("uri").stream())
+    docs = [d.to_dict() or {} for shard in ledger._arrival_shards("ds") for d in shard.stream()]
+    fast, tx = sorted(docs, key=lambda d: str(d["uri"]))
     assert {k: type(v) for k, v in fast.items()} == {k: type(v) for k, v in tx.items()}
     assert (fast["generation"], fast["size"], fast["content_hash"]) == (3, 10, "h-fast")
     assert fast["event_id"] == "ev-fast-3" and fast["time"] == "2026-11-21T00:00:00Z"

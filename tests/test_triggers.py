@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -69,15 +70,26 @@ def test_scheduler_tick_seals_whatever_is_pending_and_nothing_else(ingest: Inges
     assert ingest.on_scheduler_tick({"job": "seal"}) == []
 
 
-def test_sweeper_seals_after_the_quiet_period_or_at_max_age(ingest: Ingest) -> None:
+def test_sweeper_seals_after_the_quiet_period(ingest: Ingest) -> None:
     arrive(ingest, "quiet", "1.txt")
     assert ingest.sweep() == []  # still within the quiet period
     (sealed,) = ingest.sweep(now=later(61))
     assert sealed.action == "started" and ingest.ledger.get_run(sealed.run_id).trigger == "quiet-period"
+
+
+def test_sweeper_seals_a_batch_at_max_age_while_data_keeps_arriving(ingest: Ingest) -> None:
+    """Never quiet (the last arrival is always recent) yet old: only the max-age branch can seal it."""
+    ingest.settings = dataclasses.replace(ingest.settings, quiet_period_s=1e9, max_batch_age_s=5)
     arrive(ingest, "busy", "1.txt")
-    # keeps arriving (never quiet for 60 s) but the batch is older than max age
-    (aged,) = [o for o in ingest.sweep(now=later(3601)) if o.run_id]
-    assert ingest.ledger.get_run(aged.run_id).trigger in ("max-age", "quiet-period")
+    assert ingest.sweep() == []  # younger than max age
+    time.sleep(5.5)
+    arrive(ingest, "busy", "2.txt")  # still arriving: the batch is not quiet
+    (aged,) = ingest.sweep()
+    assert aged.action == "started" and ingest.ledger.get_run(aged.run_id).trigger == "max-age"
+    assert ingest.ledger.run_objects(ingest.ledger.get_run(aged.run_id)) == (
+        "gs://land/incoming/busy/1.txt",
+        "gs://land/incoming/busy/2.txt",
+    )
 
 
 def test_one_run_at_a_time_per_dataset(ingest: Ingest) -> None:
@@ -101,17 +113,72 @@ def test_a_crash_between_seal_and_start_loses_nothing(
     arrive(ingest, "c", "1.txt")
     sealed = ingest.ledger.seal("c", "gcs-marker")  # ...and the function died before starting the workflow
     assert sealed.run is not None and ingest.ledger.get_run(sealed.run.run_id).execution is None
-    assert ingest.sweep() == []  # too fresh: its own sealer may still be starting it
-    (recovered,) = ingest.sweep(now=later(31))
+    (recovered,) = ingest.sweep()
     assert recovered.action == "started" and recovered.run_id == sealed.run.run_id
     assert ingest.sweep(now=later(31)) == []  # exactly once
     assert held_executions.get(recovered.detail)["state"] == "ACTIVE"
     manifest = json.loads(
         objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json")
     )
+    stored = ingest.ledger.get_run(sealed.run.run_id)
     assert (
-        manifest["objects"] == ["gs://land/incoming/c/1.txt"] and manifest["snapshot"] == sealed.run.snapshot
+        manifest["objects"] == ["gs://land/incoming/c/1.txt"]
+        and manifest["snapshot"] == stored.snapshot != ""
     )
+
+
+def test_a_crash_between_claiming_a_start_and_starting_is_recovered_once_stale(
+    ingest: Ingest, held_executions: ExecutionsServer
+) -> None:
+    arrive(ingest, "k", "1.txt")
+    sealed = ingest.ledger.seal("k", "manual")
+    assert sealed.run is not None
+    ingest.ledger.claim_start(sealed.run, ingest.settings.stuck_after_s)  # ...and died right after
+    assert [o.action for o in ingest.sweep()] == ["queued"]  # its starter may still be at it
+    ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+    (recovered,) = ingest.sweep()
+    assert recovered.action == "started" and held_executions.get(recovered.detail)["state"] == "ACTIVE"
+
+
+def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
+    """The scenario of a new user: 8 concurrent droppers of 200 files, each sealing when done, then the
+    same 200 files again under new names: every content trains exactly once, in at most two runs."""
+    contents = [f"md5:{uuid.uuid4().hex}" for _ in range(200)]
+
+    def dropper(k: int, prefix: str) -> list[str]:
+        for i in range(k, 200, 8):
+            arrival = ObjectArrival(
+                f"ev-{uuid.uuid4()}", "land", f"incoming/s/{prefix}{i:03d}.txt", 1, 10, "", "t"
+            )
+            ingest.ledger.record_arrival(arrival, "s", contents[i])
+        return [o.action for o in [ingest.seal("s", "gcs-marker")]]
+
+    with ThreadPoolExecutor(8) as pool:
+        actions = [a for found in pool.map(lambda k: dropper(k, "a-"), range(8)) for a in found]
+    assert actions.count("started") == 1
+    runs = ingest.ledger.list_runs()
+    # the live run, and at most one pending run that absorbed every later seal
+    assert 1 <= len(runs) <= 2 and sum(1 for r in runs if r.execution) == 1
+    with ThreadPoolExecutor(8) as pool:  # the same bytes again, under other names
+        redrop = [a for found in pool.map(lambda k: dropper(k, "b-"), range(8)) for a in found]
+    # nothing new: skipped, joined the pending run, or sealed by a concurrent dropper first
+    assert set(redrop) <= {"already-trained", "queued", "nothing-to-seal"}
+    assert len(ingest.ledger.list_runs()) == len(runs)
+    live = next(r for r in runs if r.execution)
+    ingest.ledger.update_run(live.run_id, {"status": str(RunStatus.SUCCEEDED)})
+    started = [o.run_id for o in ingest.sweep() if o.action == "started"]
+    assert started == [r.run_id for r in runs if not r.execution]
+    contents = ingest.ledger.db.collection("datasets").document("s").collection("contents")
+    holders = [d.get("run_id") for d in contents.stream()]
+    assert len(holders) == 200 and set(holders) == {r.run_id for r in runs}
+    manifests = [
+        json.loads(objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{r.run_id}/objects.json"))[
+            "objects"
+        ]
+        for r in runs
+    ]
+    names = [uri.rsplit("/", 1)[-1] for m in manifests for uri in m]
+    assert len(names) == 200 and all(n.startswith("a-") for n in names)  # each content once, never again
 
 
 def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(

@@ -35,6 +35,7 @@ locals {
     RETRAIN_STUCK_AFTER_S       = tostring(var.stuck_after_s)
     RETRAIN_WORKFLOW            = var.workflow_name
     RETRAIN_JOBSET_TOPIC        = local.platform.jobset_topic
+    RETRAIN_SCHEDULER_TOPIC     = local.platform.scheduler_topic_id
     RETRAIN_CLUSTER             = local.platform.cluster_name
     RETRAIN_CLUSTER_ENDPOINT    = local.platform.cluster_dns_endpoint
     RETRAIN_NODE_POOL           = local.platform.gpu_node_pool

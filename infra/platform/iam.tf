@@ -162,6 +162,14 @@ resource "google_project_iam_member" "workflow_container_developer" {
   member  = "serviceAccount:${google_service_account.workflow.email}"
 }
 
+# When a run ends the workflow publishes a sweeper tick, so the dataset's pending run starts at once.
+resource "google_pubsub_topic_iam_member" "workflow_ticks_publisher" {
+  project = var.project_id
+  topic   = google_pubsub_topic.scheduler_ticks.name
+  role    = "roles/pubsub.publisher"
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
 resource "google_project_iam_member" "workflow_datastore_user" {
   project = var.project_id
   role    = "roles/datastore.user"

@@ -1,12 +1,26 @@
 """The ledger on Firestore: arrivals, batches, snapshots and run records.
 
 Layout (one collection per concept):
-  datasets/{dataset}                          the dataset's seal cut-off and its live run
-  datasets/{dataset}/arrivals/{sha1(b/n#g)}   one per object version, with the event that announced it
+  datasets/{dataset}                          the seal cut-off, the live run and the pending run
+  datasets/{dataset}/arrivalsNN/{sha1(b/n#g)} one per object version (NN: one of ARRIVAL_SHARDS shards)
+  datasets/{dataset}/contents/{sha1(hash)}    one per content hash: the run that trains (or trained) it
   batches/{batch_id}                          a sealed window of arrivals, and what became of it
-  snapshots/{snapshot_id}                     the run that trained a snapshot (identical data never retrains)
   runs/{run_id}                               the run record
   watermarks/{sha1(table)}                    how far a watched BigQuery table has been exported
+
+Coalescing: a dataset has at most one live run and one pending run.  A seal puts the content hashes
+of its batch that no run holds yet into ``contents/`` under the pending run (creating it when there is
+none); content some run already holds (trained, live or pending) adds nothing, so identical bytes under
+any name, in any grouping, train once.  A seal that brings nothing new makes no run.  The pending run's
+object list is fixed when it starts: every ``contents/`` entry naming it.  Each entry is written in a
+transaction that checks the run is still the dataset's pending run, and starting a run clears that in
+a transaction on the same document, so no entry can join a run after its list was read.
+
+Arrivals are sharded (``arrivals00`` .. ``arrivals15`` by the first byte of their key): "If a
+collection contains documents with sequential indexed values, Cloud Firestore limits the write rate to
+500 writes per second" (firebase.google.com/docs/firestore/solutions/shard-timestamp), and
+``arrived_at`` is such a value; as separate collections each shard keeps its automatic single-field
+index, so a dataset sustains ARRIVAL_SHARDS x 500 = 8,000 arrivals/s with no composite index to deploy.
 
 Storm-proof by construction: recording an arrival is one commit that *creates* one document keyed
 by the object version's identity (bucket, name, generation) and touches nothing shared, so a burst of
@@ -27,10 +41,10 @@ import hashlib
 import os
 import uuid
 from collections.abc import Iterator, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from google.api_core.exceptions import AlreadyExists, Conflict
+from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
 from google.cloud.firestore_v1.types import common, document, write
@@ -38,9 +52,16 @@ from google.cloud.firestore_v1.types import firestore as api
 
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import BatchState, Pending, Run, RunStatus, iso, new_run_id, now_iso, snapshot_id
-from retrain.ports import ArrivalOutcome, ArrivalStatus, SealOutcome, SealVerdict
+from retrain.ports import ArrivalOutcome, ArrivalStatus, SealOutcome, SealVerdict, StartClaim, StartVerdict
 
 ARRIVED_AT = "arrived_at"
+THROUGH = "through"
+#: Arrival collections per dataset; each takes Firestore's ~500 writes/s for a sequentially indexed field.
+ARRIVAL_SHARDS = 16
+#: Content entries written per transaction (well under Firestore's 500 writes per commit).
+CONTENT_CHUNK = 400
+#: Attempts of the transactions every seal of a dataset makes on its document (they contend by design).
+CONTENDED_ATTEMPTS = 20
 
 # Raw protobuf classes behind the client's proto-plus types (see FirestoreLedger._create_stamped).
 _Write, _Document, _Value = write.Write.pb(), document.Document.pb(), document.Value.pb()
@@ -61,6 +82,11 @@ def _arrival_fields(arrival: ObjectArrival, content_hash: str) -> dict[str, str 
         "time": arrival.time,
         "event_id": arrival.event_id,
     }
+
+
+def _parse_iso(text: str) -> datetime:
+    """A ledger timestamp (``retrain.domain.runs.iso``) back to an aware datetime."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def _value(v: str | int) -> Any:
@@ -86,8 +112,15 @@ class FirestoreLedger:
     def _dataset(self, dataset: str) -> firestore.DocumentReference:
         return self.db.collection("datasets").document(dataset)
 
-    def _arrivals(self, dataset: str) -> firestore.CollectionReference:
-        return self._dataset(dataset).collection("arrivals")
+    def _arrivals(self, dataset: str, key: str) -> firestore.CollectionReference:
+        """The shard of the arrival whose document key is ``key`` (a hex digest)."""
+        return self._dataset(dataset).collection(f"arrivals{int(key[:2], 16) % ARRIVAL_SHARDS:02d}")
+
+    def _arrival_shards(self, dataset: str) -> list[firestore.CollectionReference]:
+        return [self._dataset(dataset).collection(f"arrivals{i:02d}") for i in range(ARRIVAL_SHARDS)]
+
+    def _contents(self, dataset: str) -> firestore.CollectionReference:
+        return self._dataset(dataset).collection("contents")
 
     def _ensure_dataset(self, dataset: str) -> None:
         """Create the dataset's document once (so sweeps can list datasets); cached per process."""
@@ -100,7 +133,8 @@ class FirestoreLedger:
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome:
         """One create: a redelivered event or a re-announced object version fails it, a duplicate."""
         self._ensure_dataset(dataset)
-        ref = self._arrivals(dataset).document(_key(arrival.identity))
+        key = _key(arrival.identity)
+        ref = self._arrivals(dataset, key).document(key)
         try:
             self._create_stamped(ref, _arrival_fields(arrival, content_hash), ARRIVED_AT)
         except (AlreadyExists, Conflict):
@@ -125,117 +159,225 @@ class FirestoreLedger:
         self.db._firestore_api.commit(request=request, metadata=self.db._rpc_metadata)
 
     def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:
-        ref = self._arrivals(dataset).document(_key(arrival.identity))
+        key = _key(arrival.identity)
+        ref = self._arrivals(dataset, key).document(key)
         writes.create(ref, {**_arrival_fields(arrival, content_hash), ARRIVED_AT: firestore.SERVER_TIMESTAMP})
 
-    def _window(self, dataset: str, after: datetime | None, through: datetime | None = None) -> Any:
-        q: Any = self._arrivals(dataset)
-        if after is not None:
-            q = q.where(filter=FieldFilter(ARRIVED_AT, ">", after))
-        if through is not None:
-            q = q.where(filter=FieldFilter(ARRIVED_AT, "<=", through))
-        return q
+    def _window(self, dataset: str, after: datetime | None, through: datetime | None = None) -> list[Any]:
+        """The arrivals committed in (after, through], one query per shard."""
+        out = []
+        for shard in self._arrival_shards(dataset):
+            q: Any = shard
+            if after is not None:
+                q = q.where(filter=FieldFilter(ARRIVED_AT, ">", after))
+            if through is not None:
+                q = q.where(filter=FieldFilter(ARRIVED_AT, "<=", through))
+            out.append(q)
+        return out
 
     def pending(self, dataset: str | None = None) -> list[Pending]:
         """Datasets with arrivals not yet sealed: how many, the first and the last (for the sweeper)."""
         names = [dataset] if dataset else [d.id for d in self.db.collection("datasets").stream()]
         out = []
         for name in names:
-            cut = (self._dataset(name).get().to_dict() or {}).get("sealed_through")
-            window = self._window(name, cut)
-            first = list(window.order_by(ARRIVED_AT).limit(1).stream())
-            if not first:
-                continue
-            (last,) = window.order_by(ARRIVED_AT, direction=firestore.Query.DESCENDING).limit(1).stream()
-            count = window.count().get()[0][0].value
-            out.append(Pending(name, int(count), iso(first[0].get(ARRIVED_AT)), iso(last.get(ARRIVED_AT))))
+            cut = self._last_cut(name)
+            count, first, last = 0, None, None
+            for window in self._window(name, cut):
+                n = int(window.count().get()[0][0].value)
+                if not n:
+                    continue
+                count += n
+                (head,) = window.order_by(ARRIVED_AT).limit(1).stream()
+                (tail,) = window.order_by(ARRIVED_AT, direction=firestore.Query.DESCENDING).limit(1).stream()
+                first = min(filter(None, (first, head.get(ARRIVED_AT))))
+                last = max(filter(None, (last, tail.get(ARRIVED_AT))))
+            if count and first is not None and last is not None:
+                out.append(Pending(name, count, iso(first), iso(last)))
         return out
 
     # --- batches ---
 
+    def _seals(self, dataset: str) -> firestore.CollectionReference:
+        return self._dataset(dataset).collection("seals")
+
+    def _last_cut(self, dataset: str, before: tuple[datetime, str] | None = None) -> datetime | None:
+        """The commit time of the dataset's latest seal (or of the latest one ordered before
+        ``before`` = (time, seal id)); None when there is none."""
+        q: Any = self._seals(dataset)
+        if before is not None:
+            q = q.where(filter=FieldFilter(THROUGH, "<=", before[0]))
+        for snap in q.order_by(THROUGH, direction=firestore.Query.DESCENDING).limit(50).stream():
+            at = snap.get(THROUGH)
+            if before is None or (at, snap.id) < before:
+                return at
+        return None
+
     def seal(self, dataset: str, trigger: str) -> SealOutcome:
-        """Cut the dataset's timeline now: what arrived since the last cut becomes a batch and its run."""
+        """Cut the dataset's timeline now: what arrived since the last cut becomes a batch, whose new
+        content joins the dataset's pending run.
+
+        Lock-free: a seal is one blind create of ``seals/{id}`` stamped with its commit time; its window
+        is (the previous seal's time, its own], the previous seal being the latest one ordered before it
+        by (time, id).  Any seal committed before it is visible once it has committed, so concurrent
+        seals cut the timeline into disjoint windows and every arrival lands in exactly one."""
         dataset_ref = self._dataset(dataset)
-        batch_ref = self.db.collection("batches").document(uuid.uuid4().hex)
-
-        @firestore.transactional
-        def cut(tx: firestore.Transaction) -> bool:
-            previous = (dataset_ref.get(transaction=tx).to_dict() or {}).get("sealed_through")
-            if not list(tx.get(self._window(dataset, previous).limit(1))):
-                return False
-            tx.set(dataset_ref, {"sealed_through": firestore.SERVER_TIMESTAMP}, merge=True)
-            tx.set(
-                batch_ref,
-                {
-                    "dataset": dataset,
-                    "state": str(BatchState.SEALED),
-                    "after": previous,
-                    "through": firestore.SERVER_TIMESTAMP,
-                    "sealed_at": now_iso(),
-                    "trigger": trigger,
-                },
-            )
-            return True
-
-        if not cut(self.db.transaction()):
+        before = self._last_cut(dataset)
+        if not any(list(w.limit(1).stream()) for w in self._window(dataset, before)):
             return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
-        return self.materialize(batch_ref.id)
+        batch_id = uuid.uuid4().hex
+        self._create_stamped(self._seals(dataset).document(batch_id), {"dataset": dataset}, THROUGH)
+        through = self._seals(dataset).document(batch_id).get().get(THROUGH)
+        after = self._last_cut(dataset, (through, batch_id))
+        self.db.collection("batches").document(batch_id).set(
+            {
+                "dataset": dataset,
+                "state": str(BatchState.SEALED),
+                "after": after,
+                "through": through,
+                "sealed_at": now_iso(),
+                "trigger": trigger,
+            }
+        )
+        del dataset_ref
+        return self.materialize(batch_id)
 
     def _batch_arrivals(self, batch: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-        window = self._window(str(batch["dataset"]), batch.get("after"), batch["through"])
-        return (d.to_dict() or {} for d in window.stream())
+        for window in self._window(str(batch["dataset"]), batch.get("after"), batch["through"]):
+            yield from (d.to_dict() or {} for d in window.stream())
 
     def materialize(self, batch_id: str) -> SealOutcome:
-        """Turn a sealed batch into its run; idempotent, so a sweeper can finish a seal a crash cut short."""
+        """Put a sealed batch's new content into its dataset's pending run (created when there is none);
+        idempotent, so a sweeper can finish a seal a crash cut short."""
         batch_ref = self.db.collection("batches").document(batch_id)
         batch = batch_ref.get().to_dict() or {}
         dataset, trigger = str(batch.get("dataset")), str(batch.get("trigger", "sweeper"))
-        arrivals = list(self._batch_arrivals(batch))
-        uris = tuple(sorted(a["uri"] for a in arrivals))
-        snap_id = snapshot_id(a["content_hash"] for a in arrivals)
-        run = Run(
-            run_id=new_run_id(dataset),
-            dataset=dataset,
-            trigger=trigger,
-            batch_id=batch_id,
-            snapshot=snap_id,
-            objects=len(uris),
-        )
-        snapshot_ref = self.db.collection("snapshots").document(snap_id)
-        run_ref = self.db.collection("runs").document(run.run_id)
-
-        @firestore.transactional
-        def claim(tx: firestore.Transaction) -> tuple[str, str | None]:
-            state = batch_ref.get(transaction=tx).to_dict() or {}
-            if state.get("state") != str(BatchState.SEALED):  # done already, by us or a sweeper
-                return "done", state.get("run_id") or state.get("same_as")
-            existing = snapshot_ref.get(transaction=tx)
-            if existing.exists:
-                tx.update(batch_ref, {"state": str(BatchState.DUPLICATE), "same_as": existing.get("run_id")})
-                return "duplicate", str(existing.get("run_id"))
-            tx.set(snapshot_ref, {"run_id": run.run_id, "at": now_iso()})
-            tx.set(run_ref, run.to_dict())
-            tx.update(
-                batch_ref, {"state": str(BatchState.STARTED), "run_id": run.run_id, "objects": len(uris)}
-            )
-            return "new", run.run_id
-
-        outcome, run_id = claim(self.db.transaction())
-        if outcome == "duplicate":
+        if batch.get("state") != str(BatchState.SEALED):  # done already, by us or a sweeper
+            done = self.get_run(str(batch["run_id"])) if batch.get("run_id") else None
+            verdict = SealVerdict.ALREADY_SEALED if done else SealVerdict.NOTHING_NEW
+            return SealOutcome(done, verdict, "already sealed", skipped=int(batch.get("skipped", 0)))
+        first_uri: dict[str, str] = {}  # content hash -> the first object (by name) that has it
+        arrivals = sorted(self._batch_arrivals(batch), key=lambda a: str(a["uri"]))
+        for a in arrivals:
+            first_uri.setdefault(str(a["content_hash"]), str(a["uri"]))
+        if not arrivals:  # a concurrent seal cut the same window first
+            batch_ref.update({"state": str(BatchState.DUPLICATE), "new_objects": 0, "skipped": 0})
+            return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
+        run: Run | None = None
+        added: list[str] = []
+        held = self._held(dataset, list(first_uri))
+        todo = {h: uri for h, uri in first_uri.items() if h not in held}
+        while todo:
+            run = self._pending_run(dataset, trigger, batch_id)
+            chunk = dict(list(todo.items())[:CONTENT_CHUNK])
+            joined, stale = self._join(run, chunk)
+            if stale:  # the pending run started meanwhile: the rest goes to the next pending run
+                continue
+            added += joined
+            for h in chunk:
+                todo.pop(h)
+        skipped = len(arrivals) - len(added)
+        state = BatchState.STARTED if added else BatchState.DUPLICATE
+        fields = {"state": str(state), "new_objects": len(added), "skipped": skipped}
+        if added and run is not None:
+            fields["run_id"] = run.run_id
+        batch_ref.update(fields)
+        if not added:
             return SealOutcome(
                 None,
-                SealVerdict.ALREADY_TRAINED,
-                f"snapshot {snap_id[:12]} already trained by run {run_id}",
-                uris,
+                SealVerdict.NOTHING_NEW,
+                f"nothing new: {skipped} object(s) skipped, their content trained before or is in the "
+                "live or pending run",
+                skipped=skipped,
             )
-        if outcome == "done":
-            existing_run = self.get_run(str(run_id)) if run_id else None
-            return SealOutcome(existing_run, SealVerdict.ALREADY_SEALED, "already sealed", uris)
-        return SealOutcome(run, SealVerdict.SEALED, "sealed", uris)
+        return SealOutcome(
+            self.get_run(run.run_id) if run else None, SealVerdict.SEALED, "sealed", tuple(added), skipped
+        )
 
-    def batch_objects(self, batch_id: str) -> tuple[str, ...]:
-        batch = self.db.collection("batches").document(batch_id).get().to_dict() or {}
-        return tuple(sorted(str(a["uri"]) for a in self._batch_arrivals(batch)))
+    def _slot(self, dataset: str) -> firestore.DocumentReference:
+        """``datasets/{d}/slots/pending``: names the dataset's pending run while there is one."""
+        return self._dataset(dataset).collection("slots").document("pending")
+
+    def pending_run(self, dataset: str) -> Run | None:
+        """The dataset's pending run (the one later seals join), if any."""
+        snap = self._slot(dataset).get()
+        return self.get_run(str(snap.get("run_id"))) if snap.exists else None
+
+    def _pending_run(self, dataset: str, trigger: str, batch_id: str) -> Run:
+        """The dataset's pending run, created (as ``trigger`` made it) when there is none.  Creating it
+        is one atomic write of the run and the slot with the slot's create precondition, so concurrent
+        seals agree on one pending run without locking anything."""
+        slot = self._slot(dataset)
+        while True:
+            snap = slot.get()
+            if snap.exists:
+                run = self.get_run(str(snap.get("run_id")))
+                if run is not None:
+                    return run
+            fresh = Run(run_id=new_run_id(dataset), dataset=dataset, trigger=trigger, batch_id=batch_id)
+            writes = self.db.batch()
+            writes.set(self.db.collection("runs").document(fresh.run_id), fresh.to_dict())
+            if snap.exists:  # a slot naming a run that is gone (dropped empty): replace it
+                writes.update(
+                    slot,
+                    {"run_id": fresh.run_id},
+                    option=self.db.write_option(last_update_time=snap.update_time),
+                )
+            else:
+                writes.create(slot, {"run_id": fresh.run_id})
+            try:
+                writes.commit()
+            except (AlreadyExists, Conflict, FailedPrecondition):
+                continue  # another seal made one first: join it
+            return fresh
+
+    def _join(self, run: Run, content: Mapping[str, str]) -> tuple[list[str], bool]:
+        """Give ``run`` the content (hash -> object) no run holds yet, in one transaction that checks it
+        is still its dataset's pending run; (the objects added, whether the run had started).
+
+        The content entries are read outside the transaction and created blindly inside it (a create
+        fails if another seal made the entry first, and the chunk is tried again), so concurrent seals
+        never hold read locks they would need to upgrade."""
+        slot = self._slot(run.dataset)
+        refs = {h: self._contents(run.dataset).document(_key(h)) for h in content}
+
+        @firestore.transactional
+        def join(tx: firestore.Transaction, held: set[str]) -> tuple[list[str], bool]:
+            current = slot.get(transaction=tx)
+            if not current.exists or current.get("run_id") != run.run_id:
+                return [], True
+            added = []
+            for h, ref in refs.items():
+                if ref.id not in held:
+                    tx.create(
+                        ref, {"content_hash": h, "uri": content[h], "run_id": run.run_id, "at": now_iso()}
+                    )
+                    added.append(content[h])
+            return added, False
+
+        while True:
+            held = {snap.id for snap in self.db.get_all(list(refs.values())) if snap.exists}
+            try:
+                return join(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS), held)
+            except (AlreadyExists, Conflict):
+                continue  # a concurrent seal gave some of this content to the run first
+
+    def _held(self, dataset: str, hashes: list[str]) -> set[str]:
+        """The content hashes some run of ``dataset`` holds already (trained, live or pending)."""
+        held: set[str] = set()
+        for i in range(0, len(hashes), CONTENT_CHUNK):
+            chunk = {_key(h): h for h in hashes[i : i + CONTENT_CHUNK]}
+            refs = [self._contents(dataset).document(k) for k in chunk]
+            held.update(chunk[snap.id] for snap in self.db.get_all(refs) if snap.exists)
+        return held
+
+    def run_objects(self, run: Run) -> tuple[str, ...]:
+        """The objects a run trains: every content entry that names it (one object per content)."""
+        query = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
+        return tuple(sorted(str((d.to_dict() or {})["uri"]) for d in query.stream()))
+
+    def _run_hashes(self, run: Run) -> list[str]:
+        query = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
+        return [str((d.to_dict() or {})["content_hash"]) for d in query.stream()]
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]:
         """Batches in one state, each with its ``batch_id`` (few at a time: stuck ones)."""
@@ -268,21 +410,51 @@ class FirestoreLedger:
 
     # --- runs ---
 
-    def claim_start(self, run: Run) -> bool:
-        """One run at a time per dataset: take the dataset's slot for ``run`` unless a live run holds it."""
+    def claim_start(self, run: Run, stale_after_s: float) -> StartClaim:
+        """Take the dataset's live slot for ``run`` unless another live run holds it, and fix its object
+        list.  A run whose start is already claimed is not claimed again for ``stale_after_s`` (its
+        starter may still be at work; after that it is taken to have crashed)."""
         dataset_ref = self._dataset(run.dataset)
+        run_ref = self.db.collection("runs").document(run.run_id)
+        now = datetime.now(UTC)
+
+        slot = self._slot(run.dataset)
 
         @firestore.transactional
-        def take(tx: firestore.Transaction) -> bool:
-            active = (dataset_ref.get(transaction=tx).to_dict() or {}).get("active_run")
+        def take(tx: firestore.Transaction) -> str:
+            state = dataset_ref.get(transaction=tx).to_dict() or {}
+            current = run_ref.get(transaction=tx).to_dict() or {}
+            pending = slot.get(transaction=tx)
+            if not current or current.get("execution"):
+                return "started"
+            claimed = current.get("start_claimed_at")
+            if (
+                claimed
+                and (now - datetime.fromisoformat(claimed.replace("Z", "+00:00"))).total_seconds()
+                < stale_after_s
+            ):
+                return "starting"
+            active = state.get("active_run")
             if active and active != run.run_id:
                 holder = self.db.collection("runs").document(active).get(transaction=tx).to_dict()
                 if holder and not RunStatus(holder.get("status", "pending")).terminal:
-                    return False
+                    return "queued"
             tx.set(dataset_ref, {"active_run": run.run_id, "active_since": now_iso()}, merge=True)
-            return True
+            if pending.exists and pending.get("run_id") == run.run_id:
+                tx.delete(slot)  # later seals make the next pending run
+            tx.update(run_ref, {"start_claimed_at": iso(now)})
+            return "claimed"
 
-        return bool(take(self.db.transaction()))
+        verdict = take(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS))
+        if verdict != "claimed":
+            return StartClaim(StartVerdict(verdict), ())
+        objects = self.run_objects(run)
+        if not objects:  # its only content went to another run in a race: nothing to train
+            self.db.collection("runs").document(run.run_id).delete()
+            return StartClaim(StartVerdict.EMPTY, ())
+        snap = snapshot_id(self._run_hashes(run))
+        self.update_run(run.run_id, {"objects": len(objects), "snapshot": snap})
+        return StartClaim(StartVerdict.CLAIMED, objects, snap)
 
     def runs_in(self, *statuses: RunStatus) -> list[Run]:
         """Runs in the given states, oldest first."""

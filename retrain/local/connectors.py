@@ -60,6 +60,17 @@ def firestore_bindings(emulator_host: str) -> dict[str, Callable[[Args, Args], A
     }
 
 
+# --- Pub/Sub (REST API of the emulator: the connector's request, unchanged) ------------------------
+
+
+def pubsub_publish_binding(emulator_host: str) -> Callable[[Args, Args], Any]:
+    def publish(args: Args, _: Args) -> Any:
+        url = f"http://{emulator_host}/v1/{args['topic']}:publish"
+        return send("POST", url, json=args.get("body") or {}, timeout=30)["body"]
+
+    return publish
+
+
 # --- Cloud Storage (JSON API of the emulator, through the client library) --------------------------
 
 
@@ -201,6 +212,7 @@ def gke_request_binding(kube: KubeEndpoint) -> Callable[[Args, Args], Any]:
 def local_registry(
     *,
     firestore_host: str,
+    pubsub_host: str,
     kube: KubeEndpoint,
     dataflow: LocalDataflow,
 ) -> ConnectorRegistry:
@@ -209,6 +221,7 @@ def local_registry(
     for name, fn in firestore_bindings(firestore_host).items():
         registry.register(name, fn)
     registry.register("googleapis.storage.v1.objects.get", storage_get)
+    registry.register("googleapis.pubsub.v1.projects.topics.publish", pubsub_publish_binding(pubsub_host))
     registry.register("googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch", dataflow.launch)
     registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.get", dataflow.get)
     registry.register("gke.request", gke_request_binding(kube))

@@ -311,6 +311,7 @@ class LocalStack:
         self._closers.append(dataflow.stop)
         registry = local_registry(
             firestore_host=ep.firestore,
+            pubsub_host=ep.pubsub,
             kube=KubeEndpoint.from_kubeconfig(control_plane.kubeconfig),
             dataflow=dataflow,
         )

@@ -77,6 +77,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/logging.logWriter", "project"),
         ("roles/iam.serviceAccountUser", "service_account:dataflow"),
         ("roles/storage.objectViewer", "bucket:artifacts"),  # reads reports; the manifest is the function's
+        ("roles/pubsub.publisher", "topic:scheduler_ticks"),  # a sweeper tick when a run ends
     },
     "dataflow": {
         ("roles/dataflow.worker", "project"),
