@@ -106,6 +106,24 @@ resource "google_project_iam_member" "functions_workflows_invoker" {
   member  = "serviceAccount:${google_service_account.functions.email}"
 }
 
+# The reaper (the Scheduler's "reaper" job, in on_scheduler_tick) reaches the Kubernetes API through the
+# cluster's DNS-based endpoint, which authorizes callers by the IAM permission container.clusters.connect
+# (cloud.google.com/kubernetes-engine/docs/concepts/network-isolation); what it may then do inside the
+# cluster is Kubernetes RBAC's (k8s/reaper.yaml). container.developer would add every Kubernetes verb.
+resource "google_project_iam_custom_role" "cluster_connect" {
+  project     = var.project_id
+  role_id     = "retrainClusterConnect"
+  title       = "retrain cluster connect"
+  description = "Reach the GKE control plane through its DNS endpoint; Kubernetes RBAC decides the rest."
+  permissions = ["container.clusters.connect", "container.clusters.get"]
+}
+
+resource "google_project_iam_member" "functions_cluster_connect" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.cluster_connect.name
+  member  = "serviceAccount:${google_service_account.functions.email}"
+}
+
 resource "google_storage_bucket_iam_member" "functions_landing_viewer" {
   bucket = google_storage_bucket.landing.name
   role   = "roles/storage.objectViewer"

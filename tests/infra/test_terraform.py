@@ -60,6 +60,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/storage.objectUser", "bucket:artifacts"),  # conditioned: runs/ and bigquery/ only
         ("roles/bigquery.jobUser", "project"),
         ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
+        ("custom:cluster_connect", "project"),  # the reaper: the DNS endpoint; RBAC decides the rest
     },
     "events": {
         ("roles/eventarc.eventReceiver", "project"),
@@ -125,7 +126,9 @@ EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
     },
 }
 
-EXPECTED_CUSTOM_ROLE_PERMISSIONS: dict[str, set[str]] = {}
+EXPECTED_CUSTOM_ROLE_PERMISSIONS: dict[str, set[str]] = {
+    "cluster_connect": {"container.clusters.connect", "container.clusters.get"},
+}
 
 # For each IAM resource type: the attribute naming the resource the grant is made on.
 SCOPE_ATTRIBUTE = {
