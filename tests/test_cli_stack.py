@@ -25,7 +25,6 @@ def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
         "RETRAIN_TRAINER": "datacheck",
         "RETRAIN_PROVISION_DELAY_S": "0.5",
         "RETRAIN_QUIET_PERIOD_S": "5",
-        "RETRAIN_SWEEP_INTERVAL_S": "1",
     }
     return subprocess.run(
         [sys.executable, "-m", "retrain.cli", *args],
@@ -80,6 +79,10 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         data.write_text(json.dumps({"text": "a quiet batch"}) + "\n")
         assert retrain(["drop", str(data), "--dataset", "quiet", "--no-seal"], state).returncode == 0
         assert wait_for_run(state, "quiet")["trigger"] == "quiet-period"
+
+        # the Scheduler twin runs infra/'s reaper job too (every 15 minutes / 60): the function reaped
+        ticks = (state / "function-on_scheduler_tick.log").read_text()
+        assert "reaped deleted" in ticks and "GPU nodes up" in ticks, ticks[-2000:]
 
     finally:
         down = retrain(["down"], state)
