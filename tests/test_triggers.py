@@ -260,3 +260,24 @@ def test_scheduler_tick_entrypoint(functions_env: str) -> None:
     assert [r.trigger for r in ledger.list_runs() if r.dataset == "t"] == ["scheduler"]
     bad = app.test_client().post("/", json={"message": {"data": "!!!", "messageId": "2"}}, headers=headers)
     assert bad.status_code == 200  # acknowledged, logged, not redelivered forever
+
+
+def test_a_crash_right_after_the_cut_loses_nothing(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut and its batch are one commit: if the function dies before the batch becomes a run, the
+    sweeper finds the sealed batch and finishes it."""
+    arrive(ingest, "x", "1.txt")
+    finish = ingest.ledger.materialize
+
+    def crash(batch_id: str) -> None:
+        raise RuntimeError("the function died here")
+
+    monkeypatch.setattr(ingest.ledger, "materialize", crash)
+    with pytest.raises(RuntimeError):
+        ingest.seal("x", "manual")
+    monkeypatch.setattr(ingest.ledger, "materialize", finish)
+    assert ingest.ledger.pending("x") == []  # the window is cut: nothing is pending any more
+    ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+    (started,) = [o for o in ingest.sweep() if o.run_id]
+    assert started.action == "started"
+    run = ingest.ledger.get_run(started.run_id)
+    assert ingest.ledger.run_objects(run) == ("gs://land/incoming/x/1.txt",) and run.trigger == "manual"

@@ -216,29 +216,31 @@ class FirestoreLedger:
         """Cut the dataset's timeline now: what arrived since the last cut becomes a batch, whose new
         content joins the dataset's pending run.
 
-        Lock-free: a seal is one blind create of ``seals/{id}`` stamped with its commit time; its window
+        Lock-free: a seal is one blind create of ``seals/{id}`` (with its batch) stamped with its commit
+        time; its window
         is (the previous seal's time, its own], the previous seal being the latest one ordered before it
         by (time, id).  Any seal committed before it is visible once it has committed, so concurrent
         seals cut the timeline into disjoint windows and every arrival lands in exactly one."""
-        dataset_ref = self._dataset(dataset)
         before = self._last_cut(dataset)
         if not any(list(w.limit(1).stream()) for w in self._window(dataset, before)):
             return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
+        # The cut and its batch in one atomic commit, both stamped with that commit's time: a crash
+        # can never leave a cut without the batch that owns its window.
         batch_id = uuid.uuid4().hex
-        self._create_stamped(self._seals(dataset).document(batch_id), {"dataset": dataset}, THROUGH)
-        through = self._seals(dataset).document(batch_id).get().get(THROUGH)
-        after = self._last_cut(dataset, (through, batch_id))
-        self.db.collection("batches").document(batch_id).set(
+        writes = self.db.batch()
+        cut = {"dataset": dataset, THROUGH: firestore.SERVER_TIMESTAMP}
+        writes.create(self._seals(dataset).document(batch_id), cut)
+        writes.create(
+            self.db.collection("batches").document(batch_id),
             {
                 "dataset": dataset,
                 "state": str(BatchState.SEALED),
-                "after": after,
-                "through": through,
+                THROUGH: firestore.SERVER_TIMESTAMP,
                 "sealed_at": now_iso(),
                 "trigger": trigger,
-            }
+            },
         )
-        del dataset_ref
+        writes.commit()
         return self.materialize(batch_id)
 
     def _batch_arrivals(self, batch: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
@@ -251,6 +253,10 @@ class FirestoreLedger:
         batch_ref = self.db.collection("batches").document(batch_id)
         batch = batch_ref.get().to_dict() or {}
         dataset, trigger = str(batch.get("dataset")), str(batch.get("trigger", "sweeper"))
+        if batch.get("state") == str(BatchState.SEALED) and "after" not in batch:
+            # where the window starts: the previous cut, ordered by (commit time, id)
+            batch["after"] = self._last_cut(dataset, (batch[THROUGH], batch_id))
+            batch_ref.update({"after": batch["after"]})
         if batch.get("state") != str(BatchState.SEALED):  # done already, by us or a sweeper
             done = self.get_run(str(batch["run_id"])) if batch.get("run_id") else None
             verdict = SealVerdict.ALREADY_SEALED if done else SealVerdict.NOTHING_NEW
