@@ -2,8 +2,9 @@
 
     python bench/tokenize_bench.py [--repeat 2] [--workers 2] [--trials 2] [--skip-megatron] [--memory N]
 
-* ceiling: the bare tokenizer's ``encode_batch`` / ``encode_batch_fast`` over the documents already in
-  memory, ~1 MiB of text per call, ids fetched (what the pipeline calls; nothing can beat it);
+* ceilings: the bare tokenizers over the documents already in memory, ~1 MiB of text per call, ids
+  fetched: HF ``encode_batch`` / ``encode_batch_fast``, and tiktoken's own ``encode_ordinary_batch`` on
+  the same GPT-2 ranks (the pipeline's fast path; nothing can beat it);
 * pipeline: ``tokenize_to_prefix`` end to end (Beam FnApiRunner, start-up included);
 * Megatron preprocess_data.py: its per-document loop rebuilt around Megatron's own parts from the
   megatron-core 0.16.1 wheel -- ``build_tokenizer`` for ``GPT2BPETokenizer`` (which, since core 0.14,
@@ -251,6 +252,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from retrain.tokenize import load_gpt2_tokenizer, tokenize_to_prefix
+    from retrain.tokenize.tokenizer import load_gpt2_tiktoken
 
     tmp = Path(tempfile.mkdtemp(prefix="tokbench-"))
     docs = corpus_documents(args.doc_bytes) * args.repeat
@@ -277,10 +279,17 @@ def main() -> None:
 
         return run
 
+    fast = load_gpt2_tiktoken().encoding
+
+    def bare_tiktoken() -> None:
+        for c in chunks:
+            fast.encode_ordinary_batch(c, num_threads=os.cpu_count() or 1)
+
     reports: list[dict[str, Any]] = []
     contenders: dict[str, Callable[[], float | None]] = {
-        "ceiling: encode_batch": bare(tok.encode_batch),
-        "ceiling: encode_batch_fast": bare(tok.encode_batch_fast),
+        "ceiling: HF encode_batch": bare(tok.encode_batch),
+        "ceiling: HF encode_batch_fast": bare(tok.encode_batch_fast),
+        "ceiling: tiktoken encode_ordinary_batch": bare_tiktoken,
         "pipeline, end to end": lambda: reports.append(
             tokenize_to_prefix([str(src)], str(tmp / "out"), workers=args.workers)
         ),
@@ -324,6 +333,9 @@ def main() -> None:
         print(f"{name:52} {t.seconds:8.2f} {mb / t.seconds:6.2f} {t.cpu / mb:8.2f}")
     ceiling = min(t.seconds for name, t in timings.items() if name.startswith("ceiling"))
     print(f"\npipeline speed / the best bare tokenizer (ceiling): {ceiling / pipeline.seconds:.2f}")
+    hf = min(t.seconds for name, t in timings.items() if name.startswith("ceiling: HF"))
+    tiktoken_s = timings["ceiling: tiktoken encode_ordinary_batch"].seconds
+    print(f"bare tiktoken / bare HF tokenizers: {hf / tiktoken_s:.2f}")
     fastest = min((t.seconds for name, t in timings.items() if name.startswith("Megatron")), default=None)
     if fastest is not None:
         print(f"pipeline speed / the fastest Megatron preprocess_data.py: {fastest / pipeline.seconds:.2f}")

@@ -142,9 +142,7 @@ def encode_batch(
     flats: list[np.ndarray] = []
     lens: list[np.ndarray] = []
     for start, end in _chunks(texts):
-        encs = tok.tokenizer.encode_batch_fast(list(texts[start:end]))
-        ids = [e.ids for e in encs]
-        del encs
+        ids = tok.encode_batch(texts[start:end])
         if append_eod:
             for seq in ids:
                 if seq:
