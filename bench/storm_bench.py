@@ -232,7 +232,6 @@ def main() -> int:
             "RETRAIN_LANDING_BUCKET": "land",
             "RETRAIN_ARTIFACTS_BUCKET": "art",
             "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
-            "RETRAIN_TRAINER": "datacheck",
             "WORKERS": str(args.workers),
             "THREADS": str(args.threads),
         }

@@ -21,6 +21,7 @@ from cloudevents.http import CloudEvent
 from retrain import composition, config
 from retrain.domain.errors import Rejected
 from retrain.ingest import Action, Ingest
+from retrain.steps import Steps
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("retrain.functions")
@@ -30,6 +31,11 @@ log = logging.getLogger("retrain.functions")
 def ingest() -> Ingest:
     """One Ingest per instance: clients are reused across invocations."""
     return composition.ingest(config.load())
+
+
+@cache
+def steps() -> Steps:
+    return composition.steps(config.load())
 
 
 @functions_framework.cloud_event
@@ -112,3 +118,19 @@ def run_http(request: flask.Request) -> flask.typing.ResponseReturnValue:
     except Rejected as e:
         return {"error": e.reason}, 400
     return {"outcomes": [o.__dict__ for o in outcomes]}, 200
+
+
+@functions_framework.http
+def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
+    """The workflow's calls into Python (retrain.steps): POST a StepRequest, get a Handover or Results.
+
+    Internal-only; the workflow's service account is the only invoker (OIDC).  A plan the trainer would
+    refuse answers 400 with the reason, which the workflow records.
+    """
+    if request.method != "POST":
+        return {"error": "POST a StepRequest"}, 405
+    try:
+        return steps().handle(request.get_json(silent=True)), 200
+    except Rejected as e:
+        log.warning("step refused: %s", e.reason)
+        return {"error": e.reason}, 400

@@ -6,7 +6,6 @@ Subcommands that belong to one component delegate to it (``workflows``, ``tokeni
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -35,21 +34,15 @@ def stack_settings() -> config.Settings:
 
 
 def local_settings() -> config.Settings:
-    """Settings for the local stack: the trainer falls back to a data check when torch is absent."""
-    settings = stack_settings()
-    if "RETRAIN_TRAINER" not in os.environ:
-        from retrain.train import torch_available
+    """Settings for the local stack; says so when the stand-in trainer will only check the data."""
+    from retrain.train import torch_available
 
-        trainer = "gpt" if torch_available() else "datacheck"
-        if trainer == "datacheck":
-            _say(
-                "PyTorch is not installed (pip install -e '.[train]'): the run does a data-check job "
-                "instead of training"
-            )
-        settings = dataclasses.replace(settings, trainer=trainer)
-    if settings.trainer == "nemo":
-        raise SystemExit("RETRAIN_TRAINER=nemo needs GPUs; locally use gpt or datacheck")
-    return settings
+    if not torch_available():
+        _say(
+            "PyTorch is not installed (pip install -e '.[train]'): the stand-in trainer checks the data "
+            "instead of training"
+        )
+    return stack_settings()
 
 
 def _ledger(settings: config.Settings) -> Any:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from retrain.config import Settings
 from retrain.ingest import Ingest
+from retrain.steps import Steps
 
 if TYPE_CHECKING:
     from retrain.adapters.ledger import FirestoreLedger
@@ -28,6 +29,13 @@ def orchestrator(settings: Settings) -> WorkflowsExecutions:
     from retrain.adapters.workflows import WorkflowsExecutions
 
     return WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+
+
+def steps(settings: Settings) -> Steps:
+    """The workflow's steps in Python, with their real adapters."""
+    from retrain.adapters import objects
+
+    return Steps(settings, ledger(settings), objects)
 
 
 def ingest(settings: Settings) -> Ingest:

@@ -81,15 +81,35 @@ class Settings:
     price_per_node_hour: float = 88.49
     """Estimated on-demand price of one node-hour, for the run record's cost estimate (USD)."""
     image: str = "nvcr.io/nvidia/nemo:24.12"
-    """Container image of the training job."""
-    trainer: str = "nemo"
-    """What the JobSet runs: nemo (the cloud), gpt (small CPU GPT, local) or datacheck (no torch)."""
-    max_steps: int = 60
-    """Training steps per run."""
+    """Container image of the training job (the local stack plays it with a stand-in image)."""
+    profile: str = "nemo-24.12"
+    """The trainer profile that renders the training command (``retrain.trainers``)."""
+    steps_per_run: int = 60
+    """Optimizer steps each run trains beyond its base checkpoint (over 100: a multiple of 100)."""
+    micro_batch_size: int = 1
+    """Sequences per GPU per forward pass."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step (a multiple of micro batch x data-parallel size)."""
+    tensor_parallel: int = 1
+    """Tensor model parallel size."""
+    pipeline_parallel: int = 1
+    """Pipeline model parallel size."""
+    seq_length: int = 2048
+    """Tokens per training sequence."""
+    gpudirect_tcpx: bool = True
+    """Multi-node runs use GPUDirect-TCPX (the platform stage builds its networks when this is on)."""
     provision_timeout_s: int = 3600
     """How long a run waits for DWS capacity before it fails."""
     train_timeout_s: int = 86400
     """How long a run waits for the training JobSet to finish."""
+    tokenize_timeout_s: int = 7200
+    """How long a run waits for its tokenize job."""
+    release_timeout_s: int = 1200
+    """How long the release waits for the pool's nodes to be gone (the autoscaler removes unneeded nodes
+    after 10 minutes by default)."""
+    poll_interval_s: float = 30.0
+    """Seconds between the workflow's polls of a Dataflow job or a ProvisioningRequest (a day of polling
+    stays far inside Workflows' 100,000 steps per execution)."""
     dataflow_template: str = ""
     """``gs://`` URI of the tokenization flex-template spec (empty: the artifacts bucket's
     ``templates/tokenize.json``)."""
@@ -141,6 +161,8 @@ LOCAL_ONLY = frozenset({"provision_delay_s", "twin_faults", "state_dir"})
 
 def _coerce(value: str, like: object) -> object:
     if isinstance(like, bool):
+        if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError("expected true or false")
         return value.lower() in ("1", "true", "yes")
     if isinstance(like, int):
         return int(value)

@@ -16,6 +16,8 @@ run record                    the workflow's ``record`` steps, Ingest ``retrain.
 :class:`TokenizeReport`       ``retrain tokenize`` (Dataflow)         the workflow's ``tokenize`` step
 :class:`JobSetCompletion`     the notifier (in the cluster)           ``Ingest.on_jobset_event``
 :class:`CallbackPayload`      the relay, ``retrain cancel``           the workflow's waits
+:class:`StepRequest`          the workflow's ``python_step`` calls    the ``run_step`` function
+:class:`Handover`, `Results`  ``retrain.steps``                       the workflow's ``train`` and ``judge``
 ============================  ======================================  =====================================
 
 The run record itself is :class:`retrain.domain.runs.Run` (its statuses :class:`RunStatus`): the domain
@@ -38,13 +40,17 @@ from retrain.domain.runs import RunStatus
 __all__ = [
     "CallbackPayload",
     "CompletionState",
+    "Handover",
     "JobSetCompletion",
     "JobSetRef",
+    "Results",
     "RunManifest",
     "RunRecord",
     "RunStatus",
     "SchedulerJob",
     "SchedulerTick",
+    "StepName",
+    "StepRequest",
     "TokenizeReport",
     "WorkflowArgument",
     "field_names",
@@ -138,8 +144,6 @@ class WorkflowArgument:
     """Object (in ``artifacts_bucket``) holding the :class:`RunManifest`."""
     report_object: str
     """Object (in ``artifacts_bucket``) where the tokenize job writes its :class:`TokenizeReport`."""
-    metrics_object: str
-    """Object (in ``artifacts_bucket``) where the trainer writes its final metrics."""
     objects: int
     """How many objects the manifest lists (for the record; the list itself is in the manifest)."""
     shard_root: str
@@ -148,8 +152,6 @@ class WorkflowArgument:
     """``gs://`` folder of this run's outputs."""
     report: str
     """``gs://`` URI of the tokenize report (``report_object`` as a URI)."""
-    checkpoint_dir: str
-    """``gs://`` folder the trainer writes checkpoints to."""
     dataflow_template: str
     """``gs://`` URI of the tokenization flex-template spec."""
     dataflow_service_account: str
@@ -158,16 +160,25 @@ class WorkflowArgument:
     """Subnetwork (self link) of the Dataflow workers; they get private IPs only."""
     dataflow_temp_location: str
     """``gs://`` folder for Dataflow's temporary files."""
-    jobset: dict[str, Any]
-    """The training JobSet (``retrain.k8s.render.render_jobset``), submitted as is."""
+    training: dict[str, Any]
+    """The :class:`retrain.trainers.TrainingPlan` (its blend empty): the workflow hands it back with
+    the tokenize report to the ``handover`` step (:class:`StepRequest`), which renders the JobSet."""
+    jobset_name: str
+    """Name of the training JobSet (the release deletes it)."""
     podtemplate: dict[str, Any]
     """The PodTemplate the ProvisioningRequest refers to."""
     provisioning_request: dict[str, Any]
     """The DWS ProvisioningRequest for the run's nodes."""
+    tokenize_timeout_s: int
+    """How long the run waits for its tokenize job."""
     provision_timeout_s: int
     """How long the run waits for DWS capacity."""
     train_timeout_s: int
     """How long the run waits for the JobSet to finish."""
+    release_timeout_s: int
+    """How long the release waits for the pool's nodes to be gone."""
+    poll_interval_s: float
+    """Seconds between polls of the Dataflow job and the ProvisioningRequest."""
     price_per_node_hour: float
     """USD per node-hour, for the record's cost."""
     ticks_topic: str
@@ -243,6 +254,9 @@ class TokenizeReport:
     ``reused``."""
     data_prefix_blend: list[Any]
     """Megatron's blend: ``[weight, prefix, weight, prefix, ...]``, weights proportional to tokens."""
+    tokenizer: dict[str, Any]
+    """The tokenizer's files, kept beside the shards for the trainer (:class:`retrain.trainers.
+    TokenizerFiles`): ``type`` and ``vocab_file``/``merge_file`` or ``tokenizer_json`` (``gs://``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -378,3 +392,72 @@ class CallbackPayload:
         body = asdict(self)
         body["state"] = str(self.state)
         return body
+
+
+# --- the workflow -> the run_step function (typed Python between its steps) -----------------------
+
+
+class StepName(StrEnum):
+    """The workflow's calls into Python (``retrain.steps``)."""
+
+    HANDOVER = "handover"
+    """Tokenizing is done: render the trainer's command and JobSet from the tokenize report."""
+    RESULTS = "results"
+    """The JobSet completed: read what the trainer wrote, record it, promote the checkpoint."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """The body the workflow POSTs to the ``run_step`` function (OIDC-authenticated, internal)."""
+
+    step: StepName
+    """Which step."""
+    run_id: str
+    """The run."""
+    training: dict[str, Any]
+    """The run's :class:`retrain.trainers.TrainingPlan`, as the workflow argument carries it."""
+    callback_url: str = ""
+    """``handover`` only: the execution's callback, annotated on the JobSet for the notifier."""
+
+    @classmethod
+    def parse(cls, body: Any) -> StepRequest:
+        """A request from its JSON body; Rejected naming what is wrong."""
+        if not isinstance(body, dict):
+            raise Rejected("the body must be a JSON object")
+        unknown = set(body) - field_names(cls)
+        if unknown:
+            raise Rejected(f"unknown field(s) {sorted(unknown)}")
+        try:
+            step = StepName(str(body.get("step")))
+        except ValueError:
+            raise Rejected(
+                f"unknown step {body.get('step')!r} (one of {[s.value for s in StepName]})"
+            ) from None
+        run_id, training = body.get("run_id"), body.get("training")
+        if not isinstance(run_id, str) or not run_id or not isinstance(training, dict):
+            raise Rejected("run_id (a string) and training (an object) are required")
+        return cls(step, run_id, training, str(body.get("callback_url") or ""))
+
+
+@dataclass(frozen=True)
+class Handover:
+    """``handover``'s answer: what the workflow submits, and what it will run."""
+
+    jobset: dict[str, Any]
+    """The training JobSet, submitted as is."""
+    command: list[str]
+    """The trainer's argv (container command and arguments), also in the run record."""
+
+
+@dataclass(frozen=True)
+class Results:
+    """``results``' answer (already in the run record): what the trainer left."""
+
+    checkpoint: str | None
+    """``gs://`` folder of the run's last checkpoint (None: the trainer saved none)."""
+    metrics: dict[str, Any] | None
+    """:class:`retrain.domain.runs.TrainingMetrics` (None: no TensorBoard events were found)."""
+    promoted: bool
+    """Whether the checkpoint became its dataset's champion (the next run continues from it)."""
+    reason: str
+    """What is missing, if anything."""

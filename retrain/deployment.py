@@ -25,6 +25,7 @@ from typing import Any
 
 from retrain import config
 from retrain.hcl import HclError, Stage
+from retrain.local.images import NEMO_STANDIN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INFRA = REPO_ROOT / "infra"
@@ -34,6 +35,10 @@ LOCAL_PROJECT = "retrain-local"
 #: Local time runs this many times faster than the deployment's: a Scheduler job every 15 minutes
 #: ticks every 15 s, a 300 s quiet period lasts 5 s.
 LOCAL_TIME_FACTOR = 60.0
+#: The cluster autoscaler removes a node only after it has been unneeded for this long
+#: (``--scale-down-unneeded-time``, 10 minutes by default; kubernetes/autoscaler's FAQ): what a released
+#: run's nodes cost after its capacity request is deleted.
+AUTOSCALER_SCALE_DOWN_S = 600.0
 #: Settings whose values are periods, scaled by LOCAL_TIME_FACTOR locally.
 SCALED_PERIODS = (
     "quiet_period_s",
@@ -41,7 +46,14 @@ SCALED_PERIODS = (
     "stuck_after_s",
     "provision_timeout_s",
     "train_timeout_s",
+    "tokenize_timeout_s",
+    "release_timeout_s",
+    "poll_interval_s",
 )
+#: What the local stack plays differently, and why: the training image is its stand-in (the same
+#: command, run by the cluster twin as local processes; ``retrain.local.images``), and sequences are
+#: short enough for two CPU cores to train in seconds.
+LOCAL_STAND_INS = {"RETRAIN_IMAGE": NEMO_STANDIN, "RETRAIN_SEQ_LENGTH": "128"}
 
 
 @dataclass(frozen=True)
@@ -124,9 +136,14 @@ class ManifestValues:
     """Kueue LocalQueue of the training JobSets."""
     gpu_quota: int
     """The ClusterQueue's GPU quota: the pool's maximum nodes times GPUs per node."""
+    gpu_networks: tuple[tuple[str, str], ...] = ()
+    """GPUDirect-TCPX's GPU networks (VPC, subnet), eth1..eth4; empty when the platform builds none."""
 
     def as_strings(self) -> dict[str, str]:
-        return {k: str(v) for k, v in dataclasses.asdict(self).items()}
+        out = {k: str(v) for k, v in dataclasses.asdict(self).items() if k != "gpu_networks"}
+        for i, (vpc, subnet) in enumerate(self.gpu_networks, 1):
+            out[f"gpu_vpc_{i}"], out[f"gpu_subnet_{i}"] = vpc, subnet
+        return out
 
 
 def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> ManifestValues:
@@ -154,6 +171,7 @@ def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> Mani
         node_pool=str(out("gpu_node_pool")),
         local_queue=str(app.get("local_queue") or "dws-local-queue"),
         gpu_quota=int(out("gpu_max_nodes")) * int(out("gpus_per_node")),
+        gpu_networks=tuple((str(n["vpc"]), str(n["subnet"])) for n in platform.get("gpu_networks") or ()),
     )
 
 
@@ -202,6 +220,19 @@ class Deployment:
             )
         return out
 
+    def workflow_env(self, values: Mapping[str, str]) -> dict[str, str]:
+        """The workflow's ``user_env_vars`` (what it reads with ``sys.get_env``), with ``values`` in place
+        of what only the cloud knows (a function's URL); KeyError for a value the workflow is not given."""
+        workflow = self.app.resource("google_workflows_workflow", "retrain")
+        declared = {str(k).strip('"') for k in workflow["user_env_vars"]}
+        unknown = set(values) - declared
+        if unknown:
+            raise KeyError(f"infra/app/workflow.tf gives the workflow no {sorted(unknown)}")
+        missing = declared - set(values)
+        if missing:
+            raise KeyError(f"no local value for the workflow's {sorted(missing)}")
+        return dict(values)
+
     def topic(self, output: str) -> str:
         """A topic's full id from the platform stage's outputs (``jobset_topic_id`` ...)."""
         return str(self.platform.output(output))
@@ -221,8 +252,9 @@ def local_settings(env: Mapping[str, str] | None = None) -> config.Settings:
         key = "RETRAIN_" + name.upper()
         default = getattr(config.Settings(), name)
         value = float(deployed.get(key, default)) / LOCAL_TIME_FACTOR
-        scaled[key] = str(int(value) if isinstance(default, int) else value)
-    merged = {**deployed, **scaled, **{k: v for k, v in env.items() if k.startswith("RETRAIN_")}}
+        scaled[key] = str(max(1, int(value)) if isinstance(default, int) else value)
+    operator = {k: v for k, v in env.items() if k.startswith("RETRAIN_")}
+    merged = {**deployed, **scaled, **LOCAL_STAND_INS, **operator}
     return config.load(merged)
 
 

@@ -382,18 +382,29 @@ class Stage:
         names = list(self.resources(rtype, kind))
         return _Lazy(names, lambda n: self._attributes(rtype, n, kind))
 
-    def _attributes(self, rtype: str, name: str, kind: str) -> Mapping[str, Any]:
+    def _attributes(self, rtype: str, name: str, kind: str) -> Any:
+        """A resource's attributes; a resource with ``count`` is the list of its instances."""
         body = self.resource(rtype, name, kind)
-        plain = [k for k in body if k != "__is_block__"]
-        computed = self.computed(rtype, body)
+        if "count" in body:
+            return [
+                self._instance(rtype, body, {"count": {"index": i}})
+                for i in range(int(self.evaluate(body["count"])))
+            ]
+        return self._instance(rtype, body, {})
+
+    def _instance(self, rtype: str, body: Mapping[str, Any], bound: Mapping[str, Any]) -> Mapping[str, Any]:
+        plain = [k for k in body if k not in ("__is_block__", "count")]
+        computed = self.computed(rtype, body, bound)
         return _Lazy(
             sorted(set(plain) | set(computed)),
-            lambda a: computed[a]() if a in computed and a not in body else self.evaluate(body[a]),
+            lambda a: computed[a]() if a in computed and a not in body else self.evaluate(body[a], **bound),
         )
 
-    def computed(self, rtype: str, body: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:
+    def computed(
+        self, rtype: str, body: Mapping[str, Any], bound: Mapping[str, Any] | None = None
+    ) -> dict[str, Callable[[], Any]]:
         """Stand-ins for attributes Google computes, formed the way Google forms them (no API call)."""
-        ev = lambda k: self.evaluate(body[k])  # noqa: E731
+        ev = lambda k: self.evaluate(body[k], **(bound or {}))  # noqa: E731
         project = lambda: ev("project") if "project" in body else self.var("project_id")  # noqa: E731
         out: dict[str, Callable[[], Any]] = {}
         if rtype == "google_service_account":

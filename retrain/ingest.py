@@ -23,7 +23,7 @@ from typing import Any
 from retrain.config import DATASET_RE, Settings
 from retrain.contracts import CallbackPayload, JobSetCompletion, RunManifest, SchedulerJob, SchedulerTick
 from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
-from retrain.domain.errors import Rejected, Retry
+from retrain.domain.errors import PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
 from retrain.plan import manifest_object, workflow_argument
@@ -64,6 +64,8 @@ class Action(StrEnum):
     """A watched table has no row after its watermark."""
     ALREADY_TRAINED = "already-trained"
     """Nothing new: every object's content trained before or is in the live or pending run."""
+    REFUSED = "refused"
+    """The trainer would refuse the run as planned (its record says why): no capacity was requested."""
     RECORDED_FAILURE = "recorded-failure"
     """A run whose execution ended without an outcome was recorded as failed."""
     RELAYED = "relayed"
@@ -278,13 +280,37 @@ class Ingest:
             current = self.ledger.get_run(run.run_id)
             return Outcome(Action.STARTED, str(current.execution if current else ""), run.run_id)
         run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
+        champion = self.ledger.champion(run.dataset)
+        try:
+            argument = workflow_argument(self.settings, run, champion)
+        except PlanError as e:
+            reason = f"the trainer would refuse this run: {e}"
+            self.ledger.update_run(
+                run.run_id,
+                {
+                    "status": str(RunStatus.FAILED),
+                    "reason": reason,
+                    "nodes_at_end": 0,
+                    "finished_at": now_iso(),
+                },
+            )
+            log.warning("run %s refused before any capacity was requested: %s", run.run_id, reason)
+            return Outcome(Action.REFUSED, reason, run.run_id)
+        self.ledger.update_run(
+            run.run_id,
+            {
+                "profile": self.settings.profile,
+                "base_checkpoint": champion.checkpoint if champion else None,
+                "base_step": champion.step if champion else 0,
+            },
+        )
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         self.store.write_bytes(
             f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
             manifest.to_json(),
             "application/json",
         )
-        execution = self.orchestrator.start(workflow_argument(self.settings, run).to_dict())
+        execution = self.orchestrator.start(argument.to_dict())
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome(Action.STARTED, execution, run.run_id)

@@ -1,20 +1,37 @@
 """The plan of one run: everything the workflow needs, decided once, when the run starts.
 
 The workflow stays a thin, auditable sequence of cloud calls; sizing, naming and manifests are
-decided here in typed Python and handed to it as its argument (:class:`WorkflowArgument`).  Not part
-of the domain: the plan renders Kubernetes objects and names the trainer's command.
+decided here in typed Python and handed to it as its argument (:class:`WorkflowArgument`).  The
+training command is rendered here too, twice: when the run starts, with a stand-in blend, so that a run
+the trainer would refuse (impossible batch arithmetic, an override its config does not have) is
+refused before any capacity is requested; and at handover (``retrain.steps``), with the tokenized data.
+Not part of the domain: the plan renders Kubernetes objects and names the trainer's command.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from retrain.config import Settings
 from retrain.contracts import WorkflowArgument
-from retrain.domain.runs import Run
-from retrain.k8s.render import render_jobset, render_provisioning_request
+from retrain.domain.runs import Champion, Run
+from retrain.k8s.render import (
+    GcsMounts,
+    jobset_name,
+    provisioning_request_name,
+    render_jobset,
+    render_provisioning_request,
+)
+from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan, profile
 
 
 def run_root(settings: Settings, run_id: str) -> str:
     return f"{settings.artifacts_uri}/runs/{run_id}"
+
+
+def tokenize_report_uri(run_root: str) -> str:
+    """Where the tokenize job writes its report (:class:`retrain.contracts.TokenizeReport`)."""
+    return f"{run_root}/tokenize_report.json"
 
 
 def manifest_object(run_id: str) -> str:
@@ -31,20 +48,73 @@ def shard_root(settings: Settings) -> str:
     return f"{settings.artifacts_uri}/shards"
 
 
-def trainer_argv(settings: Settings, report_uri: str, checkpoint_dir: str) -> list[str] | None:
-    """The command the JobSet's pods run; None means the NeMo image's default launcher."""
-    if settings.trainer == "nemo":
-        return None
-    from retrain.train import trainer_command
+def training_plan(settings: Settings, run_id: str, champion: Champion | None) -> TrainingPlan:
+    """The run's training, continuing from the dataset's champion (no data yet)."""
+    return TrainingPlan(
+        run_id=run_id,
+        shape=BatchShape(
+            nodes=settings.nodes,
+            gpus_per_node=settings.gpus_per_node,
+            micro_batch_size=settings.micro_batch_size,
+            global_batch_size=settings.global_batch_size,
+            tensor_parallel=settings.tensor_parallel,
+            pipeline_parallel=settings.pipeline_parallel,
+        ),
+        steps=settings.steps_per_run,
+        seq_length=settings.seq_length,
+        output_dir=run_root(settings, run_id),
+        base_checkpoint=champion.checkpoint if champion else None,
+        base_step=champion.step if champion else 0,
+    )
 
-    return trainer_command(settings.trainer, ["@" + report_uri], checkpoint_dir, settings.max_steps)
+
+def render_training(
+    settings: Settings, plan: TrainingPlan, callback_url: str | None = None
+) -> tuple[dict[str, Any], Command]:
+    """The JobSet that trains ``plan`` (its data handed over) and the command it runs, checked against
+    the trainer's own configuration; PlanError naming what the trainer would refuse."""
+    trainer = profile(settings.profile)
+    mounts = GcsMounts()
+    command = trainer.render(plan, mounts.path)
+    trainer.validate(command)
+    jobset = render_jobset(
+        plan.run_id,
+        nodes=plan.shape.nodes,
+        gpus_per_node=plan.shape.gpus_per_node,
+        image=settings.image,
+        command=command,
+        mounts=mounts,
+        queue=settings.local_queue,
+        node_pool=settings.node_pool,
+        namespace=settings.namespace,
+        callback_url=callback_url,
+        tcpx=settings.gpudirect_tcpx and plan.shape.nodes > 1,
+        service_account=settings.training_ksa,
+        provisioning_request=provisioning_request_name(plan.run_id),
+    )
+    return jobset, command
 
 
-def workflow_argument(settings: Settings, run: Run) -> WorkflowArgument:
-    """The argument of one execution of workflows/retrain.yaml (its objects are in the manifest)."""
+def check_before_capacity(settings: Settings, plan: TrainingPlan) -> None:
+    """Render the command with a stand-in blend: PlanError now, not after tokenizing and provisioning."""
+    shards = shard_root(settings)
+    stand_in = plan.with_data(
+        [1.0, f"{shards}/plan-check/data_text_document"],
+        TokenizerFiles(
+            "GPT2BPETokenizer",
+            vocab_file=f"{shards}/_tokenizer/plan-check/vocab.json",
+            merge_file=f"{shards}/_tokenizer/plan-check/merges.txt",
+        ),
+    )
+    render_training(settings, stand_in)
+
+
+def workflow_argument(settings: Settings, run: Run, champion: Champion | None) -> WorkflowArgument:
+    """The argument of one execution of workflows/retrain.yaml (its objects are in the manifest);
+    PlanError when the trainer would refuse the run."""
     root = run_root(settings, run.run_id)
-    report = f"{root}/tokenize_report.json"
-    checkpoint_dir = f"{root}/checkpoints"
+    plan = training_plan(settings, run.run_id, champion)
+    check_before_capacity(settings, plan)
     podtemplate, provreq = render_provisioning_request(
         run.run_id,
         nodes=settings.nodes,
@@ -52,21 +122,6 @@ def workflow_argument(settings: Settings, run: Run) -> WorkflowArgument:
         namespace=settings.namespace,
         node_pool=settings.node_pool,
         max_run_duration_s=settings.train_timeout_s,
-    )
-    jobset = render_jobset(
-        run.run_id,
-        nodes=settings.nodes,
-        gpus_per_node=settings.gpus_per_node,
-        image=settings.image,
-        command=trainer_argv(settings, report, checkpoint_dir),
-        data_prefix=["@" + report],
-        checkpoint_dir=checkpoint_dir,
-        max_steps=settings.max_steps,
-        queue=settings.local_queue,
-        node_pool=settings.node_pool,
-        namespace=settings.namespace,
-        service_account=settings.training_ksa,
-        provisioning_request=provreq["metadata"]["name"],
     )
     return WorkflowArgument(
         run_id=run.run_id,
@@ -81,21 +136,23 @@ def workflow_argument(settings: Settings, run: Run) -> WorkflowArgument:
         artifacts_bucket=settings.artifacts_bucket,
         manifest_object=manifest_object(run.run_id),
         report_object=f"runs/{run.run_id}/tokenize_report.json",
-        metrics_object=f"runs/{run.run_id}/checkpoints/metrics.json",
         objects=run.objects,
         shard_root=shard_root(settings),
         run_root=root,
-        report=report,
-        checkpoint_dir=checkpoint_dir,
+        report=tokenize_report_uri(root),
         dataflow_template=settings.template_uri,
         dataflow_service_account=settings.dataflow_service_account,
         dataflow_subnetwork=settings.dataflow_subnetwork,
         dataflow_temp_location=settings.temp_location,
-        jobset=jobset,
+        training=plan.to_dict(),
+        jobset_name=jobset_name(run.run_id),
         podtemplate=podtemplate,
         provisioning_request=provreq,
+        tokenize_timeout_s=settings.tokenize_timeout_s,
         provision_timeout_s=settings.provision_timeout_s,
         train_timeout_s=settings.train_timeout_s,
+        release_timeout_s=settings.release_timeout_s,
+        poll_interval_s=settings.poll_interval_s,
         price_per_node_hour=settings.price_per_node_hour,
         ticks_topic=settings.scheduler_topic,
     )

@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import BatchState, Pending, Run, RunStatus
+from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus
 
 
 class ArrivalStatus(StrEnum):
@@ -120,6 +120,10 @@ class Ledger(Protocol):
 
     def list_runs(self, limit: int = 100) -> list[Run]: ...
 
+    def champion(self, dataset: str) -> Champion | None: ...
+
+    def promote(self, dataset: str, champion: Champion) -> bool: ...
+
 
 class Cluster(Protocol):
     """The GKE cluster, for what must happen there on a schedule (the reaper)."""
@@ -147,6 +151,8 @@ class Orchestrator(Protocol):
 
 class ObjectStore(Protocol):
     """Objects by ``gs://`` URI (Cloud Storage); ``retrain.adapters.objects`` is the adapter."""
+
+    def read_bytes(self, uri: str) -> bytes: ...
 
     def write_bytes(self, uri: str, data: bytes, content_type: str = ...) -> None: ...
 

@@ -119,7 +119,6 @@ def serve_function(
             "RETRAIN_LANDING_BUCKET": f"land-{project}",
             "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
             "RETRAIN_WORKFLOWS_ENDPOINT": held_executions.base_url,
-            "RETRAIN_TRAINER": "datacheck",
             **extra,
         }
         client = objects.storage_client()

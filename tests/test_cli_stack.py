@@ -8,11 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
+from retrain.trainers.nemo import hydra_string
 
 pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +24,8 @@ def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "RETRAIN_STATE_DIR": str(state),
-        "RETRAIN_TRAINER": "datacheck",
+        "RETRAIN_GPUS_PER_NODE": "1",
+        "RETRAIN_STEPS_PER_RUN": "4",
         "RETRAIN_PROVISION_DELAY_S": "0.5",
         "RETRAIN_QUIET_PERIOD_S": "5",
     }
@@ -36,10 +39,15 @@ def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_for_run(state: Path, dataset: str) -> dict[str, object]:
+def wait_for_run(state: Path, dataset: str, after: str = "") -> dict[str, Any]:
+    """The dataset's one run (created after run ``after``), once it ended; it must have succeeded."""
     deadline = time.monotonic() + 180
     while True:
-        runs = [r for r in json.loads(retrain(["runs", "--json"], state).stdout) if r["dataset"] == dataset]
+        runs = [
+            r
+            for r in json.loads(retrain(["runs", "--json"], state).stdout)
+            if r["dataset"] == dataset and r["run_id"] > after
+        ]
         if runs and runs[0]["status"] in ("succeeded", "failed") and runs[0]["nodes_at_end"] is not None:
             (run,) = runs
             assert run["status"] == "succeeded", run
@@ -67,6 +75,19 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         shown = retrain(["status", run["run_id"]], state)
         assert shown.returncode == 0 and "succeeded" in shown.stdout and run["run_id"] in shown.stdout
         assert retrain(["status", "no-such-run"], state).returncode == 1
+
+        # continual training: a different file makes a second run, which continues from the first's
+        # checkpoint (NeMo's model.restore_from_ckpt) and trains on to its step plus this run's steps
+        assert run["checkpoint"] and run["metrics"]["steps"] == 4, run  # type: ignore[index]
+        more = tmp_path / "more.jsonl"
+        more.write_text("\n".join(json.dumps({"text": f"more {i}: and the sea"}) for i in range(20)))
+        assert retrain(["drop", str(more), "--dataset", "notes"], state).returncode == 0
+        second = wait_for_run(state, "notes", after=str(run["run_id"]))
+        assert second["base_checkpoint"] == run["checkpoint"] and second["base_step"] == 4, second
+        mounted = str(run["checkpoint"]).replace("gs://", "/gcs/")
+        assert f"model.restore_from_ckpt={hydra_string(mounted)}" in second["command"]
+        assert "trainer.max_steps=8" in second["command"]  # type: ignore[operator]
+        assert second["metrics"]["steps"] == 8 and second["metrics"]["run_steps"] == 4  # type: ignore[index]
 
         # manual trigger: data dropped without the marker, sealed by `retrain run`
         data.write_text(json.dumps({"text": "a manual batch"}) + "\n")

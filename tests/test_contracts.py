@@ -26,12 +26,15 @@ from retrain import config, contracts
 from retrain.contracts import (
     CallbackPayload,
     CompletionState,
+    Handover,
     JobSetCompletion,
     RunManifest,
     RunRecord,
     RunStatus,
     SchedulerJob,
     SchedulerTick,
+    StepName,
+    StepRequest,
     TokenizeReport,
     WorkflowArgument,
     field_names,
@@ -77,6 +80,31 @@ def _literal(value: Any) -> str | None:
     return None
 
 
+def _assigned(wf: Any, name: str) -> dict[str, Any]:
+    """What the workflow puts into variable ``name``: a map literal assigned to it, and ``name.key``
+    assignments."""
+    out: dict[str, Any] = {}
+    for node in _nodes(wf):
+        if isinstance(node, dict) and isinstance(node.get("assign"), list):
+            for item in node["assign"]:
+                for target, value in item.items():
+                    if target == name and isinstance(value, dict):
+                        out.update(value)
+                    elif target.startswith(name + "."):
+                        out[target[len(name) + 1 :]] = value
+    return out
+
+
+def _nodes(node: Any) -> Iterator[Any]:
+    yield node
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _nodes(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _nodes(v)
+
+
 def check_workflow(source: str) -> list[str]:
     """What the workflow names that the contracts do not declare."""
     wf = yaml.safe_load(source)
@@ -88,10 +116,20 @@ def check_workflow(source: str) -> list[str]:
     report = field_names(TokenizeReport)
     for name in sorted(set(re.findall(r"\breport\.([A-Za-z_]\w*)", text)) - report):
         problems.append(f"report field {name!r} is not a TokenizeReport field")
+    for name in sorted(set(re.findall(r"\bhandover\.([A-Za-z_]\w*)", text)) - field_names(Handover)):
+        problems.append(f"handover field {name!r} is not a Handover field")
+    for call in _calls(wf, "python_step"):
+        body = call.get("args", {}).get("body", {})
+        for key in sorted(set(body) - field_names(StepRequest)):
+            problems.append(f"python_step body field {key!r} is not a StepRequest field")
+        if (step := _literal(body.get("step"))) not in {s.value for s in StepName}:
+            problems.append(f"python_step {step!r} is not a StepName")
     record = field_names(RunRecord)
     statuses = {s.value for s in RunStatus}
     for call in _calls(wf, "record"):
         written = call.get("args", {}).get("fields", {})
+        if isinstance(written, str):  # fields: ${final}, the map the workflow built
+            written = _assigned(wf, written.removeprefix("${").removesuffix("}"))
         for key, value in written.items():
             if key not in record:
                 problems.append(f"record field {key!r} is not a Run field")
@@ -116,6 +154,15 @@ def test_the_workflow_names_only_what_the_contracts_declare() -> None:
     ("old", "new", "complaint"),
     [
         ("${run.dataflow_template}", "${run.dataflow_templat}", "dataflow_templat"),
+        ("jobset: ${handover.jobset}", "jobset: ${handover.job_set}", "job_set"),
+        ('step: "results"', 'step: "result"', "result"),
+        (
+            "training: ${args.training}\n                    callback_url",
+            "plan: ${args.training}\n                    callback_url",
+            "plan",
+        ),
+        ("idle_node_seconds: ${idle_seconds}", "idle_seconds: ${idle_seconds}", "idle_seconds"),
+        ("- final.reason: ${reason}", "- final.why: ${reason}", "why"),
         ("documents: ${report.documents}", "documents: ${report.document_count}", "document_count"),
         ('status: "tokenizing"', 'status: "tokenising"', "tokenising"),
         ("quarantined: ${report.quarantined}", "quarantine: ${report.quarantined}", "quarantine"),
@@ -133,25 +180,43 @@ def test_a_drifted_workflow_is_caught(old: str, new: str, complaint: str) -> Non
 def test_the_plan_produces_exactly_the_argument_the_workflow_reads() -> None:
     from retrain.domain.runs import Run
     from retrain.plan import workflow_argument
+    from retrain.trainers import TrainingPlan
 
     settings = local_settings({})
-    arg = workflow_argument(settings, Run("r-1", "default", "manual", objects=3)).to_dict()
+    arg = workflow_argument(settings, Run("r-1", "default", "manual", objects=3), None).to_dict()
     assert set(arg) == field_names(WorkflowArgument)
     assert arg["dataflow_service_account"] == settings.dataflow_service_account != ""
-    assert (
-        arg["jobset"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
-            "serviceAccountName"
-        ]
-        == settings.training_ksa
-    )
+    assert TrainingPlan.parse(arg["training"]).to_dict() == arg["training"]  # what handover parses back
     assert len(json.dumps(arg)) < 32 * 1024  # the Executions API's argument limit
 
 
 def test_the_tokenize_report_is_what_the_pipeline_writes() -> None:
     from retrain.tokenize.pipeline import incremental_report
 
-    report = incremental_report([], {}, 0.5)
+    report = incremental_report([], {}, 0.5, {"type": "GPT2BPETokenizer"})
     assert set(report) == field_names(TokenizeReport)
+
+
+# --- the workflow's environment: what it reads with sys.get_env is what Terraform gives it ---------
+
+
+def check_workflow_env(source: str, infra: Path) -> list[str]:
+    names = set(re.findall(r"""sys\.get_env\(\s*["']([A-Z_]+)["']""", source))
+    names -= {"GOOGLE_CLOUD_PROJECT_ID", "GOOGLE_CLOUD_PROJECT_NUMBER", "GOOGLE_CLOUD_LOCATION"}
+    workflow = Deployment(infra=infra).app.resource("google_workflows_workflow", "retrain")
+    given = {str(k).strip('"') for k in workflow.get("user_env_vars", {})}
+    return [f"the workflow reads {n}, which workflow.tf does not give it" for n in sorted(names - given)] + [
+        f"workflow.tf gives {n}, which the workflow never reads" for n in sorted(given - names)
+    ]
+
+
+def test_the_workflow_reads_only_the_environment_terraform_gives_it(tmp_path: Path) -> None:
+    assert check_workflow_env(WORKFLOW.read_text(), REPO / "infra") == []
+    infra = tmp_path / "infra"
+    shutil.copytree(REPO / "infra", infra, ignore=shutil.ignore_patterns(".terraform*"))
+    tf = infra / "app" / "workflow.tf"
+    tf.write_text(tf.read_text().replace("RETRAIN_STEPS_URL =", "RETRAIN_STEP_URL ="))
+    assert len(check_workflow_env(WORKFLOW.read_text(), infra)) == 2
 
 
 # --- Dataflow: the launch body against Google's API definition --------------------------------------
@@ -266,6 +331,7 @@ def test_every_setting_is_used() -> None:
     ("old", "new"),
     [
         ("    RETRAIN_TRAINING_KSA        = local.platform.training_ksa\n", ""),
+        ("    RETRAIN_SEQ_LENGTH          = tostring(var.seq_length)\n", ""),
         ("RETRAIN_DATAFLOW_SUBNETWORK ", "RETRAIN_DATAFLOW_SUBNET "),
     ],
 )

@@ -44,7 +44,7 @@ def retrain(args: list[str], state: Path, **env: str) -> subprocess.CompletedPro
         env={
             **os.environ,
             "RETRAIN_STATE_DIR": str(state),
-            "RETRAIN_MAX_STEPS": "20",
+            "RETRAIN_STEPS_PER_RUN": "10",
             "RETRAIN_PROVISION_DELAY_S": "1",
             **env,
         },

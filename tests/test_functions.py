@@ -83,7 +83,7 @@ def test_events_become_one_execution_per_sealed_snapshot(
     assert json.loads(execution["result"]) == runs[0].run_id
     argument = json.loads(execution["argument"])
     assert argument["objects"] == 3
-    assert argument["jobset"]["metadata"]["labels"]["retrain.dev/run-id"] == runs[0].run_id
+    assert argument["training"]["run_id"] == argument["run_id"] == runs[0].run_id
     manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/{argument['manifest_object']}"))
     assert manifest["objects"] == [f"gs://land/{n}" for n in names]
 

@@ -37,7 +37,6 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
         config.load({}),
         project=project,
         artifacts_bucket=f"art-{project}",
-        trainer="datacheck",
         quiet_period_s=60,
         max_batch_age_s=3600,
         stuck_after_s=30,
@@ -218,7 +217,6 @@ def functions_env(firestore_host: str, gcs_host: str, held_executions: Execution
         "RETRAIN_PROJECT": project,
         "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
         "RETRAIN_WORKFLOWS_ENDPOINT": held_executions.base_url,
-        "RETRAIN_TRAINER": "datacheck",
     }
     objects.storage_client().create_bucket(env["RETRAIN_ARTIFACTS_BUCKET"])
     old = {k: os.environ.get(k) for k in env}

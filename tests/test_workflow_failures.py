@@ -34,7 +34,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
             pytest.skip(reason)
     settings = dataclasses.replace(
         local_settings({}),  # what the local stack runs on: infra/'s values (retrain.deployment)
-        trainer="datacheck",
+        gpus_per_node=1,  # one stand-in rank per node: these runs are about failures, not training
+        steps_per_run=4,
         provision_timeout_s=8,
         provision_delay_s=0.5,
         state_dir=str(tmp_path_factory.mktemp("stack")),

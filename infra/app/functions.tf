@@ -231,3 +231,47 @@ resource "google_cloudfunctions2_function" "run_http" {
     environment_variables          = local.retrain_env
   }
 }
+
+# The workflow's calls into Python (retrain.steps): render the trainer's command once the data is
+# tokenized, read what the trainer wrote once it is done. Internal ingress: Workflows reaches it
+# ("Invoke Cloud Run functions or Cloud Run": a workflow can call internal-only functions of its own
+# project through their run.app URL), with an OIDC token of the workflow account, its only invoker.
+resource "google_cloudfunctions2_function" "run_step" {
+  name        = "${var.name_prefix}-run-step"
+  project     = var.project_id
+  location    = var.region
+  description = "The workflow's steps in Python: handover (trainer command) and results (metrics, champion)."
+  labels      = var.labels
+
+  build_config {
+    runtime           = var.functions_runtime
+    entry_point       = "run_step"
+    service_account   = local.sa_id.builder
+    docker_repository = local.platform.artifact_registry_id
+
+    source {
+      storage_source {
+        bucket = google_storage_bucket_object.functions_source.bucket
+        object = google_storage_bucket_object.functions_source.name
+      }
+    }
+  }
+
+  service_config {
+    service_account_email          = local.sa.functions
+    ingress_settings               = "ALLOW_INTERNAL_ONLY"
+    all_traffic_on_latest_revision = true
+    available_memory               = var.function_memory
+    timeout_seconds                = var.function_timeout_seconds
+    max_instance_count             = var.function_max_instances
+    environment_variables          = local.retrain_env
+  }
+}
+
+resource "google_cloud_run_v2_service_iam_member" "workflow_invokes_run_step" {
+  project  = var.project_id
+  location = var.region
+  name     = google_cloudfunctions2_function.run_step.name
+  role     = "roles/run.invoker"
+  member   = "serviceAccount:${local.sa.workflow}"
+}

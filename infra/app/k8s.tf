@@ -114,3 +114,55 @@ resource "kubectl_manifest" "retrain" {
     kubernetes_config_map_v1.settings,
   ]
 }
+
+# ---------------------------------------------------------------------------------------------
+# GPUDirect-TCPX node software, when the platform builds it: the NCCL GPUDirect-TCPX plugin installer
+# (puts NCCL and the plugin v3.1.9 into the nodes' /home/kubernetes/bin/nvidia/lib64) and the NRI device
+# injector (gives the RxDM sidecar its GPUs), from GoogleCloudPlatform/container-engine-accelerators,
+# pinned to one commit and checked against the SHA-256 of what that commit holds: a changed file stops
+# the apply instead of reaching the cluster. (The networks they serve are k8s/tcpx.yaml.)
+# ---------------------------------------------------------------------------------------------
+
+locals {
+  tcpx_enabled = local.k8s_enabled && local.platform.gpudirect_tcpx
+  tcpx_commit  = "992db81257553607f1477945f1b3219632991829"
+  tcpx_manifests = {
+    nccl_tcpx_installer = {
+      path   = "gpudirect-tcpx/nccl-tcpx-installer.yaml"
+      sha256 = "8bbaeb56fccc3e42abcb09a3e56086ff813ed57721dd4c09aa7ac9894922d7b5"
+    }
+    nri_device_injector = {
+      path   = "nri_device_injector/nri-device-injector.yaml"
+      sha256 = "44b410770b9528737172b61f5ad64f0c53e469e5066ac471863caa0ef2965d18"
+    }
+  }
+}
+
+data "http" "tcpx" {
+  for_each = local.tcpx_enabled ? local.tcpx_manifests : {}
+  url      = "https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/${local.tcpx_commit}/${each.value.path}"
+
+  lifecycle {
+    postcondition {
+      condition     = sha256(self.response_body) == each.value.sha256
+      error_message = "${each.value.path} at ${local.tcpx_commit} is not the file this deployment was reviewed against."
+    }
+  }
+}
+
+data "kubectl_file_documents" "tcpx" {
+  for_each = data.http.tcpx
+  content  = each.value.response_body
+}
+
+resource "kubectl_manifest" "tcpx" {
+  for_each = merge([
+    for name, docs in data.kubectl_file_documents.tcpx : {
+      for id, body in docs.manifests : "${name}:${id}" => body
+    }
+  ]...)
+
+  yaml_body         = each.value
+  server_side_apply = true
+  wait              = true
+}

@@ -47,10 +47,19 @@ locals {
     RETRAIN_NODES               = tostring(var.nodes_per_run)
     RETRAIN_PRICE_PER_NODE_HOUR = tostring(var.price_per_node_hour)
     RETRAIN_IMAGE               = var.training_image
-    RETRAIN_TRAINER             = var.trainer
-    RETRAIN_MAX_STEPS           = tostring(var.max_steps)
+    RETRAIN_PROFILE             = var.trainer_profile
+    RETRAIN_STEPS_PER_RUN       = tostring(var.steps_per_run)
+    RETRAIN_MICRO_BATCH_SIZE    = tostring(var.micro_batch_size)
+    RETRAIN_GLOBAL_BATCH_SIZE   = tostring(var.global_batch_size)
+    RETRAIN_TENSOR_PARALLEL     = tostring(var.tensor_parallel)
+    RETRAIN_PIPELINE_PARALLEL   = tostring(var.pipeline_parallel)
+    RETRAIN_SEQ_LENGTH          = tostring(var.seq_length)
+    RETRAIN_GPUDIRECT_TCPX      = tostring(local.platform.gpudirect_tcpx)
     RETRAIN_PROVISION_TIMEOUT_S = tostring(var.provision_timeout_s)
     RETRAIN_TRAIN_TIMEOUT_S     = tostring(var.train_timeout_s)
+    RETRAIN_TOKENIZE_TIMEOUT_S  = tostring(var.tokenize_timeout_s)
+    RETRAIN_RELEASE_TIMEOUT_S   = tostring(var.release_timeout_s)
+    RETRAIN_POLL_INTERVAL_S     = tostring(var.poll_interval_s)
 
     RETRAIN_DATAFLOW_TEMPLATE         = local.dataflow_template_path
     RETRAIN_DATAFLOW_TEMP_LOCATION    = local.dataflow_temp_location

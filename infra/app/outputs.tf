@@ -21,6 +21,7 @@ output "function_names" {
     on_jobset_event     = google_cloudfunctions2_function.on_jobset_event.name
     on_scheduler_tick   = google_cloudfunctions2_function.on_scheduler_tick.name
     run_http            = google_cloudfunctions2_function.run_http.name
+    run_step            = google_cloudfunctions2_function.run_step.name
   }
 }
 
@@ -32,6 +33,7 @@ output "function_uris" {
     on_jobset_event     = google_cloudfunctions2_function.on_jobset_event.service_config[0].uri
     on_scheduler_tick   = google_cloudfunctions2_function.on_scheduler_tick.service_config[0].uri
     run_http            = google_cloudfunctions2_function.run_http.service_config[0].uri
+    run_step            = google_cloudfunctions2_function.run_step.service_config[0].uri
   }
 }
 

@@ -291,16 +291,64 @@ variable "training_image" {
   default     = "nvcr.io/nvidia/nemo:24.12"
 }
 
-variable "trainer" {
+variable "trainer_profile" {
   type        = string
-  description = "What the JobSet runs (RETRAIN_TRAINER): nemo in the cloud."
-  default     = "nemo"
+  description = "Trainer profile rendering the training command (RETRAIN_PROFILE): nemo-24.12 runs NeMo 1.0's Megatron GPT script of the training image."
+  default     = "nemo-24.12"
 }
 
-variable "max_steps" {
+variable "steps_per_run" {
   type        = number
-  description = "Training steps per run (RETRAIN_MAX_STEPS)."
+  description = "Optimizer steps each run trains beyond its base checkpoint (RETRAIN_STEPS_PER_RUN); above 100, a multiple of 100."
   default     = 60
+}
+
+variable "micro_batch_size" {
+  type        = number
+  description = "Sequences per GPU per forward pass (RETRAIN_MICRO_BATCH_SIZE)."
+  default     = 1
+}
+
+variable "global_batch_size" {
+  type        = number
+  description = "Sequences per optimizer step (RETRAIN_GLOBAL_BATCH_SIZE): a multiple of micro batch x data-parallel size (nodes x GPUs / (TP x PP)); a run planned otherwise is refused before capacity is requested."
+  default     = 8
+}
+
+variable "tensor_parallel" {
+  type        = number
+  description = "Tensor model parallel size (RETRAIN_TENSOR_PARALLEL)."
+  default     = 1
+}
+
+variable "pipeline_parallel" {
+  type        = number
+  description = "Pipeline model parallel size (RETRAIN_PIPELINE_PARALLEL)."
+  default     = 1
+}
+
+variable "seq_length" {
+  type        = number
+  description = "Tokens per training sequence (RETRAIN_SEQ_LENGTH)."
+  default     = 2048
+}
+
+variable "tokenize_timeout_s" {
+  type        = number
+  description = "How long a run waits for its tokenize job before it fails and cancels the job (RETRAIN_TOKENIZE_TIMEOUT_S)."
+  default     = 7200
+}
+
+variable "release_timeout_s" {
+  type        = number
+  description = "How long the release waits for the GPU pool to reach zero nodes (RETRAIN_RELEASE_TIMEOUT_S); longer than the cluster autoscaler's 10-minute scale-down delay."
+  default     = 1200
+}
+
+variable "poll_interval_s" {
+  type        = number
+  description = "Seconds between the workflow's polls of a Dataflow job, a ProvisioningRequest and the pool's nodes (RETRAIN_POLL_INTERVAL_S); a day of polling stays far inside Workflows' steps-per-execution limit."
+  default     = 30
 }
 
 variable "provision_timeout_s" {

@@ -10,4 +10,9 @@ resource "google_workflows_workflow" "retrain" {
   labels              = var.labels
   source_contents     = file("${local.repo_root}/${var.workflow_source}")
   deletion_protection = var.workflow_deletion_protection
+
+  # What the workflow reads with sys.get_env (tests/test_contracts.py holds the two sides together).
+  user_env_vars = {
+    RETRAIN_STEPS_URL = google_cloudfunctions2_function.run_step.service_config[0].uri
+  }
 }

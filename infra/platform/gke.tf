@@ -22,8 +22,10 @@ resource "google_container_cluster" "retrain" {
     services_secondary_range_name = "services"
   }
 
-  # GKE Dataplane V2 enforces NetworkPolicy natively; the legacy Calico add-on stays off.
-  datapath_provider = "ADVANCED_DATAPATH"
+  # GKE Dataplane V2 enforces NetworkPolicy natively; the legacy Calico add-on stays off. It is also
+  # what multi-networking (the GPU networks of GPUDirect-TCPX) requires.
+  datapath_provider       = "ADVANCED_DATAPATH"
+  enable_multi_networking = var.enable_gpudirect_tcpx
 
   network_policy {
     enabled  = false
@@ -206,6 +208,17 @@ resource "google_container_node_pool" "gpu_dws" {
     total_min_node_count = 0
     total_max_node_count = var.gpu_max_nodes
     location_policy      = "ANY"
+  }
+
+  # GPUDirect-TCPX: the four GPU networks as the nodes' eth1..eth4 (network.tf).
+  network_config {
+    dynamic "additional_node_network_configs" {
+      for_each = range(length(google_compute_network.gpu))
+      content {
+        network    = google_compute_network.gpu[additional_node_network_configs.value].name
+        subnetwork = google_compute_subnetwork.gpu[additional_node_network_configs.value].name
+      }
+    }
   }
 
   management {

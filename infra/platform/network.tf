@@ -78,3 +78,69 @@ resource "google_compute_firewall" "dataflow_workers" {
     metadata = "INCLUDE_ALL_METADATA"
   }
 }
+
+# GPUDirect-TCPX (multi-node A3 High runs): each a3-highgpu-8g node has four more gVNICs, one per GPU
+# network, each its own VPC with an 8244-byte MTU, as Google's A3 Terraform builds them
+# (GoogleCloudPlatform/nvidia-nemo-on-gke, infra/terraform/modules/a3/common/network/main.tf). The DWS pool
+# attaches them (additional_node_network_configs), GKE multi-networking hands them to pods as eth1..eth4,
+# and k8s/tcpx.yaml declares them to Kubernetes (Network and GKENetworkParamSet vpc1..vpc4).
+# var.enable_gpudirect_tcpx = false builds none of this, and runs never ask for it.
+resource "google_compute_network" "gpu" {
+  count = var.enable_gpudirect_tcpx ? length(var.gpu_network_cidrs) : 0
+
+  name                    = "${var.name_prefix}-gpu-${count.index + 1}"
+  project                 = var.project_id
+  auto_create_subnetworks = false
+  routing_mode            = "REGIONAL"
+  mtu                     = 8244
+}
+
+resource "google_compute_subnetwork" "gpu" {
+  count = var.enable_gpudirect_tcpx ? length(var.gpu_network_cidrs) : 0
+
+  name          = "${var.name_prefix}-gpu-${count.index + 1}"
+  project       = var.project_id
+  region        = var.region
+  network       = google_compute_network.gpu[count.index].id
+  ip_cidr_range = var.gpu_network_cidrs[count.index]
+
+  private_ip_google_access = true
+
+  log_config {
+    aggregation_interval = "INTERVAL_10_MIN"
+    flow_sampling        = 0.5
+    metadata             = "INCLUDE_ALL_METADATA"
+  }
+}
+
+# NCCL traffic between the GPU nodes of one run, on their GPU networks only.
+resource "google_compute_firewall" "gpu_internal" {
+  count = var.enable_gpudirect_tcpx ? length(var.gpu_network_cidrs) : 0
+
+  name        = "${var.name_prefix}-gpu-${count.index + 1}-internal"
+  project     = var.project_id
+  network     = google_compute_network.gpu[count.index].id
+  description = "GPUDirect-TCPX traffic between GPU nodes on GPU network ${count.index + 1}."
+  direction   = "INGRESS"
+  priority    = 1000
+
+  source_ranges = [var.gpu_network_cidrs[count.index]]
+
+  allow {
+    protocol = "tcp"
+    ports    = ["0-65535"]
+  }
+
+  allow {
+    protocol = "udp"
+    ports    = ["0-65535"]
+  }
+
+  allow {
+    protocol = "icmp"
+  }
+
+  log_config {
+    metadata = "INCLUDE_ALL_METADATA"
+  }
+}

@@ -80,6 +80,21 @@ output "gpus_per_node" {
   value       = var.gpus_per_node
 }
 
+output "gpudirect_tcpx" {
+  description = "Whether GPUDirect-TCPX is built (RETRAIN_GPUDIRECT_TCPX): multi-node runs use it."
+  value       = var.enable_gpudirect_tcpx
+}
+
+output "gpu_networks" {
+  description = "The GPU networks of GPUDirect-TCPX, in NIC order (eth1..eth4): VPC and subnetwork names (k8s/tcpx.yaml)."
+  value = [
+    for i, network in google_compute_network.gpu : {
+      vpc    = network.name
+      subnet = google_compute_subnetwork.gpu[i].name
+    }
+  ]
+}
+
 output "gpu_max_nodes" {
   description = "Upper autoscaling bound of the GPU pool; the workflow never asks for more."
   value       = var.gpu_max_nodes

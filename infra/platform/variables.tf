@@ -302,3 +302,20 @@ variable "training_ksa" {
   description = "Kubernetes service account of the training JobSet pods."
   default     = "retrain-trainer"
 }
+
+variable "enable_gpudirect_tcpx" {
+  type        = bool
+  description = "Build GPUDirect-TCPX for multi-node runs: four GPU networks on the DWS pool, GKE multi-networking, and (app stage) the NCCL plugin installer, the NRI device injector and the Network objects. Off: none of it, and multi-node runs use the nodes' primary network."
+  default     = true
+}
+
+variable "gpu_network_cidrs" {
+  type        = list(string)
+  description = "Primary ranges of the four GPU networks (eth1..eth4 of an a3-highgpu-8g node)."
+  default     = ["192.168.1.0/24", "192.168.2.0/24", "192.168.3.0/24", "192.168.4.0/24"]
+
+  validation {
+    condition     = length(var.gpu_network_cidrs) == 4
+    error_message = "An a3-highgpu-8g node has four GPU NICs: give four ranges."
+  }
+}

@@ -1,7 +1,8 @@
 """The ledger on Firestore: arrivals, batches, snapshots and run records.
 
 Layout (one collection per concept):
-  datasets/{dataset}                          the seal cut-off, the live run and the pending run
+  datasets/{dataset}                          the live run, the champion (the checkpoint runs continue from)
+  datasets/{dataset}/promotions/{run_id}      one per promotion: the new champion and the one it replaced
   datasets/{dataset}/arrivalsNN/{sha1(b/n#g)} one per object version (NN: one of ARRIVAL_SHARDS shards)
   datasets/{dataset}/contents/{sha1(hash)}    one per content hash: the run that trains (or trained) it
   batches/{batch_id}                          a sealed window of arrivals, and what became of it
@@ -51,7 +52,17 @@ from google.cloud.firestore_v1.types import common, document, write
 from google.cloud.firestore_v1.types import firestore as api
 
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import BatchState, Pending, Run, RunStatus, iso, new_run_id, now_iso, snapshot_id
+from retrain.domain.runs import (
+    BatchState,
+    Champion,
+    Pending,
+    Run,
+    RunStatus,
+    iso,
+    new_run_id,
+    now_iso,
+    snapshot_id,
+)
 from retrain.ports import ArrivalOutcome, ArrivalStatus, SealOutcome, SealVerdict, StartClaim, StartVerdict
 
 ARRIVED_AT = "arrived_at"
@@ -478,6 +489,30 @@ class FirestoreLedger:
     def get_run(self, run_id: str) -> Run | None:
         snap = self.db.collection("runs").document(run_id).get()
         return Run.from_dict(snap.to_dict() or {}) if snap.exists else None
+
+    # --- champions: the checkpoint each dataset's next run continues from ---
+
+    def champion(self, dataset: str) -> Champion | None:
+        """The dataset's champion (``datasets/{d}.champion``), None before its first promotion."""
+        value = (self._dataset(dataset).get().to_dict() or {}).get("champion")
+        return Champion.from_dict(value) if value else None
+
+    def promote(self, dataset: str, champion: Champion) -> bool:
+        """Make ``champion`` the dataset's champion, with its own entry ``datasets/{d}/promotions/{run}``.
+        Idempotent: a run promoted before (a retried step) is not promoted again."""
+        dataset_ref = self._dataset(dataset)
+        entry = dataset_ref.collection("promotions").document(champion.run_id)
+
+        @firestore.transactional
+        def put(tx: firestore.Transaction) -> bool:
+            if entry.get(transaction=tx).exists:
+                return True
+            previous = (dataset_ref.get(transaction=tx).to_dict() or {}).get("champion")
+            tx.create(entry, {**champion.to_dict(), "previous": previous, "at": now_iso()})
+            tx.set(dataset_ref, {"champion": champion.to_dict()}, merge=True)
+            return True
+
+        return bool(put(self.db.transaction()))
 
     def list_runs(self, limit: int = 100) -> list[Run]:
         docs = self.db.collection("runs").order_by("created_at").limit_to_last(limit).get()

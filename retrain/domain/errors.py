@@ -1,4 +1,4 @@
-"""The two ways handling an event can fail, and what the platform should do about each."""
+"""The ways handling an event can fail, and what should be done about each."""
 
 from __future__ import annotations
 
@@ -14,3 +14,9 @@ class Rejected(Exception):
 class Retry(Exception):
     """A transient failure (a race lost, data not listed yet, a dependency answering 5xx): fail the
     delivery so that the platform redelivers it with backoff."""
+
+
+class PlanError(ValueError):
+    """A run planned so that its trainer would refuse it (impossible batch arithmetic, an override its
+    configuration does not have, data it cannot read): refused before any capacity is requested; the
+    message says why and goes into the run record."""

@@ -75,29 +75,106 @@ def snapshot_id(content_hashes: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-@dataclass
-class Run:
-    """The record every run leaves behind."""
+@dataclass(frozen=True)
+class Champion:
+    """The checkpoint a dataset's next run continues from: the last one promoted."""
 
     run_id: str
+    """The run that trained it."""
+    checkpoint: str
+    """``gs://`` folder of the checkpoint."""
+    step: int
+    """Its optimizer step (the next run trains on from there)."""
+    val_loss: float | None = None
+    """Its validation loss, when its run validated."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Champion:
+        return cls(str(d["run_id"]), str(d["checkpoint"]), int(d["step"]), d.get("val_loss"))
+
+
+@dataclass(frozen=True)
+class TrainingMetrics:
+    """What the trainer reported, read from its TensorBoard events and checkpoint names."""
+
+    steps: int
+    """The last optimizer step reached (counting the base checkpoint's)."""
+    run_steps: int
+    """Steps this run trained."""
+    final_loss: float | None
+    """The last training loss logged."""
+    val_loss: float | None
+    """The last validation loss (None: no validation ran)."""
+    consumed_samples: int | None
+    """Sequences consumed, counting the base checkpoint's."""
+    tokens_seen: int | None
+    """Tokens this run trained on (its samples x the sequence length)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Run:
+    """The record every run leaves behind (``runs/<run_id>`` in the ledger)."""
+
+    run_id: str
+    """Sortable, unique id (also the ``retrain.dev/run-id`` label)."""
     dataset: str
+    """The dataset it trains."""
     trigger: str
+    """What sealed its first batch (``gcs-marker``, ``scheduler``, ``manual``, ``quiet-period`` ...)."""
     status: RunStatus = RunStatus.PENDING
+    """Where it is (terminal: succeeded, failed, cancelled)."""
     batch_id: str = ""
+    """The first sealed batch whose content it holds."""
     snapshot: str = ""
+    """Hash of its objects' content hashes, fixed when it starts."""
     objects: int = 0
+    """Distinct objects it trains on."""
     documents: int = 0
+    """Documents the tokenize job wrote."""
     tokens: int = 0
+    """Tokens the tokenize job wrote."""
     quarantined: int = 0
+    """Records the tokenize job set aside, with reasons."""
     nodes: int = 0
+    """GPU nodes it asked DWS for."""
     gpu_node_seconds: float = 0.0
+    """Node time from capacity provisioned to zero nodes (what the pool bills)."""
+    idle_node_seconds: float = 0.0
+    """The part of it after training ended: releasing, and the autoscaler's scale-down delay."""
     gpu_hours: float = 0.0
+    """``gpu_node_seconds`` x GPUs per node, in hours."""
     cost_usd: float = 0.0
+    """Estimated cost of its node time."""
     nodes_at_end: int | None = None
+    """GPU nodes still up when it ended (0 when every GPU went back)."""
+    profile: str | None = None
+    """The trainer profile that rendered its command (``nemo-24.12``)."""
+    image: str | None = None
+    """The training container's image."""
+    command: list[str] | None = None
+    """The trainer's argv as submitted (container command and arguments)."""
+    blend: list[Any] | None = None
+    """The exact blend trained on: ``[weight, gs://prefix, ...]``."""
+    base_checkpoint: str | None = None
+    """The checkpoint it continued from (null: the dataset's first run)."""
+    base_step: int = 0
+    """That checkpoint's step."""
     checkpoint: str | None = None
+    """The checkpoint it produced."""
+    metrics: dict[str, Any] | None = None
+    """:class:`TrainingMetrics` as the trainer reported them (null: none were found)."""
     reason: str | None = None
+    """Why it ended as it did (failures, cancels, missing metrics)."""
     execution: str | None = None
+    """Its workflow execution."""
     callback_url: str | None = None
+    """Its execution's callback endpoint (completions and cancels arrive there)."""
     created_at: str = field(default_factory=now_iso)
     updated_at: str = field(default_factory=now_iso)
     finished_at: str | None = None

@@ -1,39 +1,113 @@
-"""``retrain render ...``: print the manifests of a run, as the workflow would submit them."""
+"""``retrain render ...``: print the manifests of a run, as the workflow would submit them.
+
+    retrain render jobset --run-id R --data-prefix [W] PREFIX ... [--data-prefix ...]
+        [--nodes N] [--gpus-per-node G] [--micro-batch-size M] [--global-batch-size B]
+        [--tensor-parallel T] [--pipeline-parallel P] [--steps S] [--seq-length L]
+        [--base-checkpoint URI --base-step N] [--vocab-file URI --merge-file URI] [--json]
+    retrain render provisioning-request --run-id R [--nodes N] [--gpus-per-node G] [--json]
+
+The JobSet is rendered by the same code as a run's (``retrain.plan.render_training``), from the
+deployment's settings with the flags on top, and its command is checked against the trainer's own
+configuration: a run the trainer would refuse (impossible batch arithmetic, say) exits 2 with the
+reason.  Every ``--data-prefix`` adds to the blend.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import Any
 
 from retrain import config
-from retrain.k8s.render import render_jobset, render_provisioning_request, to_yaml
+from retrain.k8s.render import render_provisioning_request, to_yaml
+from retrain.trainers import PlanError, TokenizerFiles
+
+
+def _blend(groups: list[list[str]]) -> list[Any]:
+    out: list[Any] = []
+    for group in groups:
+        for item in group:
+            try:
+                out.append(float(item))
+            except ValueError:
+                out.append(item)
+    return out
+
+
+def _default_tokenizer(settings: config.Settings) -> TokenizerFiles:
+    """GPT-2's files where a tokenize job with the default options keeps them beside the shards."""
+    from retrain.plan import shard_root
+    from retrain.tokenize.tokenizer import TokenizerSpec, fingerprint
+
+    spec = TokenizerSpec()
+    fp = fingerprint(spec, spec.load(), ("text",), True, False)
+    folder = f"{shard_root(settings)}/_tokenizer/{fp}"
+    return TokenizerFiles("GPT2BPETokenizer", f"{folder}/vocab.json", f"{folder}/merges.txt")
+
+
+def render_jobset_command(args: argparse.Namespace, settings: config.Settings) -> dict[str, Any]:
+    from retrain.domain.runs import Champion
+    from retrain.plan import render_training, training_plan
+
+    settings = dataclasses.replace(
+        settings,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        tensor_parallel=args.tensor_parallel,
+        pipeline_parallel=args.pipeline_parallel,
+        steps_per_run=args.steps,
+        seq_length=args.seq_length,
+        image=args.image,
+        profile=args.profile,
+        gpudirect_tcpx=not args.no_tcpx,
+    )
+    base = Champion("base", args.base_checkpoint, args.base_step) if args.base_checkpoint else None
+    if bool(args.vocab_file) != bool(args.merge_file):
+        raise PlanError("--vocab-file and --merge-file go together")
+    tokenizer = (
+        TokenizerFiles("GPT2BPETokenizer", args.vocab_file, args.merge_file)
+        if args.vocab_file
+        else _default_tokenizer(settings)
+    )
+    plan = training_plan(settings, args.run_id, base).with_data(_blend(args.data_prefix), tokenizer)
+    jobset, _ = render_training(settings, plan)
+    return jobset
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = config.load()
-    parser = argparse.ArgumentParser(prog="retrain render", description=__doc__)
+    parser = argparse.ArgumentParser(prog="retrain render", description=__doc__.split("\n\n")[0])
     kinds = parser.add_subparsers(dest="kind", required=True)
 
-    js = kinds.add_parser("jobset", help="the NeMo JobSet of a run")
+    js = kinds.add_parser("jobset", help="the training JobSet of a run")
     js.add_argument("--run-id", required=True)
-    js.add_argument("--nodes", type=int, default=settings.nodes)
-    js.add_argument("--gpus-per-node", type=int, default=settings.gpus_per_node)
     js.add_argument(
         "--data-prefix",
         nargs="+",
+        action="append",
         required=True,
-        help="Megatron blend: prefixes, or alternating weight prefix pairs",
+        metavar="[WEIGHT] PREFIX",
+        help="Megatron blend: prefixes, or alternating weight prefix pairs; repeat to add more",
     )
-    js.add_argument("--checkpoint-dir", default=None, help="default: <artifacts>/runs/RUN_ID/checkpoints")
-    js.add_argument("--resume-from", default=None)
-    js.add_argument("--max-steps", type=int, default=None)
+    js.add_argument("--nodes", type=int, default=settings.nodes)
+    js.add_argument("--gpus-per-node", type=int, default=settings.gpus_per_node)
+    js.add_argument("--micro-batch-size", type=int, default=settings.micro_batch_size)
+    js.add_argument("--global-batch-size", type=int, default=settings.global_batch_size)
+    js.add_argument("--tensor-parallel", type=int, default=settings.tensor_parallel)
+    js.add_argument("--pipeline-parallel", type=int, default=settings.pipeline_parallel)
+    js.add_argument("--steps", type=int, default=settings.steps_per_run, help="steps beyond the base")
+    js.add_argument("--seq-length", type=int, default=settings.seq_length)
+    js.add_argument("--base-checkpoint", help="continue from this checkpoint (gs://)")
+    js.add_argument("--base-step", type=int, default=0, help="the base checkpoint's step")
+    js.add_argument("--vocab-file", help="default: GPT-2's, where the tokenize job keeps it")
+    js.add_argument("--merge-file")
     js.add_argument("--image", default=settings.image)
-    js.add_argument("--queue", default=settings.local_queue)
-    js.add_argument("--node-pool", default=settings.node_pool)
-    js.add_argument("--namespace", default=settings.namespace)
-    js.add_argument("--max-restarts", type=int, default=2)
-    js.add_argument("--tcpx", action="store_true", help="add the A3 GPUDirect-TCPX sidecar")
+    js.add_argument("--profile", default=settings.profile)
+    js.add_argument("--no-tcpx", action="store_true", help="multi-node without GPUDirect-TCPX")
     js.add_argument("--json", action="store_true", help="JSON instead of YAML")
 
     pr = kinds.add_parser("provisioning-request", help="the PodTemplate + ProvisioningRequest of a run")
@@ -47,30 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.kind == "jobset":
-            blend: list[str | float] = []
-            for item in args.data_prefix:
-                try:
-                    blend.append(float(item))
-                except ValueError:
-                    blend.append(item)
-            docs = [
-                render_jobset(
-                    args.run_id,
-                    nodes=args.nodes,
-                    gpus_per_node=args.gpus_per_node,
-                    image=args.image,
-                    data_prefix=blend,
-                    checkpoint_dir=args.checkpoint_dir
-                    or f"{settings.artifacts_uri}/runs/{args.run_id}/checkpoints",
-                    resume_from=args.resume_from,
-                    max_steps=args.max_steps,
-                    queue=args.queue,
-                    node_pool=args.node_pool,
-                    namespace=args.namespace,
-                    max_restarts=args.max_restarts,
-                    tcpx=args.tcpx,
-                )
-            ]
+            docs = [render_jobset_command(args, settings)]
         else:
             docs = list(
                 render_provisioning_request(
@@ -81,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     node_pool=args.node_pool,
                 )
             )
-    except ValueError as e:
+    except (PlanError, ValueError) as e:
         print(f"retrain render: {e}", file=sys.stderr)
         return 2
     if args.json:

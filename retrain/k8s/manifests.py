@@ -19,13 +19,19 @@ from retrain.deployment import REPO_ROOT, ManifestValues
 K8S_DIR = REPO_ROOT / "k8s"
 #: The templates, in the order they are applied (service accounts before what runs as them).
 TEMPLATES = ("kueue.yaml", "training.yaml", "notifier.yaml", "reaper.yaml")
+#: GPUDirect-TCPX's networks: rendered only when the platform builds them.
+TCPX_TEMPLATE = "tcpx.yaml"
+
+
+def templates(values: ManifestValues) -> tuple[str, ...]:
+    return (*TEMPLATES, TCPX_TEMPLATE) if values.gpu_networks else TEMPLATES
 
 
 def render(values: ManifestValues, k8s_dir: Path = K8S_DIR) -> dict[str, str]:
     """File name -> rendered YAML; KeyError naming a placeholder that is not a ManifestValues field."""
     fields = values.as_strings()
     out = {}
-    for name in TEMPLATES:
+    for name in templates(values):
         template = string.Template((k8s_dir / name).read_text())
         try:
             out[name] = template.substitute(fields)

@@ -1,14 +1,11 @@
-"""Render the Kubernetes objects of one training run: the NeMo JobSet and the DWS ProvisioningRequest.
+"""Render the Kubernetes objects of one training run: the training JobSet and the DWS ProvisioningRequest.
 
 The JobSet (jobset.x-k8s.io/v1alpha2) has one replicated job ``trainer`` holding one Indexed Job of
 ``nodes`` pods, one pod per A3 node with all its GPUs.  Ranks rendezvous through the JobSet headless
 service: the coordinator is ``<jobset>-trainer-0-0.<jobset>`` and every pod's node rank is its Job
-completion index.  The default container runs NeMo's Megatron GPT pre-training script under torchrun
-with Hydra overrides for the data blend, node/device counts, checkpoint directory and resume point.
-
-GCS paths (``gs://bucket/path``) given to the NeMo command are read through Cloud Storage FUSE CSI
-volumes mounted at ``/gcs/<bucket>``; the original URIs are also passed as ``RETRAIN_*`` variables for
-trainers that talk to GCS themselves (the local trainer does).
+completion index.  The container's command comes from the run's trainer profile (``retrain.trainers``);
+the ``gs://`` paths it names are read and written through Cloud Storage FUSE CSI volumes mounted at
+``/gcs/<bucket>`` (:class:`GcsMounts`).
 
 Run ``python -m retrain.k8s.render > k8s/examples/jobset.example.yaml`` to regenerate the sample
 (never applied).
@@ -24,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan
+
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 PROVREQ_API = "autoscaling.x-k8s.io/v1"
 DWS_CLASS = "queued-provisioning.gke.io"
@@ -38,10 +37,8 @@ CONSUME_PR_ANNOTATION = "autoscaling.x-k8s.io/consume-provisioning-request"
 PR_CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 REPLICATED_JOB = "trainer"
 MASTER_PORT = 29500
-NEMO_SCRIPT = "/opt/NeMo/examples/nlp/language_modeling/megatron_gpt_pretraining.py"
 GCS_MOUNT_ROOT = "/gcs"
 TTL_AFTER_FINISHED_S = 3600
-TCPX_DAEMON_IMAGE = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.9"
 
 _MAX_JOBSET_NAME = 40  # <jobset>-trainer-<i>-<j> must stay a DNS label (63)
 
@@ -78,86 +75,115 @@ def coordinator_address(name: str) -> str:
     return f"{name}-{REPLICATED_JOB}-0-0.{name}"
 
 
-def _gcs_path(uri: str) -> tuple[str | None, str]:
-    """(bucket, path seen by the pod) of ``uri``; bucket None for non-GCS paths."""
-    if uri.startswith("gs://"):
+class GcsMounts:
+    """The Cloud Storage FUSE volumes a pod needs, collected as its command names ``gs://`` paths.
+
+    A bucket is mounted at ``/gcs/<bucket>`` by GKE's Cloud Storage FUSE CSI driver (authenticating as
+    the pod's Kubernetes service account through Workload Identity), read-only unless some path in it
+    is written."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, bool] = {}
+        """bucket -> read-only"""
+
+    def path(self, uri: str, write: bool = False) -> str:
+        """The pod's path of ``uri`` (the bucket joins the mounts); other paths are returned as they are."""
+        if not uri.startswith("gs://"):
+            return uri
         bucket, _, rest = uri[5:].partition("/")
-        return bucket, f"{GCS_MOUNT_ROOT}/{bucket}/{rest}".rstrip("/")
-    return None, uri
+        self.buckets[bucket] = self.buckets.get(bucket, True) and not write
+        return f"{GCS_MOUNT_ROOT}/{bucket}/{rest}".rstrip("/")
+
+    def volumes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(pod volumes, container volume mounts)."""
+        volumes, mounts = [], []
+        for bucket, read_only in sorted(self.buckets.items()):
+            vol = "gcs-" + _slug(bucket, 50)
+            volumes.append(
+                {
+                    "name": vol,
+                    "csi": {
+                        "driver": "gcsfuse.csi.storage.gke.io",
+                        "readOnly": read_only,
+                        "volumeAttributes": {"bucketName": bucket, "mountOptions": "implicit-dirs"},
+                    },
+                }
+            )
+            mounts.append({"name": vol, "mountPath": f"{GCS_MOUNT_ROOT}/{bucket}", "readOnly": read_only})
+        return volumes, mounts
 
 
-def nemo_overrides(
-    *,
-    nodes: int,
-    gpus_per_node: int,
-    data_prefix: list[str | float],
-    checkpoint_dir: str,
-    resume_from: str | None,
-    max_steps: int | None,
-    run_id: str,
-) -> list[str]:
-    """Hydra overrides for ``megatron_gpt_pretraining.py`` (NeMo 1.x/2.x Megatron GPT config)."""
-    blend = []
-    for item in data_prefix:
-        blend.append(_gcs_path(item)[1] if isinstance(item, str) else repr(float(item)))
-    ckpt = _gcs_path(checkpoint_dir)[1]
-    out = [
-        f"trainer.num_nodes={nodes}",
-        f"trainer.devices={gpus_per_node}",
-        "trainer.accelerator=gpu",
-        "trainer.precision=bf16-mixed",
-        f"model.data.data_prefix=[{','.join(blend)}]",
-        f"exp_manager.exp_dir={ckpt}",
-        f"exp_manager.name={run_id}",
-        "exp_manager.create_checkpoint_callback=true",
-        "exp_manager.resume_if_exists=true",
-        "exp_manager.resume_ignore_no_checkpoint=true",
-        "exp_manager.checkpoint_callback_params.save_top_k=1",
-        "exp_manager.checkpoint_callback_params.always_save_nemo=false",
-    ]
-    if max_steps is not None:
-        out.append(f"trainer.max_steps={max_steps}")
-    if resume_from:
-        out.append(f"model.resume_from_checkpoint={_gcs_path(resume_from)[1]}")
-    return out
-
-
-_TORCHRUN = (
-    "set -euo pipefail\n"
-    'echo "node rank ${NODE_RANK}/${NNODES}, coordinator ${MASTER_ADDR}:${MASTER_PORT}"\n'
-    'exec torchrun --nnodes="${NNODES}" --nproc-per-node="${GPUS_PER_NODE}" '
-    '--node-rank="${NODE_RANK}" --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT}" '
-    f'{NEMO_SCRIPT} "$@"\n'
-)
+#: The RxDM (tcpgpudmarxd) release paired with the NCCL plugin v3.1.9 that nccl-tcpx-installer.yaml
+#: installs (GoogleCloudPlatform/cluster-toolkit, modules/compute/gke-node-pool/gpu_direct.tf).
+TCPX_RXDM_IMAGE = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12"
+#: The GPU networks of an A3 High node: ``Network`` objects vpc1..vpc4 (k8s/tcpx.yaml) on eth1..eth4.
+TCPX_NETWORKS = ("vpc1", "vpc2", "vpc3", "vpc4")
+#: NCCL's GPUDirect-TCPX settings for a3-highgpu-8g, as container-engine-accelerators'
+#: gpudirect-tcpx/nccl-config.yaml sets them for GKE 1.34+ (commit 0e5609b0).
+TCPX_NCCL_ENV = {
+    "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64",
+    "NCCL_SOCKET_IFNAME": "eth0",
+    "NCCL_ALGO": "Ring,Tree",
+    "NCCL_PROTO": "Simple",
+    "NCCL_CROSS_NIC": "0",
+    "NCCL_NET_GDR_LEVEL": "PIX",
+    "NCCL_P2P_PXN_LEVEL": "0",
+    "NCCL_GPUDIRECTTCPX_SOCKET_IFNAME": "eth1,eth2,eth3,eth4",
+    "NCCL_GPUDIRECTTCPX_CTRL_DEV": "eth0",
+    "NCCL_DYNAMIC_CHUNK_SIZE": "524288",
+    "NCCL_P2P_NET_CHUNKSIZE": "524288",
+    "NCCL_P2P_PCI_CHUNKSIZE": "524288",
+    "NCCL_P2P_NVL_CHUNKSIZE": "1048576",
+    "NCCL_BUFFSIZE": "4194304",
+    "NCCL_NSOCKS_PERTHREAD": "4",
+    "NCCL_SOCKET_NTHREADS": "1",
+    "NCCL_GPUDIRECTTCPX_TX_BINDINGS": (
+        "eth1:8-21,112-125;eth2:8-21,112-125;eth3:60-73,164-177;eth4:60-73,164-177"
+    ),
+    "NCCL_GPUDIRECTTCPX_RX_BINDINGS": (
+        "eth1:22-35,126-139;eth2:22-35,126-139;eth3:74-87,178-191;eth4:74-87,178-191"
+    ),
+    "NCCL_GPUDIRECTTCPX_PROGRAM_FLOW_STEERING_WAIT_MICROS": "500000",
+}
 
 
 def _tcpx(pod_spec: dict[str, Any], container: dict[str, Any], annotations: dict[str, str]) -> None:
-    """GPUDirect-TCPX on A3 (a3-highgpu-8g): the RxDM daemon as a native sidecar, NCCL plugin env."""
-    annotations["devices.gke.io/container.tcpx-daemon"] = (
-        "- path: /dev/nvidia0\n- path: /dev/nvidia1\n- path: /dev/nvidia2\n- path: /dev/nvidia3\n"
-        "- path: /dev/nvidia4\n- path: /dev/nvidia5\n- path: /dev/nvidia6\n- path: /dev/nvidia7\n"
-        "- path: /dev/nvidiactl\n- path: /dev/nvidia-uvm\n"
+    """GPUDirect-TCPX on A3 High, the shape of container-engine-accelerators' gpudirect-tcpx/
+    nccl-test-latest.yaml: no hostNetwork (eth1..eth4 come from GKE multi-networking), the RxDM daemon with
+    NET_ADMIN and its GPUs injected by the NRI device injector, the NCCL plugin from the host's
+    /home/kubernetes/bin/nvidia/lib64 (where nccl-tcpx-installer puts it).  RxDM runs as a native sidecar
+    (an init container that always restarts), as AI-Hypercomputer/xpk's TCPX decorator places it, so the
+    pod completes when training does."""
+    annotations["devices.gke.io/container.tcpx-daemon"] = "".join(
+        f"- path: /dev/{dev}\n" for dev in [*(f"nvidia{i}" for i in range(8)), "nvidiactl", "nvidia-uvm"]
     )
     annotations["networking.gke.io/default-interface"] = "eth0"
     annotations["networking.gke.io/interfaces"] = json.dumps(
         [{"interfaceName": "eth0", "network": "default"}]
-        + [{"interfaceName": f"eth{i}", "network": f"vpc{i}"} for i in range(1, 5)]
+        + [{"interfaceName": f"eth{i}", "network": net} for i, net in enumerate(TCPX_NETWORKS, 1)]
     )
-    pod_spec["hostNetwork"] = True
-    pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     pod_spec["volumes"] += [
         {"name": "libraries", "hostPath": {"path": "/home/kubernetes/bin/nvidia/lib64"}},
+        {"name": "tcpx-socket", "emptyDir": {}},
         {"name": "sys", "hostPath": {"path": "/sys"}},
         {"name": "proc-sys", "hostPath": {"path": "/proc/sys"}},
-        {"name": "tcpx-socket", "emptyDir": {}},
     ]
     pod_spec.setdefault("initContainers", []).append(
         {
             "name": "tcpx-daemon",
-            "image": TCPX_DAEMON_IMAGE,
+            "image": TCPX_RXDM_IMAGE,
             "restartPolicy": "Always",
             "command": ["/tcpgpudmarxd/build/app/tcpgpudmarxd"],
-            "args": ["--gpu_nic_preset", "a3vm", "--gpu_shmem_type", "fd", "--uds_path", "/run/tcpx"],
+            "args": [
+                "--gpu_nic_preset",
+                "a3vm",
+                "--gpu_shmem_type",
+                "fd",
+                "--uds_path",
+                "/run/tcpx",
+                "--setup_param",
+                '"--verbose 128 2 0 "',
+            ],
             "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}},
             "env": [{"name": "LD_LIBRARY_PATH", "value": "/usr/local/nvidia/lib64"}],
             "volumeMounts": [
@@ -168,31 +194,12 @@ def _tcpx(pod_spec: dict[str, Any], container: dict[str, Any], annotations: dict
             ],
         }
     )
+    container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     container["volumeMounts"] += [
-        {"name": "tcpx-socket", "mountPath": "/run/tcpx"},
+        {"name": "tcpx-socket", "mountPath": "/tmp"},
         {"name": "libraries", "mountPath": "/usr/local/nvidia/lib64"},
     ]
-    container["env"] += [
-        {"name": "LD_LIBRARY_PATH", "value": "/usr/local/nvidia/lib64"},
-        {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"},
-        {"name": "NCCL_GPUDIRECTTCPX_SOCKET_IFNAME", "value": "eth1,eth2,eth3,eth4"},
-        {"name": "NCCL_GPUDIRECTTCPX_CTRL_DEV", "value": "eth0"},
-        {"name": "NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX", "value": "/run/tcpx"},
-        {"name": "NCCL_GPUDIRECTTCPX_FORCE_ACK", "value": "0"},
-        {"name": "NCCL_GPUDIRECTTCPX_PROGRAM_FLOW_STEERING_WAIT_MICROS", "value": "1000000"},
-        {"name": "NCCL_CROSS_NIC", "value": "0"},
-        {"name": "NCCL_ALGO", "value": "Ring"},
-        {"name": "NCCL_PROTO", "value": "Simple"},
-        {"name": "NCCL_NSOCKS_PERTHREAD", "value": "4"},
-        {"name": "NCCL_SOCKET_NTHREADS", "value": "1"},
-        {"name": "NCCL_DYNAMIC_CHUNK_SIZE", "value": "524288"},
-        {"name": "NCCL_P2P_NET_CHUNKSIZE", "value": "524288"},
-        {"name": "NCCL_P2P_PCI_CHUNKSIZE", "value": "524288"},
-        {"name": "NCCL_P2P_NVL_CHUNKSIZE", "value": "1048576"},
-        {"name": "NCCL_BUFFSIZE", "value": "4194304"},
-        {"name": "NCCL_MAX_NCHANNELS", "value": "8"},
-        {"name": "NCCL_MIN_NCHANNELS", "value": "8"},
-    ]
+    container["env"] += [{"name": k, "value": v} for k, v in TCPX_NCCL_ENV.items()]
 
 
 def render_jobset(
@@ -201,28 +208,23 @@ def render_jobset(
     nodes: int,
     gpus_per_node: int = 8,
     image: str,
-    command: list[str] | None = None,
-    data_prefix: list[str | float],
-    checkpoint_dir: str,
-    resume_from: str | None = None,
-    max_steps: int | None = None,
+    command: Command,
+    mounts: GcsMounts | None = None,
     queue: str = "dws-local-queue",
     node_pool: str = "a3-dws",
     namespace: str = "default",
     callback_url: str | None = None,
     max_restarts: int = 2,
     tcpx: bool = False,
-    env: dict[str, str] | None = None,
     provisioning_request: str | None = None,
     service_account: str | None = None,
 ) -> dict[str, Any]:
-    """The JobSet of run ``run_id``.
+    """The JobSet of run ``run_id``: ``nodes`` pods, one per GPU node, each running ``command``.
 
+    ``mounts`` are the Cloud Storage FUSE volumes the command's paths need (:class:`GcsMounts`).
     ``service_account`` is the Kubernetes service account the pods run as: the training KSA that
     Workload Identity binds to the training Google service account (the Cloud Storage FUSE CSI driver
     authenticates as it; see GKE's "Access Cloud Storage buckets with the Cloud Storage FUSE CSI driver").
-    ``command`` None runs NeMo under torchrun with Hydra overrides; a given ``command`` (the local
-    trainer) replaces the container command and gets no args, everything else stays.
     ``provisioning_request`` names a ProvisioningRequest created outside Kueue that the pods consume
     (GKE's ``consume-provisioning-request`` annotations) and then carries no Kueue queue label, so Kueue
     does not ask for the same capacity again; leave it None when Kueue's ProvisioningRequest admission
@@ -230,8 +232,8 @@ def render_jobset(
     """
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError("nodes and gpus_per_node must be positive")
-    if not data_prefix:
-        raise ValueError("data_prefix is empty")
+    if not command.command:
+        raise ValueError("the container needs a command")
     name = jobset_name(run_id)
     labels = {RUN_ID_LABEL: label_value(run_id)}
     if not provisioning_request:  # with Kueue, its admission check creates the request instead
@@ -247,14 +249,6 @@ def render_jobset(
 
     container_env: list[dict[str, Any]] = [
         {"name": "RETRAIN_RUN_ID", "value": run_id},
-        {"name": "RETRAIN_DATA_PREFIX", "value": json.dumps(data_prefix)},
-        {"name": "RETRAIN_CHECKPOINT_DIR", "value": checkpoint_dir},
-    ]
-    if resume_from:
-        container_env.append({"name": "RETRAIN_RESUME_FROM", "value": resume_from})
-    if max_steps is not None:
-        container_env.append({"name": "RETRAIN_MAX_STEPS", "value": str(max_steps)})
-    container_env += [
         {"name": "NNODES", "value": str(nodes)},
         {"name": "GPUS_PER_NODE", "value": str(gpus_per_node)},
         {"name": "WORLD_SIZE", "value": str(nodes * gpus_per_node)},
@@ -267,56 +261,30 @@ def render_jobset(
             },
         },
     ]
-    for k, v in sorted((env or {}).items()):
+    for k, v in sorted(command.env.items()):
         container_env.append({"name": k, "value": v})
 
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    buckets: dict[str, bool] = {}  # bucket -> read-only
-    for item in data_prefix:
-        if isinstance(item, str) and (b := _gcs_path(item)[0]):
-            buckets.setdefault(b, True)
-    for uri in (checkpoint_dir, resume_from):
-        if uri and (b := _gcs_path(uri)[0]):
-            buckets[b] = False if uri == checkpoint_dir else buckets.get(b, True)
-    for bucket, read_only in sorted(buckets.items()):
-        vol = "gcs-" + _slug(bucket, 50)
-        volumes.append(
-            {
-                "name": vol,
-                "csi": {
-                    "driver": "gcsfuse.csi.storage.gke.io",
-                    "readOnly": read_only,
-                    "volumeAttributes": {"bucketName": bucket, "mountOptions": "implicit-dirs"},
-                },
-            }
-        )
-        mounts.append({"name": vol, "mountPath": f"{GCS_MOUNT_ROOT}/{bucket}", "readOnly": read_only})
-    if buckets:
+    volume_mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    gcs_volumes, gcs_mounts = (mounts or GcsMounts()).volumes()
+    volumes += gcs_volumes
+    volume_mounts += gcs_mounts
+    if gcs_volumes:
         pod_annotations["gke-gcsfuse/volumes"] = "true"
 
     container: dict[str, Any] = {
-        "name": "nemo",
+        "name": "trainer",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT}],
+        "command": list(command.command),
+        "args": list(command.args),
         "env": container_env,
         "resources": {"requests": {GPU: str(gpus_per_node)}, "limits": {GPU: str(gpus_per_node)}},
-        "volumeMounts": mounts,
+        "volumeMounts": volume_mounts,
     }
-    if command is None:
-        container["command"] = ["bash", "-c", _TORCHRUN, "nemo"]
-        container["args"] = nemo_overrides(
-            nodes=nodes,
-            gpus_per_node=gpus_per_node,
-            data_prefix=data_prefix,
-            checkpoint_dir=checkpoint_dir,
-            resume_from=resume_from,
-            max_steps=max_steps,
-            run_id=run_id,
-        )
-    else:
-        container["command"] = list(command)
+    if not container["args"]:
+        del container["args"]
 
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -428,25 +396,48 @@ def render_provisioning_request(
     return podtemplate, provreq
 
 
-def example_jobset() -> dict[str, Any]:
-    """The sample in ``k8s/jobset.example.yaml`` (a test checks the file equals this)."""
-    return render_jobset(
-        "example-run-0001",
-        nodes=2,
-        gpus_per_node=8,
-        image="nvcr.io/nvidia/nemo:24.12",
-        command=None,
-        data_prefix=[
+def example_plan() -> TrainingPlan:
+    """A two-node run continuing from an earlier checkpoint (the sample's plan)."""
+    return TrainingPlan(
+        run_id="example-run-0001",
+        shape=BatchShape(nodes=2, gpus_per_node=8, micro_batch_size=1, global_batch_size=16),
+        steps=60,
+        seq_length=2048,
+        output_dir="gs://retrain-artifacts/runs/example-run-0001",
+        base_checkpoint="gs://retrain-artifacts/runs/previous/megatron_gpt/checkpoints/"
+        "megatron_gpt--val_loss=4.12-step=60-consumed_samples=960.0-last",
+        base_step=60,
+        blend=(
             0.7,
-            "gs://retrain-artifacts/shards/example/text_document",
+            "gs://retrain-artifacts/shards/1f0e3d/data_text_document",
             0.3,
-            "gs://retrain-artifacts/shards/base/text_document",
-        ],
-        checkpoint_dir="gs://retrain-artifacts/checkpoints/example-run-0001",
-        resume_from="gs://retrain-artifacts/checkpoints/previous/last.ckpt",
-        max_steps=60,
+            "gs://retrain-artifacts/shards/9a8b7c/data_text_document",
+        ),
+        tokenizer=TokenizerFiles(
+            "GPT2BPETokenizer",
+            vocab_file="gs://retrain-artifacts/shards/_tokenizer/0123456789abcdef/vocab.json",
+            merge_file="gs://retrain-artifacts/shards/_tokenizer/0123456789abcdef/merges.txt",
+        ),
+    )
+
+
+def example_jobset() -> dict[str, Any]:
+    """The sample in ``k8s/examples/jobset.example.yaml`` (a test checks the file equals this)."""
+    from retrain.trainers.nemo import NEMO_24_12
+
+    plan = example_plan()
+    mounts = GcsMounts()
+    return render_jobset(
+        plan.run_id,
+        nodes=plan.shape.nodes,
+        gpus_per_node=plan.shape.gpus_per_node,
+        image="nvcr.io/nvidia/nemo:24.12",
+        command=NEMO_24_12.render(plan, mounts.path),
+        mounts=mounts,
         callback_url="https://workflowexecutions.googleapis.com/v1/projects/example-project/locations/us-central1/workflows/retrain/executions/example/callbacks/example",
         tcpx=True,
+        service_account="retrain-trainer",
+        provisioning_request=provisioning_request_name(plan.run_id),
     )
 
 

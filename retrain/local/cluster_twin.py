@@ -6,15 +6,18 @@ API server (see :mod:`retrain.local.envtest`), so runs and tests exercise the re
   like a GKE A3 queued-provisioning pool (GPU capacity, ``nvidia.com/gpu=present:NoSchedule`` taint,
   annotated with the owning request) and sets ``Provisioned=True``; a request beyond the pool's
   autoscaling maximum, or with ``Faults(provisioning="fail")``, gets ``Failed=True``; ``"never"`` leaves it
-  pending.  Deleting a request deletes its nodes; a lost (preempted) node is replaced after the delay.
+  pending.  A deleted request's nodes go once they have been unneeded for ``scale_down_delay_s`` (the
+  cluster autoscaler's scale-down delay); a lost (preempted) node is replaced after the provisioning delay.
 - JobSet controller + kubelet: for each JobSet (jobset.x-k8s.io/v1alpha2), once enough Ready nodes match
   the pod template's nodeSelector and tolerations, creates one Pod per replicated-job replica x
   parallelism (bound to a node) and runs each container's ``command + args`` as a local process (in its
-  own process group; ``python``/``python3`` is this interpreter), with torchrun's rendezvous variables
-  pointing at 127.0.0.1.  It writes Pod and JobSet status through the status subresources as the JobSet
-  controller does (``replicatedJobsStatus``, ``restarts``, ``Completed``/``Failed`` conditions,
-  ``terminalState``), applies ``failurePolicy.maxRestarts`` (recreate all pods) and
-  ``ttlSecondsAfterFinished``, and kills/deletes everything of a deleted JobSet.
+  own process group) from the container's local image (:mod:`retrain.local.images`): container paths
+  are translated to host paths, Cloud Storage FUSE volumes are host folders written back to the bucket
+  (:mod:`retrain.local.gcsfuse`), and torchrun's rendezvous variables point at 127.0.0.1.  It writes Pod
+  and JobSet status through the status subresources as the JobSet controller does
+  (``replicatedJobsStatus``, ``restarts``, ``Completed``/``Failed`` conditions, ``terminalState``),
+  applies ``failurePolicy.maxRestarts`` (recreate all pods) and ``ttlSecondsAfterFinished``, and
+  kills/deletes everything of a deleted JobSet.
 
 The twin reconciles level-triggered: it lists the objects every ``poll_s`` (a controller's resync, with a
 short period) instead of holding watches, which keeps it simple and robust to restarts of either side.
@@ -39,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from retrain.local.emulators import free_port
+from retrain.local.gcsfuse import DRIVER as GCSFUSE_DRIVER
+from retrain.local.gcsfuse import FuseMount, named_paths
+from retrain.local.images import LocalImage, local_images, translate
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,10 @@ ACCELERATORS = {
     "g2-standard": "nvidia-l4",
 }
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+#: What a pod's process takes from the twin's own environment (a container starts from its image's).
+HOST_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "USER")
+#: How often a running pod's Cloud Storage FUSE writes reach the bucket (and at the pod's end).
+FUSE_SYNC_S = 2.0
 
 
 @dataclass
@@ -134,6 +144,8 @@ class _Pod:
     forced_failure: str | None = None
     result: str | None = None  # "Succeeded" | "Failed"
     reason: str = ""
+    fuse: dict[str, FuseMount] = field(default_factory=dict)  # mountPath -> its Cloud Storage FUSE
+    synced_at: float = 0.0
 
 
 @dataclass
@@ -162,6 +174,8 @@ class ClusterTwin:
         pod_env: dict[str, str] | None = None,
         faults: Faults | None = None,
         poll_s: float = 0.2,
+        images: dict[str, LocalImage] | None = None,
+        scale_down_delay_s: float = 0.0,
     ) -> None:
         from kubernetes import client
 
@@ -173,6 +187,9 @@ class ClusterTwin:
         self.provision_delay_s = provision_delay_s
         self.workdir = Path(workdir)
         self.pod_env = dict(pod_env or {})
+        self.images = images if images is not None else local_images(self.workdir)
+        self.scale_down_delay_s = scale_down_delay_s
+        self._unneeded: dict[str, float] = {}  # node -> since when no ProvisioningRequest holds it
         self.faults = faults or Faults()
         self.poll_s = poll_s
         self.min_nodes, self.max_nodes = 0, 1000
@@ -353,8 +370,12 @@ class ClusterTwin:
                     state.short_since = None
         for uid in [u for u in self._prs if u not in live]:
             for node in sorted(self._prs[uid].nodes):
-                self._delete_node(node)
+                self._unneeded.setdefault(node, now)  # the autoscaler removes it after its delay
             del self._prs[uid]
+        for node, since in list(self._unneeded.items()):
+            if now - since >= self.scale_down_delay_s or node not in self._nodes:
+                self._unneeded.pop(node)
+                self._delete_node(node)
         # Scale down idle nodes above the autoscaling max.
         if len(self._nodes) > self.max_nodes:
             busy = {p.node for r in self._runs.values() for p in r.pods.values() if p.result is None}
@@ -428,6 +449,7 @@ class ClusterTwin:
     def _delete_node(self, name: str) -> None:
         from kubernetes.client import ApiException
 
+        self._unneeded.pop(name, None)
         with contextlib.suppress(ApiException):
             self._core.delete_node(name, grace_period_seconds=0)
         created = self._nodes.pop(name, None)
@@ -490,6 +512,7 @@ class ClusterTwin:
                 self._kill(pod)
                 self._finish_pod(pod, "Failed", "NodeLost", f"node {pod.node} was deleted (preempted)")
                 continue
+            self._sync(pod, every_s=FUSE_SYNC_S)
             codes = [p.poll() for p in pod.procs]
             if any(c is not None and c != 0 for c in codes) or pod.forced_failure:
                 self._kill(pod)
@@ -684,12 +707,43 @@ class ClusterTwin:
         cwd.mkdir(parents=True, exist_ok=True)
         logf = open(self.workdir / "logs" / f"{pod.name}.log", "ab")  # noqa: SIM115 - closed when the run ends
         pod.logs.append(logf)
+        volumes = {v["name"]: v for v in obj["spec"].get("volumes") or []}
         for c in obj["spec"].get("containers") or []:
             pod.containers.append(c["name"])
-            env = dict(os.environ)
+            image = self.images.get(str(c.get("image", "")))
+            if image is None:
+                pod.forced_failure = (
+                    f"ErrImagePull: container {c['name']}: image {c.get('image')!r} has no local stand-in "
+                    f"(the local images are {sorted(self.images)})"
+                )
+                continue
+            raw = list(c.get("command") or []) + list(c.get("args") or [])
+            if not raw:
+                pod.forced_failure = (
+                    f"container {c['name']} has no command (image entrypoints are not run locally)"
+                )
+                continue
+            named = [*raw, *(str(e.get("value", "")) for e in c.get("env") or [])]
+            paths = dict(image.files)
+            for vm in c.get("volumeMounts") or []:
+                volume, mount_path = volumes.get(vm["name"]) or {}, vm["mountPath"]
+                csi = volume.get("csi") or {}
+                if csi.get("driver") == GCSFUSE_DRIVER:
+                    read_only = bool(vm.get("readOnly") or csi.get("readOnly"))
+                    host = cwd / "root" / mount_path.lstrip("/")
+                    fuse = pod.fuse.setdefault(
+                        mount_path, FuseMount(csi["volumeAttributes"]["bucketName"], host, read_only)
+                    )
+                    fuse.fetch(named_paths(mount_path, named))
+                    paths[mount_path] = str(host)
+                elif "emptyDir" in volume:
+                    host = cwd / "volumes" / vm["name"]
+                    host.mkdir(parents=True, exist_ok=True)
+                    paths[mount_path] = str(host)
+            env = {k: v for k, v in os.environ.items() if k in HOST_ENV}
             for e in c.get("env") or []:
                 if "value" in e:
-                    env[e["name"]] = str(e["value"])
+                    env[e["name"]] = translate(str(e["value"]), paths)
                 elif (e.get("valueFrom") or {}).get("fieldRef"):
                     env[e["name"]] = self._field_ref(obj, e["valueFrom"]["fieldRef"]["fieldPath"])
             env.update(self.pod_env)
@@ -706,12 +760,8 @@ class ClusterTwin:
                     "HOSTNAME": obj["spec"]["hostname"],
                 }
             )
-            argv = [self._expand(a, env) for a in list(c.get("command") or []) + list(c.get("args") or [])]
-            if not argv:
-                pod.forced_failure = (
-                    f"container {c['name']} has no command (image entrypoints are not run locally)"
-                )
-                continue
+            argv = [translate(self._expand(a, env), paths) for a in raw]
+            env["PATH"] = os.pathsep.join([*image.path, env.get("PATH", "")])
             if argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
             try:
@@ -806,8 +856,20 @@ class ClusterTwin:
                 raise
 
     def _finish_pod(self, pod: _Pod, result: str, reason: str, message: str) -> None:
+        self._sync(pod)  # what the container wrote through its Cloud Storage FUSE mounts is in the bucket
         pod.result, pod.reason = result, message or reason
         self._pod_status(pod, result, reason, message)
+
+    def _sync(self, pod: _Pod, every_s: float = 0.0) -> None:
+        now = time.monotonic()
+        if now - pod.synced_at < every_s:
+            return
+        pod.synced_at = now
+        for fuse in pod.fuse.values():
+            try:
+                fuse.sync()
+            except Exception as e:  # the emulator going away must not stop the twin
+                log.warning("twin: gcsfuse %s of %s: %s", fuse.bucket, pod.name, e)
 
     def _success(self, spec: dict[str, Any], run: _Run) -> bool:
         policy = spec.get("successPolicy") or {}
@@ -857,6 +919,8 @@ class ClusterTwin:
 
         for pod in run.pods.values():
             self._kill(pod)
+            if pod.result is None:
+                self._sync(pod)
             if delete_pods:
                 with contextlib.suppress(ApiException):
                     self._core.delete_namespaced_pod(pod.name, self.namespace, grace_period_seconds=0)

@@ -110,6 +110,7 @@ class LocalDataflow:
     log_dir: Path
     env: Mapping[str, str]
     jobs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def launch(self, args: Args, _: Args) -> Any:
@@ -152,17 +153,36 @@ class LocalDataflow:
             }
         }
 
-    def get(self, args: Args, _: Args) -> Any:
+    def _job(self, args: Args) -> subprocess.Popen[bytes]:
         job_id = args["jobId"]
         with self.lock:
             proc = self.jobs.get(job_id)
         if proc is None:
             raise WorkflowError(http_error(404, f"job {job_id} not found"))
-        code = proc.poll()
-        state = (
-            "JOB_STATE_RUNNING" if code is None else ("JOB_STATE_DONE" if code == 0 else "JOB_STATE_FAILED")
-        )
+        return proc
+
+    def get(self, args: Args, _: Args) -> Any:
+        job_id = args["jobId"]
+        code = self._job(args).poll()
+        if job_id in self.cancelled:
+            state = "JOB_STATE_CANCELLED"
+        elif code is None:
+            state = "JOB_STATE_RUNNING"
+        else:
+            state = "JOB_STATE_DONE" if code == 0 else "JOB_STATE_FAILED"
         return {"id": job_id, "currentState": state}
+
+    def update(self, args: Args, _: Args) -> Any:
+        """jobs.update: ``requestedState`` JOB_STATE_CANCELLED stops a running job (Dataflow's cancel)."""
+        requested = (args.get("body") or {}).get("requestedState")
+        if requested != "JOB_STATE_CANCELLED":
+            raise WorkflowError(http_error(400, f"requestedState {requested!r} is not supported locally"))
+        proc = self._job(args)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            self.cancelled.add(args["jobId"])
+        return self.get(args, {})
 
     def stop(self) -> None:
         with self.lock:
@@ -224,5 +244,6 @@ def local_registry(
     registry.register("googleapis.pubsub.v1.projects.topics.publish", pubsub_publish_binding(pubsub_host))
     registry.register("googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch", dataflow.launch)
     registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.get", dataflow.get)
+    registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.update", dataflow.update)
     registry.register("gke.request", gke_request_binding(kube))
     return registry

@@ -27,7 +27,7 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.deployment import LOCAL_TIME_FACTOR, Deployment, ScheduledJob
+from retrain.deployment import AUTOSCALER_SCALE_DOWN_S, LOCAL_TIME_FACTOR, Deployment, ScheduledJob
 from retrain.local import delivery, emulators
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
 
@@ -38,6 +38,9 @@ FUNCTIONS_SOURCE = REPO_ROOT / "functions" / "main.py"
 WORKFLOW_FILE = REPO_ROOT / "workflows" / "retrain.yaml"
 
 Progress = Callable[[str], None]
+
+#: API groups only GKE serves (its multi-networking objects): the local control plane has no such CRDs.
+GKE_ONLY_APIS = ("networking.gke.io/",)
 
 
 def _quiet(_: str) -> None:
@@ -55,6 +58,7 @@ class Endpoints:
     ingest_function: str = ""
     relay_function: str = ""
     scheduler_function: str = ""
+    steps_function: str = ""
     kubeconfig: str = ""
     pid: int = 0
 
@@ -96,7 +100,9 @@ def attach(settings: config.Settings) -> Endpoints:
     return ep
 
 
-def function_server(target: str, log_path: Path, env: dict[str, str]) -> tuple[emulators.ManagedProcess, str]:
+def function_server(
+    target: str, log_path: Path, env: dict[str, str], signature: str = "cloudevent"
+) -> tuple[emulators.ManagedProcess, str]:
     """A function of functions/main.py served by the real functions-framework; returns it and its URL."""
     port = emulators.free_port()
     argv = [
@@ -108,7 +114,7 @@ def function_server(target: str, log_path: Path, env: dict[str, str]) -> tuple[e
         "--target",
         target,
         "--signature-type",
-        "cloudevent",
+        signature,
         "--host",
         "127.0.0.1",
         "--port",
@@ -272,10 +278,17 @@ class LocalStack:
             "metadata": {"name": values.settings_config_map, "namespace": values.namespace},
             "data": self._deployment.env,
         }
-        apply_documents(api, [settings_map, *documents(values)])
-        child_env = {**config.to_env(s), **ep.env(), **self.pod_env}
+        served: list[dict[str, Any]] = []
+        gke_only: list[dict[str, Any]] = []
+        for doc in [settings_map, *documents(values)]:
+            (gke_only if str(doc.get("apiVersion", "")).startswith(GKE_ONLY_APIS) else served).append(doc)
+        apply_documents(api, served)
+        if gke_only:
+            log.info("not applied locally (APIs only GKE serves): %s", [d["kind"] for d in gke_only])
+        child_env = {**ep.env(), **self.pod_env}
         twin = ClusterTwin(
             api,
+            scale_down_delay_s=AUTOSCALER_SCALE_DOWN_S / LOCAL_TIME_FACTOR,
             namespace=s.namespace,
             node_pool=s.node_pool,
             machine_type=s.machine_type,
@@ -304,6 +317,13 @@ class LocalStack:
         notifier.start()
         self._closers.append(notifier.stop)
 
+        fn_env = {**config.to_env(s), **ep.env(), "PYTHONUNBUFFERED": "1"}
+        self.progress("starting the run_step function (the workflow's steps in Python)")
+        proc, ep.steps_function = function_server(
+            "run_step", self.state_dir / "function-run_step.log", fn_env, signature="http"
+        )
+        self._spawn(proc)
+
         self.progress("starting the workflow executions service")
         from retrain.workflows import ExecutionsServer, load_workflow
 
@@ -316,7 +336,10 @@ class LocalStack:
             dataflow=dataflow,
         )
         workflow = load_workflow(WORKFLOW_FILE)
-        server = ExecutionsServer(lambda _name: workflow, registry, {"GOOGLE_CLOUD_PROJECT_ID": s.project})
+        workflow_env = self._deployment.workflow_env({"RETRAIN_STEPS_URL": ep.steps_function})
+        server = ExecutionsServer(
+            lambda _name: workflow, registry, {"GOOGLE_CLOUD_PROJECT_ID": s.project, **workflow_env}
+        )
         server.start()
         self._closers.append(server.stop)
         ep.workflows = server.base_url

@@ -1,6 +1,23 @@
-"""Raw text -> Megatron indexed datasets (.bin/.idx) with Beam: FnApiRunner locally, Dataflow in the cloud."""
+"""Raw text -> Megatron indexed datasets (.bin/.idx) with Beam: FnApiRunner locally, Dataflow in the cloud.
 
-from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
-from retrain.tokenize.tokenizer import load_gpt2_tokenizer
+The pipeline (``retrain.tokenize.pipeline``, which imports Beam) is loaded on first use, so that the
+tokenizer's own module stays light for its other users (the render CLI, the trainer's checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["load_gpt2_tokenizer", "tokenize_incremental", "tokenize_to_prefix"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("tokenize_incremental", "tokenize_to_prefix"):
+        from retrain.tokenize import pipeline
+
+        return getattr(pipeline, name)
+    if name == "load_gpt2_tokenizer":
+        from retrain.tokenize import tokenizer
+
+        return tokenizer.load_gpt2_tokenizer
+    raise AttributeError(name)

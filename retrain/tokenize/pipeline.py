@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from retrain import megatron
 from retrain.adapters import objects
 from retrain.tokenize import records, tables
 from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
-from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, gpt2_files
+from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
 
 log = logging.getLogger("retrain.tokenize")
 
@@ -141,14 +140,14 @@ def encode_batch(
         raise ValueError("append_eod needs an end-of-document token")
     flats: list[np.ndarray] = []
     lens: list[np.ndarray] = []
+    eod_array = np.array([max(eod, 0)], dtype=np.uint32)
     for start, end in _chunks(texts):
-        ids = tok.encode_batch(texts[start:end])
+        arrays = tok.encode_arrays(texts[start:end])
+        n = np.fromiter(map(len, arrays), dtype=np.int32, count=len(arrays))
         if append_eod:
-            for seq in ids:
-                if seq:
-                    seq.append(eod)
-        n = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
-        flats.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(n.sum())))
+            arrays = [part for a in arrays for part in ((a, eod_array) if len(a) else (a,))]
+            n += (n > 0).astype(np.int32)
+        flats.append(np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype))
         lens.append(n)
     if not lens:
         return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int32)
@@ -350,23 +349,6 @@ def build_pipeline(p: beam.Pipeline, job: Job, splits: Sequence[Split]) -> beam.
     )
 
 
-def fingerprint(
-    spec: TokenizerSpec, tok: LoadedTokenizer, json_keys: Sequence[str], append_eod: bool, keep_empty: bool
-) -> str:
-    """What makes shards comparable: tokenizer files' bytes and the options that change output bytes."""
-    h = hashlib.sha256()
-    if spec.tokenizer_json:
-        files = [spec.tokenizer_json]
-    elif spec.vocab_file and spec.merge_file:
-        files = [spec.vocab_file, spec.merge_file]
-    else:
-        files = list(gpt2_files())
-    for f in files:
-        h.update(hashlib.sha256(objects.read_bytes(f)).digest())
-    h.update(json.dumps([list(json_keys), append_eod, tok.eod if append_eod else None, keep_empty]).encode())
-    return h.hexdigest()[:16]
-
-
 def _run(
     job: Job,
     splits: Sequence[Split],
@@ -523,7 +505,10 @@ def _shard_entry(
 
 
 def incremental_report(
-    entries: list[dict[str, Any]], reports: dict[str, dict[str, Any]], seconds: float
+    entries: list[dict[str, Any]],
+    reports: dict[str, dict[str, Any]],
+    seconds: float,
+    tokenizer: dict[str, str],
 ) -> dict[str, Any]:
     """The aggregate: totals over every object's shard (each distinct shard once), the shards, the blend."""
     totals = dict.fromkeys(("documents", "tokens", "quarantined", "input_records", "bytes"), 0)
@@ -550,6 +535,7 @@ def incremental_report(
         "tokenized": new,
         "shards": entries,
         "data_prefix_blend": blend,
+        "tokenizer": tokenizer,
     }
 
 
@@ -580,6 +566,7 @@ def tokenize_incremental(
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
     fp = fingerprint(spec, tok, json_keys, append_eod, keep_empty)
+    tokenizer_files = keep_tokenizer_files(spec, shard_root, fp)
     objects_, staged = tables.stage(objects_, objects.join(shard_root, "_bigquery", uuid.uuid4().hex[:12]))
     source = {t.object: t.source for t in staged}
     uris = records.expand_inputs(objects_)
@@ -615,7 +602,7 @@ def tokenize_incremental(
         for r in new_reports:
             all_reports[r["sha256"]] = r
         entries = [_shard_entry(u, s, p, all_reports[s], key, reused) for u, s, p, reused in plan]
-        agg = incremental_report(entries, all_reports, time.time() - started)
+        agg = incremental_report(entries, all_reports, time.time() - started, tokenizer_files)
         if report_uri:
             objects.write_bytes(report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json")
         return agg

@@ -9,6 +9,7 @@ space), which gives the same ids; any other model comes as a ``tokenizer.json`` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -115,7 +116,16 @@ class TiktokenBPE:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if len(texts) < 2 * self.threads:
             return [self.encode_one(t) for t in texts]
-        return list(_pool(self.threads).map(self.encode_one, texts, chunksize=64))
+        return list(_pool(self.threads).map(self.encode_one, texts))
+
+    def array_one(self, text: str) -> np.ndarray:
+        """The ids as a uint32 array straight from the core's buffer: no Python int per token."""
+        return np.frombuffer(self.encoding._core_bpe.encode_to_tiktoken_buffer(text, set()), dtype=np.uint32)
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if len(texts) < 2 * self.threads:
+            return [self.array_one(t) for t in texts]
+        return list(_pool(self.threads).map(self.array_one, texts))
 
 
 @lru_cache(maxsize=4)
@@ -183,6 +193,12 @@ class LoadedTokenizer:
             return self.fast.encode_batch(texts)
         return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts))]
 
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The same ids, one array per text (the pipeline's path: no Python int per token)."""
+        if self.fast is not None:
+            return self.fast.encode_arrays(texts)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tokenizer.encode_batch_fast(list(texts))]
+
 
 @lru_cache(maxsize=4)
 def _load(spec: TokenizerSpec) -> LoadedTokenizer:
@@ -203,3 +219,42 @@ def _load(spec: TokenizerSpec) -> LoadedTokenizer:
                 break
     # Megatron: GPT2BPETokenizer.vocab_size = len(encoder); HF: len(tokenizer), added tokens included.
     return LoadedTokenizer(tok, eod, tok.get_vocab_size(with_added_tokens=True), fast)
+
+
+def fingerprint(
+    spec: TokenizerSpec, tok: LoadedTokenizer, json_keys: Sequence[str], append_eod: bool, keep_empty: bool
+) -> str:
+    """What makes shards comparable: tokenizer files' bytes and the options that change output bytes."""
+    h = hashlib.sha256()
+    if spec.tokenizer_json:
+        files = [spec.tokenizer_json]
+    elif spec.vocab_file and spec.merge_file:
+        files = [spec.vocab_file, spec.merge_file]
+    else:
+        files = list(gpt2_files())
+    for f in files:
+        h.update(hashlib.sha256(objects.read_bytes(f)).digest())
+    h.update(json.dumps([list(json_keys), append_eod, tok.eod if append_eod else None, keep_empty]).encode())
+    return h.hexdigest()[:16]
+
+
+def keep_tokenizer_files(spec: TokenizerSpec, shard_root: str, fp: str) -> dict[str, str]:
+    """Copy the tokenizer's files beside the shards, under ``_tokenizer/<fingerprint>/`` (once), so that
+    the trainer reads exactly the vocabulary the data was tokenized with; their description
+    (:class:`retrain.trainers.TokenizerFiles`)."""
+    folder = objects.join(shard_root, "_tokenizer", fp)
+    described = spec.describe()
+    if described["type"] == "HuggingFaceTokenizer":
+        sources = {"tokenizer_json": (described["tokenizer_json"], "tokenizer.json")}
+    else:
+        sources = {
+            "vocab_file": (described["vocab_file"], "vocab.json"),
+            "merge_file": (described["merge_file"], "merges.txt"),
+        }
+    out = {"type": described["type"]}
+    for key, (source, name) in sources.items():
+        target = objects.join(folder, name)
+        if not objects.exists(target):
+            objects.write_bytes(target, objects.read_bytes(source))
+        out[key] = target
+    return out

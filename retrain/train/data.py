@@ -1,16 +1,17 @@
-"""The training data of a run, without torch: a Megatron blend, its datasets, and window sampling.
+"""The training data of a run, without torch: a Megatron blend, its datasets, splits and window sampling.
 
 A blend is what NeMo takes as ``model.data.data_prefix``: prefixes alone (equal weights) or
-alternating ``weight prefix weight prefix ...``.  An item ``@URI`` stands for the blend written in a
-JSON object at URI (the tokenize report's ``data_prefix_blend``, or a bare JSON list).  Prefixes are
+alternating ``weight prefix weight prefix ...`` (there is no indirection through a file).  Prefixes are
 local paths or gs:// URIs; gs:// datasets are downloaded to a temporary folder.  Weights are
-normalised, as Megatron does.
+normalised, as Megatron does, and each dataset's documents are split into train / validation / test
+by ``splits_string`` as Megatron splits them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,9 +22,6 @@ import numpy as np
 
 from retrain import megatron
 from retrain.adapters import objects
-
-#: GPT-2's BPE vocabulary (ids 0..50256, 50256 being <|endoftext|>).
-GPT2_VOCAB = 50257
 
 
 class DataError(Exception):
@@ -56,32 +54,9 @@ def _strip_suffix(prefix: str) -> str:
     return prefix
 
 
-def expand_references(items: Sequence[Any]) -> list[Any]:
-    """Replace every ``@URI`` item by the blend stored at URI (a JSON list, or an object's blend)."""
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, str) and item.startswith("@"):
-            uri = item[1:]
-            try:
-                doc = json.loads(objects.read_bytes(uri))
-            except Exception as exc:
-                raise DataError(f"cannot read the blend at {uri}: {exc}") from exc
-            blend = doc
-            if isinstance(doc, dict):
-                blend = doc.get("data_prefix_blend", doc.get("data_prefix"))
-            if not isinstance(blend, list):
-                raise DataError(f"{uri} holds no data_prefix_blend list")
-            if not blend:
-                raise DataError(f"{uri} has an empty blend: no dataset with tokens to train on")
-            out.extend(blend)
-        else:
-            out.append(item)
-    return out
-
-
 def parse_blend(items: Sequence[Any]) -> list[tuple[float, str]]:
     """``[p1, p2]`` or ``[w1, p1, w2, p2]`` (strings or numbers) -> normalised ``[(weight, prefix)]``."""
-    items = expand_references(list(items))
+    items = list(items)
     if not items:
         raise DataError("the data blend is empty")
     weights = [_as_weight(x) for x in items]
@@ -108,6 +83,22 @@ def parse_blend(items: Sequence[Any]) -> list[tuple[float, str]]:
     return [(w / total, _strip_suffix(p)) for w, p in pairs]
 
 
+def split_documents(documents: int, splits_string: str) -> list[tuple[int, int]]:
+    """Document ranges [(start, end)] of train, validation and test, cut as megatron-core cuts them:
+    the ratios of ``splits_string`` ("900,50,50") normalised and accumulated into book-ends, each end at
+    ``round(bound x documents)`` (``parse_and_normalize_split``, ``convert_split_vector_to_split_matrix``
+    and ``BlendedMegatronDatasetBuilder``)."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", str(splits_string))]
+    parts = [*parts, 0.0, 0.0, 0.0][:3]
+    total = sum(parts)
+    if total <= 0:
+        raise DataError(f"splits_string {splits_string!r} gives every split a zero share")
+    bounds = [0.0]
+    for p in parts:
+        bounds.append(bounds[-1] + p / total)
+    return [(round(bounds[i] * documents), round(bounds[i + 1] * documents)) for i in range(3)]
+
+
 @dataclass
 class Dataset:
     prefix: str
@@ -118,6 +109,19 @@ class Dataset:
     def tokens(self) -> np.ndarray:
         """Every token of the dataset, in order (documents back to back, as Megatron concatenates)."""
         return self.data.data
+
+    def document_tokens(self, start: int, end: int) -> np.ndarray:
+        """The tokens of documents [start, end), back to back."""
+        docs = self.data.document_indices
+        seq = self.data.pointers
+        lengths = self.data.lengths
+        if end <= start:
+            return self.tokens[:0]
+        first_seq, last_seq = int(docs[start]), int(docs[end])
+        itemsize = np.dtype(self.data.dtype).itemsize
+        lo = int(seq[first_seq]) // itemsize if first_seq < len(seq) else self.tokens.size
+        hi = (int(seq[last_seq - 1]) // itemsize + int(lengths[last_seq - 1])) if last_seq > first_seq else lo
+        return self.tokens[lo:hi]
 
 
 @dataclass
@@ -190,47 +194,55 @@ def load_blend(items: Sequence[Any]) -> Blend:
     return blend
 
 
-def vocab_size_for(max_token_id: int) -> int:
-    """Embedding rows for data whose largest id is ``max_token_id``.
+@dataclass(frozen=True)
+class Stream:
+    """One dataset's tokens of one split, drawn with the dataset's weight."""
 
-    GPT-2-tokenized data (ids above 50000, none beyond 50256) gets GPT-2's 50257; anything else
-    max id + 1 rounded up to a multiple of 64.
-    """
-    n = max(1, max_token_id + 1)
-    if 50000 < n <= GPT2_VOCAB:
-        return GPT2_VOCAB
-    return -(-n // 64) * 64
+    prefix: str
+    weight: float
+    tokens: np.ndarray
+
+
+def split_streams(blend: Blend, splits_string: str, split: int) -> list[Stream]:
+    """Each dataset's documents of ``split`` (0 train, 1 validation, 2 test) as a stream; datasets
+    whose split holds no token are left out."""
+    out = []
+    for d in blend.datasets:
+        start, end = split_documents(d.data.documents, splits_string)[split]
+        tokens = d.document_tokens(start, end)
+        if d.weight > 0 and tokens.size:
+            out.append(Stream(d.prefix, d.weight, tokens))
+    return out
 
 
 class WindowSampler:
-    """Contiguous windows of ``seq_len + 1`` tokens drawn across a blend by its weights.
+    """Contiguous windows of ``seq_len + 1`` tokens drawn across streams by their weights.
 
-    Batch ``step`` of rank ``rank`` depends only on (seed, step, rank), so a resumed run sees the
-    batches an uninterrupted one would have.  A dataset shorter than a window is read circularly.
+    Batch ``step`` of rank ``rank`` (micro-batch ``micro``) depends only on (seed, step, rank, micro),
+    so a resumed run sees the batches an uninterrupted one would have.  A stream shorter than a window
+    is read circularly.
     """
 
-    def __init__(self, blend: Blend, seq_len: int, seed: int) -> None:
-        usable = [d for d in blend.datasets if d.weight > 0]
-        for d in usable:
-            if d.tokens.size == 0:
-                raise DataError("has no tokens but a weight > 0", d.prefix)
-        self.datasets = usable
-        w = np.array([d.weight for d in usable], dtype=np.float64)
+    def __init__(self, streams: Sequence[Stream], seq_len: int, seed: int) -> None:
+        if not streams:
+            raise DataError("no dataset has tokens to draw from")
+        self.streams = list(streams)
+        w = np.array([s.weight for s in self.streams], dtype=np.float64)
         self.p = w / w.sum()
         self.window = seq_len + 1
         self.seed = seed
 
-    def short_datasets(self) -> list[str]:
-        return [d.prefix for d in self.datasets if d.tokens.size < self.window]
+    def short_streams(self) -> list[str]:
+        return [s.prefix for s in self.streams if s.tokens.size < self.window]
 
-    def batch(self, batch_size: int, step: int, rank: int = 0) -> np.ndarray:
+    def batch(self, batch_size: int, step: int, rank: int = 0, micro: int = 0) -> np.ndarray:
         """int64 array [batch_size, seq_len + 1]."""
-        rng = np.random.default_rng([self.seed, step, rank])
-        which = rng.choice(len(self.datasets), size=batch_size, p=self.p)
+        rng = np.random.default_rng([self.seed, step, rank, micro])
+        which = rng.choice(len(self.streams), size=batch_size, p=self.p)
         out = np.empty((batch_size, self.window), dtype=np.int64)
         offsets = np.arange(self.window)
         for i, k in enumerate(which):
-            toks = self.datasets[k].tokens
+            toks = self.streams[k].tokens
             n = toks.size
             if n >= self.window:
                 start = int(rng.integers(0, n - self.window + 1))
@@ -239,18 +251,6 @@ class WindowSampler:
                 start = int(rng.integers(0, n))
                 out[i] = toks[(start + offsets) % n]
         return out
-
-
-def env_blend() -> list[Any] | None:
-    """The blend the JobSet passes in RETRAIN_DATA_PREFIX (a JSON list), if any."""
-    raw = os.environ.get("RETRAIN_DATA_PREFIX")
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        return raw.split()
-    return value if isinstance(value, list) else [value]
 
 
 def write_json(uri: str, obj: Any) -> None:

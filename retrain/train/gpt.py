@@ -1,63 +1,25 @@
-"""A small decoder-only GPT trained on a Megatron blend: the local stand-in for NeMo's pre-training.
+"""A small decoder-only GPT on PyTorch (CPU): the model, its checkpoints and its process group, for the
+local stand-in of NeMo's pre-training script (:mod:`retrain.train.standin`).
 
-    python -m retrain.train.gpt --data-prefix [W] PREFIX ... --checkpoint-dir URI [--max-steps 60]
-        [--seq-len 128] [--batch-size 8] [--d-model 128] [--layers 2] [--heads 4] [--lr 3e-4]
-        [--seed 1234] [--log-every 10] [--vocab-size V] [--resume-from URI] [--save-every 20]
-
-Samples windows of seq_len + 1 tokens across the blend by its weights, trains with AdamW (gradient
-clipping 1.0) and writes to the checkpoint dir (a local folder or gs://): ``model.pt`` (model,
-optimizer, step, config), ``loss.jsonl`` (a line every log step) and ``metrics.json``.
-
-``--max-steps`` is the total step to reach (like Lightning's ``trainer.max_steps``), not a count for
-this invocation: when the checkpoint dir already holds model.pt (a pod restarted after a preemption),
-or ``--resume-from`` names a model.pt (or a folder holding one), training continues from its step up
-to ``--max-steps``; a checkpoint already there exits 0 at once.  model.pt is saved every
-``--save-every`` steps and at the end, atomically (a temporary file renamed over it, or one upload),
-so a pod killed at any moment leaves the last complete checkpoint and its restart loses at most
-``--save-every`` steps.  Batches depend only on (seed, step, rank), so a resumed run ends with the
-weights an uninterrupted one would have.
-
-Under torchrun (WORLD_SIZE > 1) it joins a gloo process group from MASTER_ADDR/MASTER_PORT/RANK and
-trains with DistributedDataParallel; only rank 0 writes.  Without flags, the JobSet's environment
-supplies the run: RETRAIN_DATA_PREFIX (JSON), RETRAIN_CHECKPOINT_DIR, RETRAIN_RESUME_FROM,
-RETRAIN_MAX_STEPS.
+The model is GPT-2 shaped at a toy scale (token and learned position embeddings, pre-LN blocks, an
+output head tied to the token embedding).  Checkpoints are saved atomically: a reader (or a restarted
+pod) sees the previous file or the new one, never a torn one.  Under torchrun (WORLD_SIZE > 1) ranks
+join a gloo process group from MASTER_ADDR/MASTER_PORT/RANK.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import math
 import os
 import secrets
-import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-try:
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-except ModuleNotFoundError as _exc:  # pragma: no cover - exercised only where torch is missing
-    if _exc.name != "torch":
-        raise
-    raise SystemExit(
-        "retrain.train.gpt needs PyTorch (pip install -e '.[train]'); "
-        "without it run the data check: python -m retrain.train.datacheck"
-    ) from _exc
-
-from retrain.adapters import objects
-from retrain.train.data import DataError, WindowSampler, env_blend, load_blend, vocab_size_for, write_json
-
-DEFAULTS = {"seq_len": 128, "d_model": 128, "layers": 2, "heads": 4}
-DEFAULT_SAVE_EVERY = 20
-EXIT_DATA = 2
-
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 # --------------------------------------------------------------------------------------------- model
 
@@ -199,45 +161,20 @@ def parameter_count(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------- checkpoints
 
 
-def model_uri(checkpoint_dir: str) -> str:
-    return objects.join(checkpoint_dir, "model.pt")
-
-
-def resolve_checkpoint(uri: str) -> str:
-    """``--resume-from`` may name model.pt itself or the folder holding it."""
-    return uri if uri.endswith(".pt") else model_uri(uri)
-
-
-def discard_partial_saves(uri: str) -> None:
-    """Remove the temporary files of saves a kill cut short (never model.pt itself)."""
-    if objects.is_gcs(uri):
-        return
-    path = Path(uri)
+def discard_partial_saves(path: Path) -> None:
+    """Remove the temporary files of saves a kill cut short (never the checkpoint itself)."""
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         with contextlib.suppress(OSError):
             stale.unlink()
 
 
-def load_checkpoint(uri: str) -> dict[str, Any]:
-    if objects.is_gcs(uri):
-        with tempfile.TemporaryDirectory(prefix="retrain-ckpt-") as tmp:
-            local = os.path.join(tmp, "model.pt")
-            objects.download_file(uri, local)
-            return dict(torch.load(local, map_location="cpu", weights_only=True))
-    return dict(torch.load(uri, map_location="cpu", weights_only=True))
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    return dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
-def save_checkpoint(uri: str, state: dict[str, Any]) -> None:
-    """Write model.pt atomically: a reader (or a restarted pod) sees the previous file or the new one,
-    never a torn one.  Locally a uniquely named temporary file in the same folder is written, synced
-    and renamed over ``uri``; on gs:// the object is replaced by one upload (GCS writes are atomic)."""
-    if objects.is_gcs(uri):
-        with tempfile.TemporaryDirectory(prefix="retrain-ckpt-") as tmp:
-            local = os.path.join(tmp, "model.pt")
-            torch.save(state, local)
-            objects.upload_file(local, uri)
-        return
-    path = Path(uri)
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``path`` atomically: a uniquely named temporary file in the same folder is written, synced
+    and renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
@@ -256,38 +193,6 @@ def save_checkpoint(uri: str, state: dict[str, Any]) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-
-
-class LossLog:
-    """``loss.jsonl`` in the checkpoint dir: appended locally, rewritten whole on gs:// (no appends).
-
-    On resume, lines past the resumed step (written after the last checkpoint) are dropped."""
-
-    def __init__(self, checkpoint_dir: str, keep_through_step: int) -> None:
-        self.uri = objects.join(checkpoint_dir, "loss.jsonl")
-        self.lines: list[str] = []
-        if keep_through_step > 0 and objects.exists(self.uri):
-            for line in objects.read_bytes(self.uri).decode("utf-8").splitlines():
-                try:
-                    if int(json.loads(line)["step"]) <= keep_through_step:
-                        self.lines.append(line)
-                except (ValueError, KeyError, TypeError):
-                    continue
-        self._flush_all()
-
-    def _flush_all(self) -> None:
-        objects.write_bytes(
-            self.uri, "".join(s + "\n" for s in self.lines).encode("utf-8"), "application/x-ndjson"
-        )
-
-    def append(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record)
-        self.lines.append(line)
-        if objects.is_gcs(self.uri):
-            self._flush_all()
-        else:
-            with open(self.uri, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -338,269 +243,3 @@ def configure_threads(requested: int | None, dist: Dist) -> int:
     with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
         torch.set_num_interop_threads(1)
     return n
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m retrain.train.gpt", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--data-prefix",
-        nargs="+",
-        default=env_blend(),
-        help="Megatron blend: PREFIX ... or WEIGHT PREFIX ...; local or gs://; @URI reads a tokenize "
-        "report's data_prefix_blend (default: $RETRAIN_DATA_PREFIX)",
-    )
-    p.add_argument("--checkpoint-dir", default=os.environ.get("RETRAIN_CHECKPOINT_DIR"))
-    p.add_argument("--resume-from", default=os.environ.get("RETRAIN_RESUME_FROM") or None)
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=_env_int("RETRAIN_MAX_STEPS", 60),
-        help="the total step to reach: a resumed checkpoint trains only the remaining steps",
-    )
-    p.add_argument("--seq-len", type=int, help=f"default {DEFAULTS['seq_len']} (or the checkpoint's)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per process")
-    p.add_argument("--d-model", type=int, help=f"default {DEFAULTS['d_model']} (or the checkpoint's)")
-    p.add_argument("--layers", type=int, help=f"default {DEFAULTS['layers']} (or the checkpoint's)")
-    p.add_argument("--heads", type=int, help=f"default {DEFAULTS['heads']} (or the checkpoint's)")
-    p.add_argument(
-        "--vocab-size", type=int, help="default: from the data (50257 for GPT-2 ids) or the checkpoint"
-    )
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=_env_int("RETRAIN_SAVE_EVERY", DEFAULT_SAVE_EVERY),
-        help=f"checkpoint every N steps as well as at the end (default {DEFAULT_SAVE_EVERY}; "
-        "0: only at the end)",
-    )
-    p.add_argument("--threads", type=int, help="torch threads (default: <= 2, shared by local ranks)")
-    return p
-
-
-def model_config(args: argparse.Namespace, ckpt: dict[str, Any] | None, max_token_id: int) -> GPTConfig:
-    """The checkpoint's architecture when resuming (flags may only repeat it), else flags/defaults."""
-    flags = {
-        "seq_len": args.seq_len,
-        "d_model": args.d_model,
-        "layers": args.layers,
-        "heads": args.heads,
-        "vocab_size": args.vocab_size,
-    }
-    if ckpt is not None:
-        saved = dict(ckpt["config"])
-        for k, v in flags.items():
-            if v is not None and v != saved[k]:
-                raise DataError(f"--{k.replace('_', '-')} {v} differs from the checkpoint's {saved[k]}")
-        cfg = GPTConfig(**{k: int(saved[k]) for k in flags})
-    else:
-        values = {k: (v if v is not None else DEFAULTS.get(k)) for k, v in flags.items()}
-        if values["vocab_size"] is None:
-            values["vocab_size"] = vocab_size_for(max_token_id)
-        try:
-            cfg = GPTConfig(**{k: int(v) for k, v in values.items() if v is not None})
-        except ValueError as exc:
-            raise DataError(str(exc)) from exc
-    if max_token_id >= cfg.vocab_size:
-        raise DataError(
-            f"the data holds token id {max_token_id}, beyond the model's vocabulary of {cfg.vocab_size}"
-        )
-    return cfg
-
-
-def already_done(
-    args: argparse.Namespace, dist: Dist, ckpt: dict[str, Any], ckpt_uri: str, t0: float, say: Any
-) -> dict[str, Any] | None:
-    """The checkpoint dir's model.pt has reached ``--max-steps`` (a pod restarted after its last save):
-    nothing to train.  metrics.json is left alone when it describes that step, else written anew."""
-    step = int(ckpt["step"])
-    say(f"{ckpt_uri} is at step {step} >= --max-steps {args.max_steps}: nothing to train")
-    if not dist.main:
-        return None
-    metrics_uri = objects.join(args.checkpoint_dir, "metrics.json")
-    if objects.exists(metrics_uri):
-        with contextlib.suppress(ValueError):
-            old = json.loads(objects.read_bytes(metrics_uri))
-            if isinstance(old, dict) and old.get("steps") == step:
-                return old
-    metrics = {
-        "trainer": "gpt",
-        "steps": step,
-        "start_step": step,
-        "run_steps": 0,
-        "final_loss": None,
-        "initial_loss": None,
-        "tokens_seen": int(ckpt.get("tokens_seen", 0)),
-        "seconds": round(time.time() - t0, 3),
-        "train_seconds": 0.0,
-        "parameters": sum(v.numel() for v in ckpt["model"].values()),
-        "config": dict(ckpt["config"]),
-        "world_size": dist.world,
-        "resumed_from": ckpt_uri,
-        "checkpoint": ckpt_uri,
-    }
-    write_json(metrics_uri, metrics)
-    return metrics
-
-
-def train(args: argparse.Namespace, dist: Dist) -> dict[str, Any] | None:
-    say = (lambda msg: print(msg, flush=True)) if dist.main else (lambda msg: None)
-    t0 = time.time()
-    ckpt_uri = model_uri(args.checkpoint_dir)
-    resume_uri = None
-    if objects.exists(ckpt_uri):
-        resume_uri = ckpt_uri
-    elif args.resume_from:
-        resume_uri = resolve_checkpoint(args.resume_from)
-        if not objects.exists(resume_uri):
-            raise DataError(f"--resume-from {resume_uri} does not exist")
-    if dist.main:
-        discard_partial_saves(ckpt_uri)
-    ckpt = load_checkpoint(resume_uri) if resume_uri else None
-    if ckpt is not None and resume_uri == ckpt_uri and int(ckpt["step"]) >= args.max_steps:
-        return already_done(args, dist, ckpt, ckpt_uri, t0, say)
-
-    blend = load_blend(args.data_prefix)
-    cfg = model_config(args, ckpt, blend.max_token_id())
-    sampler = WindowSampler(blend, cfg.seq_len, args.seed)
-    for prefix in sampler.short_datasets():
-        say(f"warning: {prefix} is shorter than a window of {cfg.seq_len + 1} tokens; read circularly")
-
-    torch.manual_seed(args.seed)
-    model = GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    start_step, tokens_seen, prior_seconds = 0, 0, 0.0
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr
-        start_step = int(ckpt["step"])
-        tokens_seen = int(ckpt.get("tokens_seen", 0))
-        prior_seconds = float(ckpt.get("seconds", 0.0))
-        say(f"resuming from {resume_uri} at step {start_step}")
-    net: nn.Module = model
-    if dist.active:
-        net = torch.nn.parallel.DistributedDataParallel(model)
-
-    final_step = max(start_step, args.max_steps)
-    log = LossLog(args.checkpoint_dir, start_step) if dist.main else None
-    params = parameter_count(model)
-    say(
-        f"gpt: {params:,} parameters {asdict(cfg)}; {len(blend.datasets)} dataset(s), "
-        f"{blend.tokens:,} tokens; steps {start_step}->{final_step}, batch {args.batch_size}x{dist.world}, "
-        f"{torch.get_num_threads()} thread(s)"
-    )
-
-    def checkpoint(step: int, seconds: float) -> None:
-        if dist.main:
-            save_checkpoint(
-                ckpt_uri,
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "config": asdict(cfg),
-                    "tokens_seen": tokens_seen,
-                    "seconds": seconds,
-                    "seed": args.seed,
-                    "data_prefix": [str(x) for x in args.data_prefix],
-                },
-            )
-
-    tokens_per_step = args.batch_size * cfg.seq_len * dist.world
-    initial_loss = final_loss = None
-    train_start = time.time()
-    net.train()
-    for step in range(start_step + 1, final_step + 1):
-        batch = torch.from_numpy(sampler.batch(args.batch_size, step, dist.rank))
-        loss = net(batch[:, :-1], batch[:, 1:])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        tokens_seen += tokens_per_step
-        is_log = step == start_step + 1 or step == final_step or step % max(1, args.log_every) == 0
-        if is_log:
-            value = loss.detach().clone()
-            if dist.active:
-                torch.distributed.all_reduce(value)
-                value /= dist.world
-            lv = float(value)
-            if not math.isfinite(lv):
-                raise RuntimeError(f"loss is {lv} at step {step}")
-            initial_loss = lv if initial_loss is None else initial_loss
-            final_loss = lv
-            elapsed = time.time() - train_start
-            if log is not None:
-                log.append(
-                    {
-                        "step": step,
-                        "loss": round(lv, 6),
-                        "tokens": tokens_seen,
-                        "seconds": round(prior_seconds + elapsed, 3),
-                    }
-                )
-            say(
-                f"step {step}/{final_step} loss {lv:.4f} tokens {tokens_seen} "
-                f"{elapsed:.1f}s ({(step - start_step) * tokens_per_step / max(elapsed, 1e-9):.0f} tok/s)"
-            )
-        if args.save_every and step % args.save_every == 0 and step != final_step:
-            checkpoint(step, prior_seconds + time.time() - train_start)
-
-    run_seconds = time.time() - train_start
-    checkpoint(final_step, prior_seconds + run_seconds)
-    blend.close()
-    if not dist.main:
-        return None
-    metrics = {
-        "trainer": "gpt",
-        "steps": final_step,
-        "start_step": start_step,
-        "run_steps": final_step - start_step,
-        "final_loss": final_loss,
-        "initial_loss": initial_loss,
-        "tokens_seen": tokens_seen,
-        "seconds": round(time.time() - t0, 3),
-        "train_seconds": round(run_seconds, 3),
-        "parameters": params,
-        "config": asdict(cfg),
-        "world_size": dist.world,
-        "resumed_from": resume_uri,
-        "checkpoint": ckpt_uri,
-    }
-    write_json(objects.join(args.checkpoint_dir, "metrics.json"), metrics)
-    say(f"done: step {final_step}, loss {initial_loss} -> {final_loss}, {run_seconds:.1f}s -> {ckpt_uri}")
-    return metrics
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    if not args.data_prefix:
-        p.error("--data-prefix is required (or $RETRAIN_DATA_PREFIX)")
-    if not args.checkpoint_dir:
-        p.error("--checkpoint-dir is required (or $RETRAIN_CHECKPOINT_DIR)")
-    if args.max_steps < 0 or args.batch_size < 1:
-        p.error("--max-steps must be >= 0 and --batch-size >= 1")
-    dist = init_distributed()
-    configure_threads(args.threads, dist)
-    try:
-        train(args, dist)
-        if dist.active:
-            # Rank 0 writes the checkpoint while the others are done: without this, a peer tearing down
-            # its gloo pairs first can abort rank 0 ("terminate called without an active exception").
-            torch.distributed.barrier()
-    except DataError as exc:
-        print(f"gpt: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_DATA
-    finally:
-        if dist.active and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,6 +43,7 @@ ENTRY_POINTS = {
     "on_bigquery_event",
     "on_scheduler_tick",
     "run_http",
+    "run_step",
 }
 
 # Least privilege, one row per component service account: (role, where it is granted).
@@ -79,6 +80,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/iam.serviceAccountUser", "service_account:dataflow"),
         ("roles/storage.objectViewer", "bucket:artifacts"),  # reads reports; the manifest is the function's
         ("roles/pubsub.publisher", "topic:scheduler_ticks"),  # a sweeper tick when a run ends
+        ("roles/run.invoker", "function:run_step"),  # its steps in Python (handover, results)
     },
     "dataflow": {
         ("roles/dataflow.worker", "project"),
@@ -860,8 +862,8 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         check_variables_typed_and_described,
         "app",
         "variables.tf",
-        'variable "trainer" {\n  type        = string\n',
-        'variable "trainer" {\n',
+        'variable "trainer_profile" {\n  type        = string\n',
+        'variable "trainer_profile" {\n',
     ),
     (
         "run_http invokers unvalidated",

@@ -175,15 +175,16 @@ def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) 
 
 @pytest.mark.parametrize("tcpx", [False, True])
 def test_rendered_jobset_accepted_unpruned(api: Any, namespace: str, tcpx: bool) -> None:
+    from retrain.k8s.render import GcsMounts, example_plan
+    from retrain.trainers.nemo import NEMO_24_12
+
+    mounts = GcsMounts()
     js = render_jobset(
         f"accept-{int(tcpx)}",
         nodes=2,
         image="nvcr.io/nvidia/nemo:24.12",
-        command=None,
-        data_prefix=[1.0, "gs://b/shards/x_text_document"],
-        checkpoint_dir="gs://b/ckpt",
-        resume_from="gs://b/old/last.ckpt",
-        max_steps=10,
+        command=NEMO_24_12.render(example_plan(), mounts.path),
+        mounts=mounts,
         namespace=namespace,
         tcpx=tcpx,
         callback_url="https://cb.example/x",

@@ -13,6 +13,7 @@ import pytest
 from retrain.k8s.notifier import NOTIFIED_ANNOTATION, Notifier
 from retrain.k8s.render import render_jobset, render_provisioning_request
 from retrain.local.cluster_twin import ClusterTwin
+from retrain.trainers import Command
 
 from .waiting import wait_for
 
@@ -43,9 +44,7 @@ def submit(api: Any, ns: str, pool: str, run_id: str, code: str, **kw: Any) -> d
         run_id,
         nodes=1,
         image="local",
-        command=["python", "-c", code],
-        data_prefix=["/d"],
-        checkpoint_dir="/c",
+        command=Command(["python", "-c", code], []),
         namespace=ns,
         node_pool=pool,
         **kw,

@@ -1,73 +1,119 @@
-"""A preempted training node: the JobSet restarts and the real trainer resumes from its last checkpoint.
+"""A preempted training node: the JobSet restarts and the run resumes from its own last checkpoint.
 
-The cluster twin runs the JobSet's pod as ``python -m retrain.train.gpt`` (the local trainer, as the
-local stack does) on a tiny Megatron dataset.  Once the first periodic checkpoint is on disk, the twin's
-``preempt_node_after_s`` fault takes the pod's node away (SIGKILL of the trainer, pod NodeLost); DWS
-replaces the node, the JobSet restarts, and the same command must continue from the saved step and
-stop exactly at ``--max-steps``.
+The cluster twin runs the JobSet the NeMo 24.12 profile renders, in the local image (NeMo's script is
+the stand-in, torchrun is PyTorch's), with the artifacts bucket of the GCS emulator mounted through the
+twin's Cloud Storage FUSE.  The run continues from a base checkpoint (``model.restore_from_ckpt``).
+Once its first checkpoint is in the bucket, the twin's ``preempt_node_after_s`` fault takes the pod's
+node away; DWS replaces the node, the JobSet restarts, and the launcher must resume the run from its own
+``-last`` checkpoint (``exp_manager.resume_if_exists``) instead of starting over from the base, which
+NeMo's script would otherwise apply last.
 """
 
 from __future__ import annotations
 
-import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from training_support import REPO, child_env, nemo_args, pattern_documents, tiny_tokenizer, write_dataset
 
-from retrain.k8s.render import render_jobset, render_provisioning_request
+from retrain.adapters import objects
+from retrain.k8s.render import GcsMounts, render_jobset, render_provisioning_request
 from retrain.local.cluster_twin import ClusterTwin, Faults
-from retrain.megatron import IndexedDatasetWriter
-from retrain.train import trainer_command
+from retrain.local.emulators import free_port
+from retrain.local.images import NEMO_STANDIN
+from retrain.tensorboard import read_scalars
+from retrain.trainers import BatchShape, TokenizerFiles, TrainingPlan
+from retrain.trainers.nemo import NEMO_24_12, validation_interval
 
 from .waiting import wait_for
 
 pytestmark = pytest.mark.envtest
-torch = pytest.importorskip("torch", reason="PyTorch is not installed: the gpt trainer needs it")
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
 
 PR = ("autoscaling.x-k8s.io", "v1", "provisioningrequests")
 JS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-MAX_STEPS = 200
-SAVE_EVERY = 20  # the trainer's default: not passed, so the default is what is tested
-SMALL = ["--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "8"]
+BLEND = (1.0, "gs://b/shards/p/data_text_document")
+TOKENIZER = TokenizerFiles("GPT2BPETokenizer", "gs://b/tok/vocab.json", "gs://b/tok/merges.txt")
 
 
-def write_pattern(prefix: Path) -> Path:
-    """A counting pattern (0..15 over and over) as PREFIX.bin/.idx."""
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(prefix) + ".bin", "wb") as f:
-        w = IndexedDatasetWriter(f, np.uint16)
-        for d in range(20):
-            w.add_document([[(i + d) % 16 for i in range(200)]])
-    Path(str(prefix) + ".idx").write_bytes(w.index_bytes())
-    return prefix
+def upload_tree(local: Path, uri: str) -> None:
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        objects.upload_file(path, f"{uri}/{path.relative_to(local).as_posix()}")
 
 
-def test_preempted_trainer_resumes_from_its_last_checkpoint(api: Any, namespace: str, tmp_path: Path) -> None:
+@pytest.fixture
+def bucket(gcs_host: str, tmp_path: Path) -> str:
+    """Bucket "b" with a dataset, a 16-id tokenizer and a base checkpoint at step 10 (trained here)."""
+    client = objects.storage_client()
+    if client.lookup_bucket("b") is None:
+        client.create_bucket("b")
+    local = tmp_path / "base"
+    write_dataset(local / "b" / "shards" / "p" / "data_text_document", pattern_documents(60, 120))
+    tiny_tokenizer(local / "b" / "tok")
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--nnodes=1",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            str(REPO / "retrain" / "train" / "standin.py"),
+            *nemo_args(local, BLEND, steps=10, run_id="base"),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    upload_tree(local / "b", "gs://b")
+    return "gs://b"
+
+
+def test_a_preempted_run_resumes_its_own_checkpoint_not_the_base(
+    api: Any, namespace: str, bucket: str, tmp_path: Path
+) -> None:
     from kubernetes import client
 
     core: Any = client.CoreV1Api(api)
     custom: Any = client.CustomObjectsApi(api)
+    (base,) = [u.rsplit("/", 1)[0] for u in objects.list_uris("gs://b/runs/base/") if "-last/" in u]
     pool, run_id = f"pool-{namespace}", "preempt-1"
-    data = write_pattern(tmp_path / "data" / "pattern")
-    ckpt = tmp_path / "ckpt"
-    command = [*trainer_command("gpt", [str(data)], str(ckpt), MAX_STEPS), *SMALL, "--log-every", "10"]
+    plan = TrainingPlan(
+        run_id,
+        BatchShape(nodes=1, gpus_per_node=1, micro_batch_size=1, global_batch_size=8),
+        steps=200,
+        seq_length=32,
+        output_dir=f"gs://b/runs/{run_id}",
+        base_checkpoint=base,
+        base_step=10,
+        blend=BLEND,
+        tokenizer=TOKENIZER,
+    )
+    mounts = GcsMounts()
+    command = NEMO_24_12.render(plan, mounts.path)
+    NEMO_24_12.validate(command)
 
-    # Armed, but far off: it is brought forward once the first checkpoint exists (below), so the node
-    # goes away between a checkpoint and the end however long the trainer took to start.
+    # Armed, but far off: brought forward once the run's first checkpoint is in the bucket (below).
     faults = Faults(preempt_node_after_s=3600.0)
     twin = ClusterTwin(
         api,
         namespace=namespace,
         node_pool=pool,
+        gpus_per_node=1,
         workdir=tmp_path / "twin",
         provision_delay_s=0.3,
         poll_s=0.05,
         faults=faults,
     )
     with twin:
-        tmpl, pr = render_provisioning_request(run_id, nodes=1, namespace=namespace, node_pool=pool)
+        tmpl, pr = render_provisioning_request(
+            run_id, nodes=1, gpus_per_node=1, namespace=namespace, node_pool=pool
+        )
         core.create_namespaced_pod_template(namespace, tmpl)
         custom.create_namespaced_custom_object(*PR[:2], namespace, PR[2], pr)
         wait_for(twin.node_names, timeout=60, every=0.05)
@@ -75,10 +121,10 @@ def test_preempted_trainer_resumes_from_its_last_checkpoint(api: Any, namespace:
         js = render_jobset(
             run_id,
             nodes=1,
-            image="local",
+            gpus_per_node=1,
+            image=NEMO_STANDIN,
             command=command,
-            data_prefix=[str(data)],
-            checkpoint_dir=str(ckpt),
+            mounts=mounts,
             namespace=namespace,
             node_pool=pool,
             provisioning_request=pr["metadata"]["name"],
@@ -89,10 +135,11 @@ def test_preempted_trainer_resumes_from_its_last_checkpoint(api: Any, namespace:
         def jobset() -> dict[str, Any]:
             return dict(custom.get_namespaced_custom_object(*JS[:2], namespace, JS[2], name))
 
-        wait_for(lambda: (ckpt / "model.pt").exists(), timeout=60, every=0.05)
-        faults.preempt_node_after_s = 0.0  # the first checkpoint is written: preempt the node now
+        checkpoints = f"gs://b/runs/{run_id}/megatron_gpt/checkpoints/"
+        wait_for(lambda: any("-last/" in u for u in objects.list_uris(checkpoints)), timeout=180, every=0.2)
+        faults.preempt_node_after_s = 0.0  # the first checkpoint is in the bucket: preempt the node now
         assert (
-            wait_for(lambda: (jobset().get("status") or {}).get("terminalState"), timeout=60, every=0.05)
+            wait_for(lambda: (jobset().get("status") or {}).get("terminalState"), timeout=240, every=0.1)
             == "Completed"
         )
         status = jobset()["status"]
@@ -100,25 +147,17 @@ def test_preempted_trainer_resumes_from_its_last_checkpoint(api: Any, namespace:
         assert twin.node_names() and twin.node_names() != first_node  # DWS replaced the lost node
     assert not twin.errors
 
-    # The second attempt resumed from a periodic checkpoint of the first, not from 0 ...
-    metrics = json.loads((ckpt / "metrics.json").read_text())
-    resumed = metrics["start_step"]
-    assert SAVE_EVERY <= resumed < MAX_STEPS and resumed % SAVE_EVERY == 0, metrics
-    assert metrics["resumed_from"] == str(ckpt / "model.pt")
-    logs = {p.name: p.read_text() for p in (tmp_path / "twin" / "logs").glob("*.log")}
-    assert len(logs) == 1 + status["restarts"], logs
-    firsts = [t for t in logs.values() if f"steps 0->{MAX_STEPS}" in t]
-    lasts = [t for t in logs.values() if f"at step {resumed}" in t]
-    assert len(firsts) == 1 and "resuming from" not in firsts[0] and f"step {resumed}/" in firsts[0]
-    assert len(lasts) == 1 and f"steps {resumed}->{MAX_STEPS}" in lasts[0]
-    assert f"step {resumed + 1}/{MAX_STEPS}" in lasts[0] and f"done: step {MAX_STEPS}," in lasts[0]
-    # ... and ended exactly at --max-steps.
-    assert (metrics["steps"], metrics["run_steps"]) == (MAX_STEPS, MAX_STEPS - resumed)
-    assert metrics["tokens_seen"] == MAX_STEPS * 8 * 32
-    state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
-    assert state["step"] == MAX_STEPS
-    # loss.jsonl: the first attempt's lines through the resumed step, then the second attempt's.
-    steps = [json.loads(line)["step"] for line in (ckpt / "loss.jsonl").read_text().splitlines()]
-    after = [resumed + 1, *range(resumed + 10, MAX_STEPS + 1, 10)]
-    assert steps == [1, *range(10, resumed + 1, 10), *after]
-    assert not list(ckpt.glob(".model.pt.*.tmp"))
+    interval = validation_interval(plan)
+    assert interval == 70  # divides the last step, 210
+    logs = sorted((tmp_path / "twin" / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime)
+    first, last = logs[0].read_text(), logs[-1].read_text()
+    assert "restored" in first and "base/megatron_gpt/checkpoints" in first and "at step 10" in first
+    assert "resuming this run from" in last  # the launcher dropped model.restore_from_ckpt ...
+    resumed = re.search(rf"restored \S*/{run_id}/megatron_gpt/checkpoints/\S*-last at step (\d+)", last)
+    assert resumed and int(resumed.group(1)) % interval == 0  # ... and resumed its own checkpoint
+    assert f"steps {resumed.group(1)}->210" in last and "done: step 210" in last
+    lasts = [u for u in objects.list_uris(checkpoints) if "-last/" in u]
+    assert len(lasts) == 1 and "-step=210-consumed_samples=1680.0-last/model.pt" in lasts[0]
+    events = [u for u in objects.list_uris(f"gs://b/runs/{run_id}/megatron_gpt/") if "tfevents" in u]
+    steps = {s.step for u in events for s in read_scalars(objects.read_bytes(u)) if s.tag == "val_loss"}
+    assert steps == {70, 140, 210}

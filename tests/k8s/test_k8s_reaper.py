@@ -19,6 +19,7 @@ from retrain.k8s.render import (
     render_provisioning_request,
 )
 from retrain.local.envtest import ControlPlane
+from retrain.trainers import Command
 
 pytestmark = [pytest.mark.envtest, pytest.mark.emulators]
 
@@ -52,9 +53,7 @@ class Cluster:
             run_id,
             nodes=1,
             image="local",
-            command=["true"],
-            data_prefix=["/tmp/data/text_document"],
-            checkpoint_dir="/tmp/ckpt",
+            command=Command(["true"], []),
             namespace=self.ns,
             node_pool=self.pool,
             provisioning_request=pr["metadata"]["name"],

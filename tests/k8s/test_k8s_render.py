@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from retrain.deployment import Deployment
+from retrain.domain.runs import Champion
 from retrain.k8s.render import (
+    TCPX_NETWORKS,
     coordinator_address,
     example_jobset,
     jobset_name,
-    render_jobset,
     render_provisioning_request,
 )
 from retrain.k8s.schema import load_crds, validate, validate_resource
 from retrain.local.envtest import crds_dir
+from retrain.plan import render_training, training_plan
+from retrain.trainers import PlanError, TokenizerFiles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,20 +38,17 @@ def crds() -> list[dict[str, Any]]:
     return found
 
 
-def nemo_jobset(**kw: Any) -> dict[str, Any]:
-    args: dict[str, Any] = dict(
-        nodes=4,
-        image="nvcr.io/nvidia/nemo:24.12",
-        command=None,
-        data_prefix=[0.6, "gs://b/shards/new_text_document", 0.4, "/data/base_text_document"],
-        checkpoint_dir="gs://b/ckpt/run-7",
-        resume_from="gs://b/ckpt/run-6/last.ckpt",
-        max_steps=100,
-        callback_url="https://cb.example/x",
-        env={"FOO": "bar"},
+def nemo_jobset(nodes: int = 4, tcpx: bool = False, **plan: Any) -> dict[str, Any]:
+    """The NeMo 24.12 JobSet of a run, rendered as the handover renders it (deployment settings)."""
+    settings = dataclasses.replace(
+        Deployment().settings(), nodes=nodes, global_batch_size=8 * nodes, gpudirect_tcpx=tcpx
     )
-    args.update(kw)
-    return render_jobset("Run_7", **args)
+    base = training_plan(settings, "Run_7", Champion("Run_6", "gs://b/runs/Run_6/megatron_gpt/x-last", 60))
+    blend = [0.6, "gs://b/shards/new/data_text_document", 0.4, "gs://b/shards/old/data_text_document"]
+    tok = TokenizerFiles("GPT2BPETokenizer", "gs://b/shards/_tokenizer/f/vocab.json", "gs://b/t/merges.txt")
+    full = dataclasses.replace(base.with_data(blend, tok), **plan)
+    jobset, _ = render_training(settings, full, "https://cb.example/x")
+    return jobset
 
 
 def pod_spec(js: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +64,13 @@ def test_jobset_metadata_and_dws_scheduling() -> None:
     meta = js["metadata"]
     assert meta["name"] == jobset_name("Run_7") and len(meta["name"]) <= 40
     assert meta["labels"]["retrain.dev/run-id"].startswith("Run_7")
-    assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "dws-local-queue"
+    # The workflow's own ProvisioningRequest holds the capacity: the pods consume it, Kueue asks for none.
+    assert "kueue.x-k8s.io/queue-name" not in meta["labels"]
+    pod_annotations = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    assert pod_annotations["autoscaling.x-k8s.io/consume-provisioning-request"] == meta["name"] + "-dws"
+    assert pod_annotations["autoscaling.x-k8s.io/provisioning-class-name"] == "queued-provisioning.gke.io"
     assert meta["annotations"] == {
         "retrain.dev/run-id": "Run_7",
         "retrain.dev/callback-url": "https://cb.example/x",
@@ -85,52 +96,154 @@ def test_jobset_metadata_and_dws_scheduling() -> None:
 def test_nemo_command_and_rendezvous() -> None:
     js = nemo_jobset()
     c = pod_spec(js)["containers"][0]
-    assert c["command"][:2] == ["bash", "-c"] and "torchrun" in c["command"][2]
-    assert "megatron_gpt_pretraining.py" in c["command"][2]
+    assert c["command"][:2] == ["bash", "-c"] and "exec torchrun" in c["command"][2]
+    assert "/opt/NeMo/examples/nlp/language_modeling/megatron_gpt_pretraining.py" in c["command"][2]
     args = c["args"]
     assert "trainer.num_nodes=4" in args and "trainer.devices=8" in args
-    assert "model.data.data_prefix=[0.6,/gcs/b/shards/new_text_document,0.4,/data/base_text_document]" in args
-    assert "exp_manager.exp_dir=/gcs/b/ckpt/run-7" in args
-    assert "model.resume_from_checkpoint=/gcs/b/ckpt/run-6/last.ckpt" in args
-    assert "trainer.max_steps=100" in args
+    assert (
+        "model.data.data_prefix=[0.6,/gcs/b/shards/new/data_text_document,0.4,/gcs/b/shards/old/data_text_document]"
+        in args
+    )
+    assert "model.tokenizer.vocab_file=/gcs/b/shards/_tokenizer/f/vocab.json" in args
+    art = Deployment().settings().artifacts_bucket
+    assert f"model.data.index_mapping_dir=/gcs/{art}/runs/Run_7/index_mapping" in args
+    assert f"exp_manager.exp_dir=/gcs/{art}/runs/Run_7" in args
+    assert "model.restore_from_ckpt=/gcs/b/runs/Run_6/megatron_gpt/x-last" in args
+    assert "trainer.max_steps=120" in args  # the base's 60 steps and this run's 60
+    assert "trainer.val_check_interval=60" in args and "model.optim.sched.warmup_steps=6" in args
     env = env_of(js)
     name = js["metadata"]["name"]
     assert env["MASTER_ADDR"] == coordinator_address(name) == f"{name}-trainer-0-0.{name}"
-    assert env["NNODES"] == "4" and env["WORLD_SIZE"] == "32" and env["FOO"] == "bar"
+    assert env["NNODES"] == "4" and env["WORLD_SIZE"] == "32" and env["GPUS_PER_NODE"] == "8"
+    assert env["RETRAIN_RUN_CHECKPOINTS"] == f"/gcs/{art}/runs/Run_7/megatron_gpt/checkpoints"
     assert "job-completion-index" in json.dumps(env["NODE_RANK"])
-    assert json.loads(env["RETRAIN_DATA_PREFIX"])[1] == "gs://b/shards/new_text_document"
     assert js["spec"]["network"]["enableDNSHostnames"] is True
-    mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert "/gcs/b" in mounts and "/dev/shm" in mounts
+    mounts = {m["mountPath"]: m["readOnly"] for m in c["volumeMounts"] if m["mountPath"].startswith("/gcs/")}
+    assert mounts == {"/gcs/b": True, f"/gcs/{art}": False}  # written where checkpoints go
+    assert pod_spec(js)["serviceAccountName"] == "retrain-trainer"
 
 
-def test_local_command_keeps_everything_else() -> None:
-    nemo = nemo_jobset()
-    local = nemo_jobset(command=["python", "-m", "retrain.train.gpt"])
-    c = pod_spec(local)["containers"][0]
-    assert c["command"] == ["python", "-m", "retrain.train.gpt"] and "args" not in c
-    for js in (nemo, local):
-        container = pod_spec(js)["containers"][0]
-        container.pop("command")
-        container.pop("args", None)
-    assert local == nemo
+def test_every_override_is_one_nemo_accepts() -> None:
+    """Each argument names a key of NeMo 24.12's megatron_gpt_config.yaml (or adds one with +), with a
+    value of the default's type; Hydra itself composes them (``retrain.trainers.hydra``)."""
+    from omegaconf import OmegaConf
+
+    from retrain.trainers.nemo import CONFIG_DIR, CONFIG_NAME
+
+    config = OmegaConf.load(CONFIG_DIR / f"{CONFIG_NAME}.yaml")
+    for arg in pod_spec(nemo_jobset())["containers"][0]["args"]:
+        key, _, _ = arg.partition("=")
+        assert not key.startswith("+"), arg
+        assert OmegaConf.select(config, key, default="<absent>") != "<absent>" or key.endswith(
+            "data_prefix"
+        ), f"{key} is not in NeMo's config"
 
 
-def test_tcpx_adds_daemon_and_nccl_env(crds: list[dict[str, Any]]) -> None:
+def test_the_vendored_config_is_nemos_own() -> None:
+    from retrain.trainers.nemo import CONFIG_DIR
+
+    shared = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared")) / "specs" / "nemo-24.12"
+    if not shared.exists():
+        pytest.skip(f"no {shared}")
+    vendored = (CONFIG_DIR / "megatron_gpt_config.yaml").read_bytes()
+    assert vendored == (shared / "megatron_gpt_config.yaml").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        (
+            {"global_batch_size": 12},
+            "global batch size 12 is not divisible by micro batch size 1 x data-parallel size 8",
+        ),
+        (
+            {"micro_batch_size": 4},
+            "global batch size 8 is not divisible by micro batch size 4 x data-parallel size 8",
+        ),
+        ({"tensor_parallel": 3}, "8 GPUs is not divisible by tensor parallel 3"),
+    ],
+)
+def test_impossible_plans_are_refused_before_capacity_with_the_reason(
+    change: dict[str, Any], complaint: str
+) -> None:
+    from retrain.domain.runs import Run
+    from retrain.plan import workflow_argument
+
+    settings = dataclasses.replace(Deployment().settings(), **change)
+    with pytest.raises(PlanError, match=complaint):
+        workflow_argument(settings, Run("r1", "default", "manual"), None)
+
+
+def test_render_cli_adds_every_data_prefix_and_exits_2_on_impossible_batch_math() -> None:
+    base = [sys.executable, "-m", "retrain.cli", "render", "jobset", "--run-id", "r1", "--json"]
+    blend = ["--data-prefix", "0.5", "gs://a/x", "--data-prefix", "0.5", "gs://a/y"]
+    ok = subprocess.run([*base, *blend], capture_output=True, text=True, cwd=REPO, check=True)
+    args = pod_spec(json.loads(ok.stdout))["containers"][0]["args"]
+    assert "model.data.data_prefix=[0.5,/gcs/a/x,0.5,/gcs/a/y]" in args
+    bad = subprocess.run([*base, *blend, "--micro-batch-size", "3"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "global batch size 8 is not divisible by micro batch size 3" in bad.stderr
+
+
+def test_tcpx_follows_googles_pod_shape(crds: list[dict[str, Any]]) -> None:
     js = nemo_jobset(tcpx=True)
     ps = pod_spec(js)
-    assert ps["hostNetwork"] is True
-    assert (
-        ps["initContainers"][0]["name"] == "tcpx-daemon"
-        and ps["initContainers"][0]["restartPolicy"] == "Always"
-    )
-    assert "NCCL_GPUDIRECTTCPX_SOCKET_IFNAME" in env_of(js)
+    assert "hostNetwork" not in ps  # eth1..eth4 come from multi-networking
+    (rxdm,) = ps["initContainers"]
+    assert rxdm["name"] == "tcpx-daemon" and rxdm["restartPolicy"] == "Always"  # a native sidecar
+    assert rxdm["image"].endswith("tcpgpudmarxd-dev:v2.0.12")
+    assert rxdm["securityContext"] == {"capabilities": {"add": ["NET_ADMIN"]}}
+    annotations = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["annotations"]
+    interfaces = json.loads(annotations["networking.gke.io/interfaces"])
+    assert [i["network"] for i in interfaces] == ["default", *TCPX_NETWORKS]
+    assert "/dev/nvidia7" in annotations["devices.gke.io/container.tcpx-daemon"]
+    env = env_of(js)
+    assert env["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"] == "eth1,eth2,eth3,eth4"
+    assert env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    c = ps["containers"][0]
+    assert {"name": "tcpx-socket", "mountPath": "/tmp"} in c["volumeMounts"]
     assert validate_resource(js, crds) == []
+
+
+def test_tcpx_is_on_for_multi_node_runs_unless_switched_off() -> None:
+    settings = Deployment().settings()
+    assert settings.gpudirect_tcpx is True
+    for nodes, switch, expect in ((2, True, True), (1, True, False), (2, False, False)):
+        ps = pod_spec(nemo_jobset(nodes=nodes, tcpx=switch))
+        assert ("initContainers" in ps) is expect
+
+
+def test_the_tcpx_networks_are_the_ones_the_platform_builds() -> None:
+    """The pods' interface annotation names the Network objects k8s/tcpx.yaml declares, and those point
+    at the VPCs and subnets infra/platform attaches to the DWS pool."""
+    from retrain.k8s.manifests import render
+
+    values = Deployment().manifest_values()
+    docs = list(yaml.safe_load_all(render(values)["tcpx.yaml"]))
+    networks = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Network"}
+    params = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "GKENetworkParamSet"}
+    assert sorted(networks) == sorted(params) == list(TCPX_NETWORKS)
+    for i, name in enumerate(TCPX_NETWORKS):
+        assert networks[name]["spec"]["parametersRef"]["name"] == name
+        assert (params[name]["vpc"], params[name]["vpcSubnet"]) == values.gpu_networks[i]
+        assert params[name]["deviceMode"] == "NetDevice"
+
+
+def test_tcpx_objects_match_gkes_published_crds() -> None:
+    """Network and GKENetworkParamSet against GKE's own CRDs (GoogleCloudPlatform/gke-networking-api,
+    config/crds), when RETRAIN_GKE_CRDS_DIR names a folder holding them."""
+    from retrain.k8s.manifests import render
+
+    folder = os.environ.get("RETRAIN_GKE_CRDS_DIR")
+    if not folder:
+        pytest.skip("RETRAIN_GKE_CRDS_DIR is not set (GoogleCloudPlatform/gke-networking-api config/crds)")
+    gke = load_crds(Path(folder))
+    for doc in yaml.safe_load_all(render(Deployment().manifest_values())["tcpx.yaml"]):
+        assert validate_resource(doc, gke) == [], doc["kind"]
 
 
 def test_rendered_objects_match_crd_schemas(crds: list[dict[str, Any]]) -> None:
     assert validate_resource(nemo_jobset(), crds) == []
-    assert validate_resource(nemo_jobset(command=["python", "-c", "pass"], tcpx=False), crds) == []
+    assert validate_resource(nemo_jobset(nodes=2, tcpx=True), crds) == []
     tmpl, pr = render_provisioning_request("Run_7", nodes=3, max_run_duration_s=7200)
     assert validate_resource(pr, crds) == []
     assert pr["apiVersion"] == "autoscaling.x-k8s.io/v1"
@@ -181,7 +294,4 @@ def test_kueue_manifests_match_crd_schemas(crds: list[dict[str, Any]]) -> None:
     assert check["spec"]["parameters"]["name"] == by_kind["ProvisioningRequestConfig"]["metadata"]["name"]
     cq = by_kind["ClusterQueue"]["spec"]
     assert cq["admissionChecksStrategy"]["admissionChecks"] == [{"name": check["metadata"]["name"]}]
-    assert (
-        by_kind["LocalQueue"]["metadata"]["name"]
-        == nemo_jobset()["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
-    )
+    assert by_kind["LocalQueue"]["metadata"]["name"] == Deployment().settings().local_queue

@@ -10,6 +10,7 @@ import pytest
 
 from retrain.k8s.render import render_jobset, render_provisioning_request
 from retrain.local.cluster_twin import ClusterTwin, Faults
+from retrain.trainers import Command
 
 from .waiting import wait_for
 
@@ -48,9 +49,7 @@ class Cluster:
             run_id,
             nodes=nodes,
             image="local",
-            command=["python", "-c", code],
-            data_prefix=["/tmp/data/text_document"],
-            checkpoint_dir="/tmp/ckpt",
+            command=Command(["python", "-c", code], []),
             namespace=self.ns,
             node_pool=self.pool,
             **kw,

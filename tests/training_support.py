@@ -1,4 +1,5 @@
-"""Helpers of the trainer tests: tiny Megatron datasets, the real CLIs as subprocesses, a GCS emulator."""
+"""Test helpers shared by the trainer and cluster tests: tiny Megatron datasets and tokenizers, the NeMo
+profile's arguments for them, and the real CLIs as subprocesses."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from retrain.megatron import IndexedDatasetWriter
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_dataset(
@@ -69,12 +69,44 @@ def read_jsonl(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture
-def gcs_emulator(gcs_host: str) -> str:
-    """The session's GCS emulator with bucket "b"; STORAGE_EMULATOR_HOST is set here and for children."""
-    from retrain.adapters import objects
+def tiny_tokenizer(folder: Path, vocab: int = 16) -> tuple[Path, Path]:
+    """A vocabulary of ``vocab`` ids in GPT-2's file format (encoder.json, vocab.bpe): what the stand-in
+    sizes its embedding from, kept small so that a test trains in seconds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(vocab)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return folder / "vocab.json", folder / "merges.txt"
 
-    client = objects.storage_client()
-    if client.lookup_bucket("b") is None:
-        client.create_bucket("b")
-    return gcs_host
+
+def nemo_args(
+    root: Path,
+    blend: Sequence[object],
+    *,
+    nodes: int = 1,
+    gpus: int = 1,
+    steps: int = 20,
+    global_batch: int = 8,
+    seq: int = 32,
+    base: str | None = None,
+    base_step: int = 0,
+    run_id: str = "r1",
+) -> list[str]:
+    """The NeMo 24.12 profile's arguments for a run whose gs://b/... paths are the folders under
+    ``root`` (as the pod's Cloud Storage FUSE mount would show them), checked like a run's."""
+    from retrain.trainers import BatchShape, TokenizerFiles, TrainingPlan
+    from retrain.trainers.nemo import NEMO_24_12
+
+    plan = TrainingPlan(
+        run_id,
+        BatchShape(nodes, gpus, 1, global_batch),
+        steps=steps,
+        seq_length=seq,
+        output_dir=f"gs://b/runs/{run_id}",
+        base_checkpoint=base,
+        base_step=base_step,
+        blend=tuple(blend),
+        tokenizer=TokenizerFiles("GPT2BPETokenizer", "gs://b/tok/vocab.json", "gs://b/tok/merges.txt"),
+    )
+    command = NEMO_24_12.render(plan, lambda uri, write=False: uri.replace("gs://", f"{root}/"))
+    NEMO_24_12.validate(command)
+    return command.args

@@ -1,0 +1,73 @@
+"""Container images as the cluster twin's kubelet runs them: local processes that see the host's files.
+
+A kubelet pulls an image and runs the container's command inside the image's filesystem, with volumes
+mounted at their paths.  The twin runs the command as a local process instead, so a local image is what
+it provides -- files at container paths (:attr:`LocalImage.files`) and executables first on ``PATH``
+(:attr:`LocalImage.path`) -- and every container path that the command, its arguments or its
+environment names is translated to the host path standing for it: an image file, a pod's emptyDir
+folder, or the folder standing for a Cloud Storage FUSE mount (:mod:`retrain.local.gcsfuse`).
+
+The local stack plays the deployment's training image with :data:`NEMO_STANDIN`: NeMo's pre-training
+script is :mod:`retrain.train.standin` and ``torchrun`` is PyTorch's own (or, without PyTorch, the
+stand-in launcher :mod:`retrain.local.torchrun`).  :data:`HOST` runs commands as they are (tests).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from retrain.trainers import nemo
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Commands run on the host as they are (no file is translated).
+HOST = "local"
+#: The local stand-in of the NeMo 24.12 image (``nvcr.io/nvidia/nemo:24.12`` in the deployment).
+NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
+
+
+@dataclass(frozen=True)
+class LocalImage:
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Container path -> host path of the files the image provides."""
+    path: tuple[str, ...] = ()
+    """Host folders put first on ``PATH`` (the image's executables)."""
+
+
+def _launcher_dir(workdir: Path) -> str:
+    """A folder holding ``torchrun``: PyTorch's own next to this interpreter, else the stand-in's."""
+    own = Path(sys.executable).with_name("torchrun")
+    if own.exists() and shutil.which("torchrun", path=str(own.parent)):
+        return str(own.parent)
+    folder = workdir / "bin"
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "torchrun"
+    shim.write_text(
+        f"#!{sys.executable}\nfrom retrain.local.torchrun import main\nraise SystemExit(main())\n"
+    )
+    shim.chmod(0o755)
+    return str(folder)
+
+
+def local_images(workdir: Path) -> dict[str, LocalImage]:
+    """The images the twin can run, by name."""
+    standin = LocalImage(
+        files={nemo.SCRIPT: str(REPO / "retrain" / "train" / "standin.py")},
+        path=(_launcher_dir(workdir),),
+    )
+    return {HOST: LocalImage(), NEMO_STANDIN: standin}
+
+
+def translate(text: str, mapping: Mapping[str, str]) -> str:
+    """``text`` with every container path of ``mapping`` (a whole path component) replaced by its host
+    path, the longest first."""
+    for container in sorted(mapping, key=len, reverse=True):
+        pattern = r"(?<![\w./-])" + re.escape(container.rstrip("/")) + r"(?![\w.-])"
+        host = mapping[container]
+        text = re.sub(pattern, lambda _m, host=host: host, text)  # type: ignore[misc]
+    return text

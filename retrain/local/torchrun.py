@@ -1,0 +1,46 @@
+"""A stand-in ``torchrun`` for the local image where PyTorch is not installed.
+
+It launches ``--nproc-per-node`` copies of a script the way torchrun's static rendezvous does, with
+``RANK`` = node rank x processes per node + local rank, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, and exits with the first
+failure's code (0 when every process succeeds).  Only what the JobSet's launcher passes is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchrun")
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, required=True)
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1")
+    p.add_argument("--master-port", "--master_port", dest="master_port", default="29500")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    world = a.nnodes * a.nproc
+    procs = []
+    for local in range(a.nproc):
+        env = {
+            **os.environ,
+            "RANK": str(a.node_rank * a.nproc + local),
+            "LOCAL_RANK": str(local),
+            "GROUP_RANK": str(a.node_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(a.nproc),
+            "MASTER_ADDR": a.master_addr,
+            "MASTER_PORT": str(a.master_port),
+        }
+        procs.append(subprocess.Popen([sys.executable, a.script, *a.args], env=env))
+    codes = [proc.wait() for proc in procs]
+    return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The workflow's two calls into typed Python, between its cloud calls (the ``run_step`` function).
+
+- :meth:`Steps.handover`, once tokenizing is done: the tokenize report's blend and tokenizer files
+  complete the run's training plan; its trainer profile renders the command (checked against the
+  trainer's own configuration) and the JobSet that runs it; the run record gains ``command``,
+  ``image`` and ``blend``, and the workflow submits the JobSet.
+- :meth:`Steps.results`, once the JobSet completed: what the trainer wrote -- TensorBoard events and
+  checkpoint folders under the profile's run folder -- becomes the record's ``metrics`` and
+  ``checkpoint``, and the checkpoint becomes the dataset's champion, which the next run continues from.
+  Missing metrics are recorded as missing: a run whose JobSet completed has succeeded.
+
+Workflows calls a function for work its expressions cannot do ("Invoke Cloud Run functions or Cloud
+Run", cloud.google.com/workflows/docs/calling-run-functions); the function is internal-only and the
+workflow's service account is its only invoker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from retrain.config import Settings
+from retrain.contracts import Handover, Results, StepName, StepRequest, TokenizeReport, field_names
+from retrain.domain.errors import Rejected
+from retrain.domain.runs import Champion, TrainingMetrics
+from retrain.plan import render_training, tokenize_report_uri
+from retrain.ports import Ledger, ObjectStore
+from retrain.tensorboard import Scalar, read_scalars
+from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
+
+EVENTS = "events.out.tfevents."
+_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+
+
+def last_checkpoint(names: Iterable[str]) -> str | None:
+    """The run's final checkpoint among the folders of ``checkpoints/``: the ``-last`` one, else the one
+    of the highest step (names carry ``step=N``, as NeMo's checkpoint callback writes them)."""
+
+    def step(name: str) -> int:
+        m = _STEP.search(name)
+        return int(m.group(1)) if m else -1
+
+    folders = sorted(set(names), key=lambda n: (step(n), n))
+    lasts = [n for n in folders if n.endswith("-last") or "-last." in n]
+    chosen = lasts or folders
+    return chosen[-1] if chosen else None
+
+
+def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics | None:
+    """The run's metrics from its TensorBoard scalars (NeMo's tags), None when there are none."""
+    latest: dict[str, Scalar] = {}
+    for s in scalars:
+        if s.tag not in latest or s.step >= latest[s.tag].step:
+            latest[s.tag] = s
+    if not latest:
+        return None
+    steps = max(s.step for s in latest.values())
+    samples = latest.get("consumed_samples")
+    consumed = int(samples.value) if samples else None
+    return TrainingMetrics(
+        steps=steps,
+        run_steps=steps - plan.base_step,
+        final_loss=latest["reduced_train_loss"].value if "reduced_train_loss" in latest else None,
+        val_loss=latest["val_loss"].value if "val_loss" in latest else None,
+        consumed_samples=consumed,
+        tokens_seen=consumed * plan.seq_length if consumed is not None else None,
+    )
+
+
+class Steps:
+    """The handlers, over the ports alone."""
+
+    def __init__(self, settings: Settings, ledger: Ledger, store: ObjectStore) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.store = store
+
+    def handle(self, body: Any) -> dict[str, Any]:
+        """One request (:class:`StepRequest`); Rejected for a malformed one or a plan that cannot run."""
+        request = StepRequest.parse(body)
+        try:
+            plan = TrainingPlan.parse(request.training)
+            if plan.run_id != request.run_id:
+                raise Rejected(f"the training plan is run {plan.run_id}'s, not {request.run_id}'s")
+            if request.step == StepName.HANDOVER:
+                return dataclasses.asdict(self.handover(plan, request.callback_url))
+            return dataclasses.asdict(self.results(plan))
+        except PlanError as e:
+            raise Rejected(str(e)) from None
+
+    def handover(self, plan: TrainingPlan, callback_url: str) -> Handover:
+        uri = tokenize_report_uri(plan.output_dir)
+        try:
+            body = json.loads(self.store.read_bytes(uri))
+        except (FileNotFoundError, ValueError) as e:
+            raise PlanError(f"cannot read the tokenize report {uri}: {e}") from None
+        missing = field_names(TokenizeReport) - set(body)
+        if missing:
+            raise PlanError(f"the tokenize report {uri} lacks {sorted(missing)}")
+        plan = plan.with_data(list(body["data_prefix_blend"]), TokenizerFiles.parse(body["tokenizer"]))
+        jobset, command = render_training(self.settings, plan, callback_url or None)
+        self.ledger.update_run(
+            plan.run_id,
+            {
+                "profile": self.settings.profile,
+                "image": self.settings.image,
+                "command": command.argv,
+                "blend": list(plan.blend),
+            },
+        )
+        return Handover(jobset, command.argv)
+
+    def results(self, plan: TrainingPlan) -> Results:
+        trainer = profile(self.settings.profile)
+        run_dir = trainer.run_dir(plan)
+        infos = list(self.store.list_objects(run_dir + "/"))
+        scalars: list[Scalar] = []
+        checkpoints = set()
+        for info in infos:
+            rel = info.uri[len(run_dir) + 1 :]
+            if rel.rsplit("/", 1)[-1].startswith(EVENTS):
+                try:
+                    scalars += read_scalars(self.store.read_bytes(info.uri))
+                except ValueError:
+                    continue  # a corrupt event file says nothing; the others still count
+            elif rel.startswith("checkpoints/") and rel.count("/") >= 2:
+                checkpoints.add(rel.split("/")[1])
+        metrics = metrics_from(scalars, plan)
+        name = last_checkpoint(checkpoints)
+        checkpoint = f"{run_dir}/checkpoints/{name}" if name else None
+        missing = []
+        if metrics is None:
+            missing.append(f"no TensorBoard events under {run_dir}")
+        if checkpoint is None:
+            missing.append(f"no checkpoint under {run_dir}/checkpoints")
+        reason = "; ".join(missing)
+        fields: dict[str, Any] = {
+            "checkpoint": checkpoint,
+            "metrics": metrics.to_dict() if metrics else None,
+        }
+        if reason:
+            fields["reason"] = reason
+        self.ledger.update_run(plan.run_id, fields)
+        promoted = False
+        if checkpoint is not None:
+            step = metrics.steps if metrics else plan.final_step
+            val_loss = metrics.val_loss if metrics else None
+            run = self.ledger.get_run(plan.run_id)
+            if run is not None:
+                promoted = self.ledger.promote(run.dataset, Champion(plan.run_id, checkpoint, step, val_loss))
+        return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

@@ -1,0 +1,345 @@
+"""The local image's stand-in for NeMo 24.12's ``megatron_gpt_pretraining.py``.
+
+The cluster twin runs the training JobSet's command unchanged; in the local image
+(``retrain.local.images``) this file sits at the NeMo script's path, so the local run executes the exact
+command that deploys: the same torchrun launch and the same Hydra overrides.  It keeps the script's
+contract:
+
+- the config is composed by Hydra from the same ``megatron_gpt_config.yaml``, so an override NeMo would
+  refuse is refused here with Hydra's message; the world torchrun started must be
+  ``trainer.num_nodes x trainer.devices`` and Megatron's batch arithmetic must hold;
+- ``model.data.data_prefix`` names local paths (the Cloud Storage FUSE mounts), each dataset's documents
+  split by ``model.data.splits_string`` as Megatron splits them; the index-mapping files go to
+  ``model.data.index_mapping_dir``; ``model.tokenizer.vocab_file`` gives the vocabulary size;
+- ``exp_manager``: a ``*-last`` checkpoint under ``<exp_dir>/<name>/checkpoints/`` is resumed when
+  ``resume_if_exists``; ``model.restore_from_ckpt`` is applied after that, as NeMo's script applies it
+  (it restores weights, optimizer and step);
+- training runs to ``trainer.max_steps`` in global batches of ``model.global_batch_size`` (micro-batches
+  of ``model.micro_batch_size`` per rank, accumulated), with warm-up then cosine decay of the learning
+  rate; at every multiple of ``trainer.val_check_interval`` ``trainer.limit_val_batches`` batches give
+  ``val_loss``; ``reduced_train_loss``, ``val_loss``, ``lr`` and ``consumed_samples`` go to TensorBoard
+  event files beside ``checkpoints/``; checkpoints are named by ``exp_manager.checkpoint_callback_params
+  .filename`` (the best ``save_top_k`` by ``val_loss``, and ``-last`` at the end), one folder each.
+
+What differs is the model: a toy GPT (2 layers, width 64) that two CPU cores train in seconds; the
+architecture keys (``num_layers``, ``hidden_size`` ...) are read by Hydra but not used.  Without PyTorch
+the stand-in checks the data and writes no checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from retrain.tensorboard import EventWriter, event_file_name
+from retrain.train.data import DataError, WindowSampler, load_blend, split_streams
+from retrain.trainers import PlanError
+from retrain.trainers.hydra import compose
+from retrain.trainers.nemo import CONFIG_DIR, CONFIG_NAME, check_config
+
+#: The stand-in's model, whatever the config's architecture says (two CPU cores must train it).
+D_MODEL, LAYERS, HEADS = 64, 2, 4
+LAST = "-last"
+
+
+def say(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def fail(msg: str) -> int:
+    print(f"Error executing job: {msg}", file=sys.stderr, flush=True)
+    return 1
+
+
+def checkpoint_name(template: str, metrics: dict[str, float]) -> str:
+    """Lightning's ``ModelCheckpoint.format_checkpoint_name`` (``auto_insert_metric_name``): every
+    ``{name}`` / ``{name:fmt}`` becomes ``name=<value>``, a metric not logged yet counting as 0."""
+
+    def one(m: re.Match[str]) -> str:
+        name, fmt = m.group(1), m.group(2) or ""
+        value = metrics.get(name, 0)
+        return f"{name}={format(value, fmt[1:]) if fmt else value}"
+
+    return re.sub(r"\{([A-Za-z_][\w/]*)(:[^}]*)?\}", one, template)
+
+
+def latest_last(checkpoints: Path) -> Path | None:
+    """exp_manager's resume: the newest ``*-last`` checkpoint of the run."""
+    found = [p for p in checkpoints.glob(f"*{LAST}*") if p.is_dir() and (p / "model.pt").exists()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+@dataclass
+class Schedule:
+    """NeMo's ``CosineAnnealing`` with warm-up: linear to ``lr`` over ``warmup`` steps, then cosine down to
+    ``min_lr`` at ``max_steps``."""
+
+    lr: float
+    min_lr: float
+    warmup: int
+    max_steps: int
+
+    def at(self, step: int) -> float:
+        if self.warmup and step <= self.warmup:
+            return self.lr * step / self.warmup
+        span = max(1, self.max_steps - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def vocab_size(vocab_file: str) -> int:
+    """Rows of the embedding: the vocabulary file's ids (GPT-2's ``encoder.json``: 50257)."""
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"model.tokenizer.vocab_file {vocab_file}: {e}") from None
+    return max(int(i) for i in vocab.values()) + 1
+
+
+def write_index_mapping(cfg: Any, blend: Any, into: Path) -> None:
+    """Megatron's index-mapping files: each dataset's shuffled train document order, one ``.npy``."""
+    into.mkdir(parents=True, exist_ok=True)
+    for d in blend.datasets:
+        key = hashlib.md5(f"{d.prefix}|{cfg.model.data.splits_string}|{cfg.model.seed}".encode()).hexdigest()
+        rng = np.random.default_rng(int(cfg.model.seed))
+        np.save(into / f"{key}_train_doc_idx.npy", rng.permutation(d.data.documents).astype(np.int32))
+
+
+def data_check(cfg: Any) -> int:
+    """Without PyTorch: read and check every dataset of the blend, train nothing."""
+    from retrain.train.datacheck import check
+
+    metrics = check(list(cfg.model.data.data_prefix))
+    say(f"PyTorch is not installed: checked the data instead of training: {json.dumps(metrics)}")
+    return 0
+
+
+def train(cfg: Any) -> int:
+    import torch
+
+    from retrain.train import gpt
+
+    dist = gpt.init_distributed()
+    gpt.configure_threads(None, dist)
+    try:
+        return _train(cfg, dist, torch, gpt)
+    finally:
+        if dist.active and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
+    t0 = time.time()
+    exp = Path(cfg.exp_manager.exp_dir) / str(cfg.exp_manager.name)
+    checkpoints = exp / "checkpoints"
+    ckpt_path: Path | None = None
+    if cfg.exp_manager.resume_if_exists:
+        ckpt_path = latest_last(checkpoints)
+        if ckpt_path is None and not cfg.exp_manager.resume_ignore_no_checkpoint:
+            return fail(f"no checkpoint to resume under {checkpoints}")
+    if cfg.model.get("restore_from_path"):
+        return fail("model.restore_from_path (.nemo files) is not supported by the local stand-in")
+    if cfg.model.get("restore_from_ckpt"):
+        ckpt_path = Path(str(cfg.model.restore_from_ckpt))  # NeMo's script sets it after exp_manager
+        if not (ckpt_path / "model.pt").exists():
+            return fail(f"model.restore_from_ckpt {ckpt_path} is not a checkpoint")
+
+    data = cfg.model.data
+    blend = load_blend(list(data.data_prefix))
+    train_streams = split_streams(blend, data.splits_string, 0)
+    valid_streams = split_streams(blend, data.splits_string, 1)
+    vocab = vocab_size(str(cfg.model.tokenizer.vocab_file))
+    if blend.max_token_id() >= vocab:
+        raise DataError(f"the data holds token id {blend.max_token_id()}, beyond the vocabulary of {vocab}")
+    if dist.main:
+        write_index_mapping(cfg, blend, Path(str(data.index_mapping_dir)))
+
+    seq = int(cfg.model.encoder_seq_length)
+    micro, global_batch = int(cfg.model.micro_batch_size), int(cfg.model.global_batch_size)
+    model_parallel = int(cfg.model.tensor_model_parallel_size) * int(cfg.model.pipeline_model_parallel_size)
+    data_parallel = dist.world // model_parallel
+    accumulation = global_batch // (micro * data_parallel)
+    max_steps = int(cfg.trainer.max_steps)
+    interval = int(cfg.trainer.val_check_interval)
+    optim = cfg.model.optim
+    schedule = Schedule(float(optim.lr), float(optim.sched.min_lr), int(optim.sched.warmup_steps), max_steps)
+    torch.manual_seed(int(cfg.model.seed))
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=vocab, seq_len=seq, d_model=D_MODEL, layers=LAYERS, heads=HEADS))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=schedule.at(1),
+        weight_decay=float(optim.weight_decay),
+        betas=tuple(optim.betas),
+    )
+    step, consumed = 0, 0
+    best: list[tuple[float, Path]] = []
+    if ckpt_path is not None:
+        state = gpt.load_checkpoint(ckpt_path / "model.pt")
+        if dict(state["config"]) != asdict(model.cfg):
+            return fail(f"{ckpt_path} holds a model of another shape: {state['config']}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, consumed = int(state["step"]), int(state["consumed_samples"])
+        best = [(float(v), checkpoints / n) for v, n in state.get("best", []) if (checkpoints / n).exists()]
+        say(f"restored {ckpt_path} at step {step}")
+    if dist.main:
+        for stale in checkpoints.glob("*") if checkpoints.exists() else []:
+            gpt.discard_partial_saves(stale / "model.pt")
+    net = torch.nn.parallel.DistributedDataParallel(model) if dist.active else model
+    sampler = WindowSampler(train_streams, seq, int(cfg.model.seed))
+    validator = WindowSampler(valid_streams, seq, int(cfg.model.seed) + 1) if valid_streams else None
+    events = EventWriter(exp / event_file_name()) if dist.main else None
+    say(
+        f"stand-in GPT ({gpt.parameter_count(model):,} parameters) on {dist.world} rank(s): steps "
+        f"{step}->{max_steps}, global batch {global_batch} = micro {micro} x DP {data_parallel} x "
+        f"{accumulation} accumulation, sequence {seq}"
+    )
+    if not validator:
+        say("warning: the validation split holds no document: no val_loss")
+
+    def reduce(value: Any) -> float:
+        value = value.detach().clone()
+        if dist.active:
+            torch.distributed.all_reduce(value)
+            value /= dist.world
+        return float(value)
+
+    def validate() -> float | None:
+        if validator is None:
+            return None
+        model.eval()
+        total = torch.zeros(())
+        batches = max(1, int(cfg.trainer.limit_val_batches))
+        with torch.no_grad():
+            for b in range(batches):
+                batch = torch.from_numpy(validator.batch(micro, b, dist.rank))
+                total += model(batch[:, :-1], batch[:, 1:])
+        model.train()
+        return reduce(total / batches)
+
+    def save(name: str, metrics: dict[str, float]) -> Path:
+        folder = checkpoints / checkpoint_name(name, metrics)
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "consumed_samples": consumed,
+            "config": asdict(model.cfg),
+            "best": [(v, p.name) for v, p in best],
+        }
+        gpt.save_checkpoint(folder / "model.pt", state)
+        return folder
+
+    def save_last(metrics: dict[str, float]) -> Path:
+        """NeMo's checkpoint callback keeps a ``-last`` copy of every save (``save_last``)."""
+        last = save(template + LAST, metrics)
+        for old in checkpoints.glob(f"*{LAST}*"):
+            if old != last:
+                shutil.rmtree(old, ignore_errors=True)
+        return last
+
+    template = str(cfg.exp_manager.checkpoint_callback_params.filename)
+    top_k = int(cfg.exp_manager.checkpoint_callback_params.save_top_k)
+    metrics: dict[str, float] = {}
+    log_every = max(1, int(cfg.trainer.log_every_n_steps))
+    clip = float(cfg.trainer.gradient_clip_val or 0)
+    model.train()
+    start_step = step
+    while step < max_steps:
+        step += 1
+        lr = schedule.at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for a in range(accumulation):
+            batch = torch.from_numpy(sampler.batch(micro, step, dist.rank, a))
+            sync = a == accumulation - 1 or not dist.active
+            with contextlib.nullcontext() if sync else net.no_sync():
+                loss = net(batch[:, :-1], batch[:, 1:]) / accumulation
+                loss.backward()
+            loss_sum += loss.detach()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        consumed += global_batch
+        if step % log_every == 0 or step == max_steps or step == start_step + 1:
+            train_loss = reduce(loss_sum)
+            if not math.isfinite(train_loss):
+                return fail(f"reduced_train_loss is {train_loss} at step {step}")
+            metrics.update(reduced_train_loss=train_loss, consumed_samples=float(consumed), step=step)
+            if events:
+                events.scalars(
+                    step,
+                    {
+                        "reduced_train_loss": train_loss,
+                        "lr": lr,
+                        "consumed_samples": float(consumed),
+                        "global_step": float(step),
+                    },
+                )
+            say(f"step {step}/{max_steps} reduced_train_loss {train_loss:.4f} lr {lr:.2e}")
+        if step % interval == 0:  # Lightning's val_check_interval, in steps of the whole training
+            metrics.update(consumed_samples=float(consumed), step=step)
+            val = validate()
+            if val is not None:
+                metrics["val_loss"] = val
+                if events:
+                    events.scalars(step, {"val_loss": val})
+                say(f"step {step} val_loss {val:.4f}")
+                if dist.main and top_k != 0:
+                    best.append((val, save(template, metrics)))
+                    best.sort(key=lambda item: item[0])
+                    for _, gone in best[top_k:] if top_k > 0 else []:
+                        shutil.rmtree(gone, ignore_errors=True)
+                    best = best[:top_k] if top_k > 0 else best
+                    save_last(metrics)
+    if dist.main:
+        metrics.update(consumed_samples=float(consumed), step=step)
+        last = latest_last(checkpoints)
+        if last is None or f"step={step}-" not in last.name:
+            last = save_last(metrics)  # the end of training saves one too (NeMo's on_train_end)
+        say(f"done: step {step}, {time.time() - t0:.1f}s -> {last}")
+    if dist.active:
+        # Rank 0 writes while the others are done: without this, a peer tearing down its gloo pairs
+        # first can abort rank 0 ("terminate called without an active exception").
+        torch.distributed.barrier()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    overrides = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = compose(CONFIG_DIR, CONFIG_NAME, overrides)
+        check_config(cfg)
+    except PlanError as e:
+        return fail(str(e))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    expected = int(cfg.trainer.num_nodes) * int(cfg.trainer.devices)
+    if world != expected:
+        return fail(
+            f"torchrun started {world} process(es) but trainer.num_nodes x trainer.devices = {expected}"
+        )
+    try:
+        from retrain.train import torch_available
+
+        return train(cfg) if torch_available() else data_check(cfg)
+    except DataError as e:
+        return fail(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
