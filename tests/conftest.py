@@ -110,7 +110,7 @@ def serve_function(
 
     started: list[emulators.ManagedProcess] = []
 
-    def serve(target: str, **extra: str) -> ServedFunction:
+    def serve(target: str, signature: str = "cloudevent", **extra: str) -> ServedFunction:
         project = f"fn-{uuid.uuid4().hex[:8]}"
         env = {
             "FIRESTORE_EMULATOR_HOST": firestore_host,
@@ -126,7 +126,7 @@ def serve_function(
             if client.lookup_bucket(bucket) is None:
                 client.create_bucket(bucket)
         log = tmp_path_factory.mktemp(target) / "function.log"
-        proc, url = function_server(target, log, env)
+        proc, url = function_server(target, log, env, signature)
         started.append(proc)
         proc.start()
         return ServedFunction(

@@ -14,6 +14,7 @@ import base64
 import json
 import re
 import shutil
+from collections import ChainMap
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -495,3 +496,30 @@ def test_the_workflows_end_of_run_tick_is_a_scheduler_tick_published_as_pubsub_d
     (message,) = args["body"]["messages"]
     assert set(message) <= set(pubsub["schemas"]["PubsubMessage"]["properties"])
     assert re.fullmatch(method["parameters"]["topic"]["pattern"], local_settings({}).scheduler_topic)
+
+
+# --- GPUDirect-TCPX: the platform's GPU networks, the Network objects and the pods' interfaces --------
+
+
+def test_gpudirect_tcpx_is_built_whole_or_not_at_all() -> None:
+    from retrain.deployment import INFRA, manifest_values
+    from retrain.hcl import Stage
+    from retrain.k8s.manifests import templates
+    from retrain.k8s.render import TCPX_NETWORKS
+
+    on = Deployment()
+    networks = on.platform.output("gpu_networks")
+    assert on.platform.output("gpudirect_tcpx") is True and on.settings().gpudirect_tcpx is True
+    assert len(networks) == len(TCPX_NETWORKS) == 4
+    assert "tcpx.yaml" in templates(on.manifest_values())
+    gke = (INFRA / "platform" / "gke.tf").read_text()
+    assert "enable_multi_networking = var.enable_gpudirect_tcpx" in gke
+    pool = re.search(r'dynamic "additional_node_network_configs" \{\s*for_each\s*=\s*(.+)', gke)
+    assert pool and pool.group(1) == "range(length(google_compute_network.gpu))"  # the pool gets them all
+
+    off = Stage(INFRA / "platform", {"project_id": "p", "enable_gpudirect_tcpx": False})
+    assert off.output("gpudirect_tcpx") is False and off.output("gpu_networks") == []
+    platform_off = ChainMap({"gpu_networks": [], "gpudirect_tcpx": False}, Deployment().platform.outputs())
+    assert "tcpx.yaml" not in templates(manifest_values(platform_off, {}))
+    app = Stage(INFRA / "app", {"project_id": "p", "state_bucket": "s"}, platform=off.outputs())
+    assert app.local("retrain_env")["RETRAIN_GPUDIRECT_TCPX"] == "false"

@@ -63,7 +63,18 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     assert run["status"] == "succeeded", run
     assert run["tokens"] > 10_000 and run["documents"] == 2 and run["objects"] == 2
     assert run["nodes_at_end"] == 0 and run["gpu_node_seconds"] > 0
-    assert run["checkpoint"], run
+    # the nodes stayed up after training until the autoscaler's scale-down delay (600 s / 60 locally)
+    assert 10 <= run["idle_node_seconds"] < run["gpu_node_seconds"], run
+    assert run["checkpoint"].endswith("-last") and "/megatron_gpt/checkpoints/" in run["checkpoint"], run
+    # the exact NeMo command that deploys, its data on the command line (no @file), in the stand-in image
+    command = run["command"]
+    assert command[:2] == ["bash", "-c"] and "megatron_gpt_pretraining.py" in command[2]
+    (data,) = [a for a in command if a.startswith("model.data.data_prefix=[")]
+    assert "@" not in data and data.count("/gcs/") == 2 and "trainer.devices=8" in command
+    assert run["blend"][1].startswith("gs://") and run["blend"][1].replace("gs://", "/gcs/") in data
+    assert run["image"] == "retrain.local/nemo-24.12-standin" and run["profile"] == "nemo-24.12"
+    assert run["base_checkpoint"] is None and run["base_step"] == 0  # the dataset's first run
+    assert run["metrics"]["steps"] == 10 and run["metrics"]["final_loss"] > 0, run
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown
 

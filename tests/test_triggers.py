@@ -91,6 +91,25 @@ def test_sweeper_seals_a_batch_at_max_age_while_data_keeps_arriving(ingest: Inge
     )
 
 
+def test_a_run_the_trainer_would_refuse_is_refused_before_capacity_with_its_reason(ingest: Ingest) -> None:
+    """Impossible batch arithmetic (12 sequences over 8 data-parallel GPUs): the run ends failed with
+    the reason, no workflow execution starts (so no capacity is asked for), and the dataset is free."""
+    ingest.settings = dataclasses.replace(ingest.settings, global_batch_size=12)
+    arrive(ingest, "bad", "1.txt")
+    refused = ingest.seal("bad", "manual")
+    assert refused.action == "refused"
+    run = ingest.ledger.get_run(refused.run_id)
+    assert run is not None and run.status == RunStatus.FAILED and run.execution is None
+    assert run.reason == (
+        "the trainer would refuse this run: global batch size 12 is not divisible by micro batch size 1 x "
+        "data-parallel size 8 = 8 (8 GPUs / (TP 1 x PP 1))"
+    )
+    assert run.nodes_at_end == 0
+    ingest.settings = dataclasses.replace(ingest.settings, global_batch_size=16)
+    arrive(ingest, "bad", "2.txt")
+    assert ingest.seal("bad", "manual").action == "started"  # the refused run holds nothing up
+
+
 def test_one_run_at_a_time_per_dataset(ingest: Ingest) -> None:
     arrive(ingest, "d", "1.txt")
     first = ingest.seal("d", "manual")

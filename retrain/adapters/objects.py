@@ -14,6 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
 
+from google.api_core.exceptions import NotFound
+
 from retrain.ports import ObjectInfo
 
 GS = "gs://"
@@ -63,8 +65,12 @@ def _blob(uri: str) -> Any:
 
 
 def read_bytes(uri: str) -> bytes:
+    """The object's bytes; FileNotFoundError when there is no such object (GCS's 404 included)."""
     if is_gcs(uri):
-        return bytes(_blob(uri).download_as_bytes())
+        try:
+            return bytes(_blob(uri).download_as_bytes())
+        except NotFound:
+            raise FileNotFoundError(f"no object {uri}") from None
     return Path(uri).read_bytes()
 
 

@@ -1,0 +1,70 @@
+"""The workflow's Kubernetes helpers (workflows/retrain.yaml's kube_create and kube_delete) in retrain's
+interpreter, against the real API server through the gke.request binding: a create retried after a lost
+response finds its object (409 AlreadyExists) and counts as created; a delete of what is gone is fine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from retrain.local.connectors import KubeEndpoint, gke_request_binding
+from retrain.local.envtest import ControlPlane
+from retrain.workflows import ConnectorRegistry, load_workflow
+
+pytestmark = pytest.mark.envtest
+WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
+
+
+def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: str) -> None:
+    source = yaml.safe_load(WORKFLOW.read_text())
+    path = f"/api/v1/namespaces/{namespace}/podtemplates"
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "twice"},
+        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
+    }
+    source["main"] = {
+        "params": ["run"],
+        "steps": [
+            {
+                "first": {
+                    "call": "kube_create",
+                    "args": {"run": "${run}", "path": path, "body": body},
+                    "result": "a",
+                }
+            },
+            {
+                "again": {
+                    "call": "kube_create",
+                    "args": {"run": "${run}", "path": path, "body": body},
+                    "result": "b",
+                }
+            },
+            {
+                "drop": {
+                    "call": "kube_delete",
+                    "args": {"run": "${run}", "path": path + "/twice"},
+                    "result": "c",
+                }
+            },
+            {
+                "gone": {
+                    "call": "kube_delete",
+                    "args": {"run": "${run}", "path": path + "/twice"},
+                    "result": "d",
+                }
+            },
+            {"done": {"return": ["${a}", "${b}", "${c}", "${d}"]}},
+        ],
+    }
+    registry = ConnectorRegistry()
+    registry.register(
+        "gke.request", gke_request_binding(KubeEndpoint.from_kubeconfig(control_plane.kubeconfig))
+    )
+    run = {"project": "p", "region": "r", "cluster": "c"}
+    result = load_workflow(yaml.safe_dump(source)).run(run, connectors=registry)
+    assert result == ["created", "exists", "deleted", "absent"]

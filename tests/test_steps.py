@@ -1,0 +1,198 @@
+"""The workflow's steps in Python (retrain.steps, the run_step function) against the Firestore and GCS
+emulators: handover turns the tokenize report into the trainer's command and JobSet, results turns what
+the trainer wrote into the record's metrics and checkpoint and promotes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from retrain import config
+from retrain.adapters import objects
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.contracts import StepName, StepRequest
+from retrain.domain.errors import Rejected
+from retrain.domain.runs import Champion, Run
+from retrain.plan import training_plan
+from retrain.steps import Steps
+from retrain.tensorboard import EventWriter
+
+pytestmark = pytest.mark.emulators
+
+
+@pytest.fixture
+def steps(firestore_host: str, gcs_host: str, project: str) -> Steps:
+    settings = dataclasses.replace(config.load({}), project=project, artifacts_bucket=f"art-{project}")
+    objects.storage_client().create_bucket(settings.artifacts_bucket)
+    return Steps(settings, FirestoreLedger(project), objects)
+
+
+def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = None) -> dict[str, Any]:
+    """A run record in the ledger, and its training plan as the workflow argument carries it."""
+    run = Run(run_id=f"{dataset}-{uuid.uuid4().hex[:8]}", dataset=dataset, trigger="manual")
+    steps.ledger.db.collection("runs").document(run.run_id).set(run.to_dict())  # type: ignore[attr-defined]
+    return training_plan(steps.settings, run.run_id, champion).to_dict()
+
+
+def request(step: StepName, plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"step": str(step), "run_id": plan["run_id"], "training": plan, **extra}
+
+
+def write_report(plan: dict[str, Any], **override: Any) -> None:
+    art = plan["output_dir"].split("/")[2]
+    report = {
+        "documents": 3,
+        "tokens": 900,
+        "quarantined": 0,
+        "input_records": 3,
+        "bytes": 4000,
+        "seconds": 1.0,
+        "new_objects": 2,
+        "reused_objects": 0,
+        "tokenized": {},
+        "shards": [],
+        "data_prefix_blend": [
+            0.25,
+            f"gs://{art}/shards/aa/data_text_document",
+            0.75,
+            f"gs://{art}/shards/bb/data_text_document",
+        ],
+        "tokenizer": {
+            "type": "GPT2BPETokenizer",
+            "vocab_file": f"gs://{art}/shards/_tokenizer/f/vocab.json",
+            "merge_file": f"gs://{art}/shards/_tokenizer/f/merges.txt",
+        },
+        **override,
+    }
+    objects.write_bytes(f"{plan['output_dir']}/tokenize_report.json", json.dumps(report).encode())
+
+
+def test_handover_renders_the_command_from_the_report_and_records_it(steps: Steps) -> None:
+    plan = new_run(steps)
+    write_report(plan)
+    answer = steps.handle(request(StepName.HANDOVER, plan, callback_url="https://cb/1"))
+    art = steps.settings.artifacts_bucket
+    shards = f"/gcs/{art}/shards"
+    blend = f"[0.25,{shards}/aa/data_text_document,0.75,{shards}/bb/data_text_document]"
+    assert f"model.data.data_prefix={blend}" in answer["command"]
+    assert f"model.tokenizer.vocab_file=/gcs/{art}/shards/_tokenizer/f/vocab.json" in answer["command"]
+    assert not any(a.startswith("model.restore_from_ckpt=") for a in answer["command"])  # a first run
+    jobset = answer["jobset"]
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert [*container["command"], *container["args"]] == answer["command"]
+    assert jobset["metadata"]["annotations"]["retrain.dev/callback-url"] == "https://cb/1"
+    record = steps.ledger.get_run(plan["run_id"])
+    assert record is not None and record.command == answer["command"] and record.image == steps.settings.image
+    assert record.blend == [
+        0.25,
+        f"gs://{art}/shards/aa/data_text_document",
+        0.75,
+        f"gs://{art}/shards/bb/data_text_document",
+    ]
+    assert record.profile == "nemo-24.12"
+
+
+@pytest.mark.parametrize(
+    ("report", "complaint"),
+    [
+        ({"data_prefix_blend": []}, "empty blend"),
+        (
+            {"tokenizer": {"type": "HuggingFaceTokenizer", "tokenizer_json": "gs://x/t.json"}},
+            "HuggingFaceTokenizer",
+        ),
+    ],
+)
+def test_handover_refuses_data_the_trainer_cannot_take(
+    steps: Steps, report: dict[str, Any], complaint: str
+) -> None:
+    plan = new_run(steps)
+    write_report(plan, **report)
+    with pytest.raises(Rejected, match=complaint):
+        steps.handle(request(StepName.HANDOVER, plan))
+
+
+def test_handover_without_a_report_says_so(steps: Steps) -> None:
+    plan = new_run(steps)
+    with pytest.raises(Rejected, match="cannot read the tokenize report"):
+        steps.handle(request(StepName.HANDOVER, plan))
+
+
+def upload_outputs(plan: dict[str, Any], tmp_path: Path, *, events: bool) -> str:
+    """What NeMo leaves under <exp_dir>/megatron_gpt: checkpoint folders and (optionally) events."""
+    run_dir = f"{plan['output_dir']}/megatron_gpt"
+    for name in (
+        "megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0",
+        "megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0-last",
+    ):
+        objects.write_bytes(f"{run_dir}/checkpoints/{name}/common.pt", b"weights")
+    if events:
+        writer = EventWriter(tmp_path / "events.out.tfevents.1.host.1.0")
+        for step in (10, 60):
+            writer.scalars(step, {"reduced_train_loss": 9.0 - step / 10, "consumed_samples": step * 8.0})
+        writer.scalars(60, {"val_loss": 3.1})
+        objects.upload_file(writer.path, f"{run_dir}/{writer.path.name}")
+    return f"{run_dir}/checkpoints/megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0-last"
+
+
+def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: Steps, tmp_path: Path) -> None:
+    plan = new_run(steps, "results")
+    last = upload_outputs(plan, tmp_path, events=True)
+    answer = steps.handle(request(StepName.RESULTS, plan))
+    assert answer["checkpoint"] == last and answer["promoted"] is True and answer["reason"] == ""
+    metrics = answer["metrics"]
+    assert metrics == {
+        "steps": 60,
+        "run_steps": 60,
+        "final_loss": 3.0,
+        "val_loss": pytest.approx(3.1),
+        "consumed_samples": 480,
+        "tokens_seen": 480 * steps.settings.seq_length,
+    }
+    record = steps.ledger.get_run(plan["run_id"])
+    assert record is not None and record.checkpoint == last and record.metrics == answer["metrics"]
+    champion = steps.ledger.champion("results")
+    assert champion == Champion(plan["run_id"], last, 60, pytest.approx(3.1))
+    assert steps.handle(request(StepName.RESULTS, plan))["promoted"] is True  # a retried step: same answer
+    # the next run continues from it
+    nxt = training_plan(steps.settings, "results-next", champion)
+    assert (nxt.base_checkpoint, nxt.base_step, nxt.final_step) == (
+        last,
+        60,
+        60 + steps.settings.steps_per_run,
+    )
+
+
+def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, tmp_path: Path) -> None:
+    plan = new_run(steps, "quiet")
+    last = upload_outputs(plan, tmp_path, events=False)
+    answer = steps.handle(request(StepName.RESULTS, plan))
+    assert answer["metrics"] is None and answer["checkpoint"] == last
+    assert "no TensorBoard events under" in answer["reason"]
+    record = steps.ledger.get_run(plan["run_id"])
+    assert record is not None and record.reason == answer["reason"] and str(record.status) == "pending"
+
+
+def test_malformed_requests_are_rejected_with_the_reason() -> None:
+    for body, complaint in (
+        ([], "JSON object"),
+        ({"step": "train", "run_id": "r", "training": {}}, "unknown step"),
+        ({"step": "results", "run_id": "r"}, "required"),
+        ({"step": "results", "run_id": "r", "training": {}, "extra": 1}, "unknown field"),
+    ):
+        with pytest.raises(Rejected, match=complaint):
+            StepRequest.parse(body)
+
+
+def test_the_function_answers_400_with_the_reason(serve_function: Any) -> None:
+    fn = serve_function("run_step", signature="http")
+    bad = requests.post(
+        fn.url, json={"step": "handover", "run_id": "r1", "training": {"run_id": "r1"}}, timeout=30
+    )
+    assert bad.status_code == 400 and "not a training plan" in bad.json()["error"]
+    assert requests.get(fn.url, timeout=30).status_code == 405
