@@ -111,8 +111,29 @@ def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -
         time.sleep(1)
 
 
-def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str) -> str:
-    """Ask a run to stop through its callback channel: its workflow then releases every GPU itself."""
+def operator_identity(cloud: bool = False) -> str:
+    """Who is asking: against a deployment, the Google account of the Application Default Credentials;
+    on the local stack (where no Google credentials are looked for), the local user."""
+    import getpass
+
+    if cloud:
+        import google.auth
+
+        credentials, _ = google.auth.default()
+        email = getattr(credentials, "service_account_email", None) or getattr(credentials, "account", "")
+        if email and email != "default":
+            return str(email)
+    return f"{getpass.getuser()} (local)"
+
+
+def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str, ingest: Any = None) -> str:
+    """Ask a run to stop through its callback channel: its workflow then releases every GPU itself.
+
+    A run whose execution no longer exists is recorded as failed ("execution lost") and what it left
+    in the cluster is reaped (with ``ingest``), instead of refusing: nothing else would stop it."""
+    from retrain.domain.errors import ExecutionLost
+    from retrain.ingest import record_silent_end
+
     run = ledger.get_run(run_id)
     if run is None:
         raise RuntimeError(f"no run {run_id}")
@@ -120,7 +141,15 @@ def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str) -> st
         raise RuntimeError(f"run {run_id} already ended: {run.status}")
     if not run.callback_url:
         raise RuntimeError(f"run {run_id} has not started its workflow yet; try again in a moment")
-    code = executions.send_callback(run.callback_url, {"state": "Cancelled", "reason": reason})
+    try:
+        executions.get(run.execution)
+    except ExecutionLost:
+        record_silent_end(ledger, executions, run)
+        if ingest is not None:
+            ingest.reap()
+        return f"run {run_id}'s execution no longer exists: recorded as failed, its capacity reaped"
+    payload = {"state": "Cancelled", "reason": reason, "requested_by": operator_identity()}
+    code = executions.send_callback(run.callback_url, payload)
     if code >= 300:
         raise RuntimeError(f"the run's workflow did not take the cancel (HTTP {code})")
     return f"cancel requested for {run_id}; the run releases its capacity and ends as cancelled"
@@ -132,7 +161,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     settings = stack_settings()
     attach(settings)
     executions = _executions(settings)
-    _say(request_cancel(_ledger(settings), executions, args.run_id, args.reason))
+    from retrain import composition
+
+    _say(
+        request_cancel(_ledger(settings), executions, args.run_id, args.reason, composition.ingest(settings))
+    )
     return 0
 
 
@@ -188,14 +221,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stack_alive(path: Path) -> int | None:
+    """The pid of the stack that wrote ``path`` when it still runs, else None."""
+    from retrain.local.stack import Endpoints
+
+    try:
+        pid = Endpoints.load(path).pid
+    except FileNotFoundError:
+        return None
+    return pid if _pid_alive(pid) else None
+
+
+def _clean_up_after_a_crash(state_dir: Path) -> None:
+    """Stop what a stack that died left running (recorded in its process registry)."""
+    from retrain.local.processes import stop_recorded
+    from retrain.local.stack import PROCESS_REGISTRY
+
+    stopped = stop_recorded(state_dir / PROCESS_REGISTRY)
+    if stopped:
+        names = ", ".join(sorted({p.name.split(" ")[0] for p in stopped}))
+        _say(f"stopped {len(stopped)} process(es) the stack had left running ({names})")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from retrain.local.stack import stack_file
 
     settings = stack_settings()
     path = stack_file(settings)
     if path.exists():
-        _say(f"a local stack is already up ({path}); `retrain down` first")
-        return 1
+        pid = _stack_alive(path)
+        if pid is not None:
+            _say(f"a local stack is already up (pid {pid}, {path}); `retrain down` first")
+            return 1
+        _say(f"the last local stack (of {path}) is gone without stopping: cleaning up after it")
+        _clean_up_after_a_crash(path.parent)
+        path.unlink(missing_ok=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.parent / "stack.log"
     with open(log, "wb") as out:
@@ -220,27 +288,29 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from retrain.local.stack import Endpoints, stack_file
+    """Stop the background stack, and whatever it started even if it died without stopping it."""
+    from retrain.local.stack import stack_file
 
     path = stack_file(stack_settings())
-    if not path.exists():
-        _say("no local stack is running")
-        return 0
-    pid = Endpoints.load(path).pid
-    try:
+    pid = _stack_alive(path) if path.exists() else None
+    if pid is not None:
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        path.unlink(missing_ok=True)
-        return 0
-    for _ in range(600):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        deadline = time.monotonic() + 90
+        while _pid_alive(pid):
+            if time.monotonic() > deadline:
+                _say(f"the stack (pid {pid}) did not stop in 90 s: stopping what it started")
+                os.kill(pid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        else:
             _say("local stack stopped")
-            return 0
-        time.sleep(0.1)
-    _say(f"stack (pid {pid}) did not stop in 60s")
-    return 1
+    elif path.exists():
+        _say(f"the local stack (of {path}) is gone without stopping: cleaning up after it")
+    else:
+        _say("no local stack is running")
+    _clean_up_after_a_crash(path.parent)
+    path.unlink(missing_ok=True)
+    return 0
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
@@ -249,14 +319,20 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
     settings = stack_settings()
     ep = attach(settings)
-    drop(
-        settings,
-        ep.ingest_function,
-        data_files([Path(p) for p in args.files]),
-        dataset=args.dataset,
-        seal=not args.no_seal,
-        progress=_say,
-    )
+    try:
+        dropped = drop(
+            settings,
+            ep.ingest_function,
+            data_files([Path(p) for p in args.files]),
+            dataset=args.dataset,
+            seal=not args.no_seal,
+            progress=_say,
+        )
+    except ValueError as e:
+        _say(f"error: {e}; nothing was dropped")
+        return 2
+    if dropped.queued:
+        _say(f"{dropped.queued} event(s) wait for the function: they are delivered again until it answers")
     return 0
 
 
@@ -303,6 +379,20 @@ DELEGATES = {
     ),
     "deploy": ("retrain.deploy", "plan and apply the Terraform stages (bootstrap, platform, app)"),
 }
+
+
+#: Delegated commands that work on the local stack as on a deployment: pointed at the stack when one runs.
+LOCAL_AWARE = ("reap",)
+
+
+def _attach_if_a_local_stack_runs() -> None:
+    from retrain.local.stack import attach, stack_file
+
+    settings = stack_settings()
+    if stack_file(settings).exists() and _stack_alive(stack_file(settings)) is not None:
+        attach(settings)
+        for key, value in config.to_env(settings).items():
+            os.environ.setdefault(key, value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,11 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATES:
         import importlib
 
+        if argv[0] in LOCAL_AWARE:
+            _attach_if_a_local_stack_runs()
         return int(importlib.import_module(DELEGATES[argv[0]][0]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except (RuntimeError, FileNotFoundError, TimeoutError) as e:
+    except (RuntimeError, FileNotFoundError, TimeoutError, ValueError) as e:
         _say(f"error: {e}")
         return 1
 

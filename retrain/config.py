@@ -107,6 +107,9 @@ class Settings:
     release_timeout_s: int = 1200
     """How long the release waits for the pool's nodes to be gone (the autoscaler removes unneeded nodes
     after 10 minutes by default)."""
+    completion_check_s: float = 300.0
+    """The training wait reads the JobSet itself this often, completion message or not: a lost message
+    costs at most this long."""
     poll_interval_s: float = 30.0
     """Seconds between the workflow's polls of a Dataflow job or a ProvisioningRequest (a day of polling
     stays far inside Workflows' 100,000 steps per execution)."""

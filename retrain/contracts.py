@@ -179,6 +179,8 @@ class WorkflowArgument:
     """How long the release waits for the pool's nodes to be gone."""
     poll_interval_s: float
     """Seconds between polls of the Dataflow job and the ProvisioningRequest."""
+    completion_check_s: float
+    """The training wait reads the JobSet itself at least this often (a completion message is a hint)."""
     price_per_node_hour: float
     """USD per node-hour, for the record's cost."""
     ticks_topic: str
@@ -356,7 +358,8 @@ class JobSetCompletion:
 
 @dataclass(frozen=True)
 class CallbackPayload:
-    """The body POSTed to a run's callback endpoint; the workflow's waits read ``state`` and ``reason``."""
+    """The body POSTed to a run's callback endpoint.  A completion is a hint the workflow confirms from the
+    JobSet's own status; a ``Cancelled`` one is the operator's (``retrain cancel``)."""
 
     state: CompletionState
     """How training ended, or ``Cancelled``."""
@@ -374,6 +377,8 @@ class CallbackPayload:
     """When the JobSet was created."""
     finish_time: str | None = None
     """When it finished."""
+    requested_by: str = ""
+    """For a cancel: who asked (the operator's identity, recorded in the run's reason)."""
 
     @classmethod
     def of(cls, completion: JobSetCompletion) -> CallbackPayload:

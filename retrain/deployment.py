@@ -49,6 +49,7 @@ SCALED_PERIODS = (
     "tokenize_timeout_s",
     "release_timeout_s",
     "poll_interval_s",
+    "completion_check_s",
 )
 #: What the local stack plays differently, and why: the training image is its stand-in (the same
 #: command, run by the cluster twin as local processes; ``retrain.local.images``), and sequences are

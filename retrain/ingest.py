@@ -14,22 +14,24 @@ import fnmatch
 import logging
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from retrain.config import DATASET_RE, Settings
 from retrain.contracts import CallbackPayload, JobSetCompletion, RunManifest, SchedulerJob, SchedulerTick
 from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
-from retrain.domain.errors import PlanError, Rejected, Retry
+from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
 from retrain.plan import manifest_object, workflow_argument
 from retrain.ports import (
     ArrivalStatus,
     Cluster,
+    ExecutionState,
     Ledger,
     ObjectStore,
     Orchestrator,
@@ -66,6 +68,8 @@ class Action(StrEnum):
     """Nothing new: every object's content trained before or is in the live or pending run."""
     REFUSED = "refused"
     """The trainer would refuse the run as planned (its record says why): no capacity was requested."""
+    ERROR = "error"
+    """Handling this item failed (logged); the round went on, and the next one retries it."""
     RECORDED_FAILURE = "recorded-failure"
     """A run whose execution ended without an outcome was recorded as failed."""
     RELAYED = "relayed"
@@ -84,20 +88,29 @@ class Outcome:
 
 
 def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> Outcome | None:
-    """Record as failed a run whose workflow execution ended (a crash, a hard cancel) without
-    writing its outcome; None while the execution is active or the record is already final."""
-    execution = orchestrator.get(str(run.execution))
-    state = execution.get("state")
-    if state not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+    """Record as failed a run whose workflow execution ended (a crash, a hard cancel) without writing
+    its outcome, or no longer exists at all (the executions service lost it); None while the execution
+    is active or the record is already final."""
+    try:
+        execution = orchestrator.get(str(run.execution))
+    except ExecutionLost:
+        execution = {"state": str(ExecutionState.LOST)}
+    state = ExecutionState(execution.get("state", ExecutionState.STATE_UNSPECIFIED))
+    if not state.ended:
         return None
     current = ledger.get_run(run.run_id)  # re-read: the workflow writes its outcome before it ends
     if current is None or current.status.terminal:
         return None
-    error = (execution.get("error") or {}).get("payload")
-    reason = f"workflow execution ended {state} without recording an outcome" + (
-        f": {error}" if error else ""
+    if state == ExecutionState.LOST:
+        reason = f"execution lost: {run.execution} no longer exists (nothing will release its capacity)"
+    else:
+        error = (execution.get("error") or {}).get("payload")
+        reason = f"workflow execution ended {state} without recording an outcome" + (
+            f": {error}" if error else ""
+        )
+    ledger.update_run(
+        run.run_id, {"status": str(RunStatus.FAILED), "reason": reason, "finished_at": now_iso()}
     )
-    ledger.update_run(run.run_id, {"status": str(RunStatus.FAILED), "reason": reason})
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
 
 
@@ -253,6 +266,9 @@ class Ingest:
         """Seal the dataset's pending arrivals and start their run (or queue it behind the live one)."""
         return self._started(self.ledger.seal(dataset, trigger))
 
+    def _materialized(self, batch_id: str) -> Outcome:
+        return self._started(self.ledger.materialize(batch_id))
+
     def _started(self, sealed: SealOutcome) -> Outcome:
         if sealed.verdict == SealVerdict.NOTHING_PENDING:
             return Outcome(Action.NOTHING_TO_SEAL, sealed.reason)
@@ -347,39 +363,70 @@ class Ingest:
 
     def sweep(self, now: datetime | None = None) -> list[Outcome]:
         """What a timer must do, in order: seal quiet or old batches, finish seals and starts a crash
-        cut short, record executions that died without an outcome, and start queued runs."""
+        cut short, record executions that died without an outcome (and reap what they left), and start
+        queued runs.  Each item is handled on its own: one failure is logged, and the round goes on."""
         now = now or datetime.now(UTC)
         s = self.settings
         stuck_before, quiet_before, old_before = (
             iso(now - timedelta(seconds=x)) for x in (s.stuck_after_s, s.quiet_period_s, s.max_batch_age_s)
         )
         outcomes: list[Outcome] = []
+
+        def each(what: str, fn: Callable[[], Outcome | None]) -> Outcome | None:
+            try:
+                outcome = fn()
+            except Exception as e:  # the next round retries it; this one goes on
+                log.exception("sweep: %s failed", what)
+                outcome = Outcome(Action.ERROR, f"{what}: {type(e).__name__}: {e}")
+            if outcome is not None:
+                outcomes.append(outcome)
+            return outcome
+
         for pending in self.ledger.pending():
             if pending.last_arrival_at < quiet_before:
-                outcomes.append(self.seal(pending.dataset, "quiet-period"))
+                each(f"seal {pending.dataset}", partial(self.seal, pending.dataset, "quiet-period"))
             elif pending.first_arrival_at < old_before:
-                outcomes.append(self.seal(pending.dataset, "max-age"))
+                each(f"seal {pending.dataset}", partial(self.seal, pending.dataset, "max-age"))
         for batch in self.ledger.batches_in(BatchState.SEALED):
             if batch.get("sealed_at", "") < stuck_before:
-                outcomes.append(self._started(self.ledger.materialize(batch["batch_id"])))
+                each(f"batch {batch['batch_id']}", partial(self._materialized, batch["batch_id"]))
+        ended = False
         live = (RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING, RunStatus.PENDING)
         for run in self.ledger.runs_in(*live):
-            if run.execution and (ended := record_silent_end(self.ledger, self.orchestrator, run)):
-                outcomes.append(ended)
+            if run.execution:
+                silent = each(
+                    f"run {run.run_id}", partial(record_silent_end, self.ledger, self.orchestrator, run)
+                )
+                ended |= silent is not None and silent.action == Action.RECORDED_FAILURE
+        if ended and self.cluster is not None:
+            each("reaping what ended runs left", self.reap)  # their JobSets and capacity go now
         for run in self.ledger.runs_in(RunStatus.PENDING):
             # queued behind a finished run, or orphaned by a crash (a start claimed moments ago is left
             # to its starter: claim_start says so)
             if not run.execution:
-                outcomes.append(self.start(run))
+                each(f"start {run.run_id}", partial(self.start, run))
         return outcomes
 
     # --- completions ---
 
     def on_jobset_event(self, message: Mapping[str, Any]) -> Outcome:
-        """Relay a JobSet terminal state (a :class:`JobSetCompletion` from the notifier) to the run's
-        workflow callback (as a :class:`CallbackPayload`)."""
+        """Relay a JobSet terminal state (a :class:`JobSetCompletion` from the notifier) to its run's
+        workflow callback (as a :class:`CallbackPayload`), once confirmed: the message must name a live
+        run, that run's own callback, and a JobSet that exists, carries the run's label and the message's
+        uid, and has the terminal state the message says.  Anything else is Rejected with its reason
+        (the workflow confirms again from the JobSet before acting: a message is only ever a hint)."""
         completion = JobSetCompletion.parse(message)
-        url = str(completion.callback_url)
+        run = self.ledger.get_run(completion.run_id)
+        if run is None:
+            raise Rejected(f"JobSet event names run {completion.run_id!r}, which does not exist")
+        if run.status.terminal:
+            return Outcome(Action.IGNORED, f"run {run.run_id} already ended {run.status}", run.run_id)
+        if not run.callback_url:
+            raise Rejected(f"run {run.run_id} has no callback endpoint")
+        if completion.callback_url and completion.callback_url != run.callback_url:
+            raise Rejected(f"JobSet event names a callback that is not run {run.run_id}'s")
+        self._confirm(completion)
+        url = run.callback_url
         try:
             status = self.orchestrator.send_callback(url, CallbackPayload.of(completion).to_dict())
         except ValueError as e:
@@ -390,3 +437,16 @@ class Ingest:
         if status >= 300:
             raise Retry(f"callback {url} answered {status}")
         return Outcome(Action.RELAYED, str(completion.state), completion.run_id)
+
+    def _confirm(self, completion: JobSetCompletion) -> None:
+        """The JobSet the message names is the run's, and in the state the message says; else Rejected."""
+        if self.cluster is None:
+            raise Retry("confirming a completion needs the cluster, and none is configured")
+        ref = completion.jobset
+        if ref.namespace and ref.namespace != self.settings.namespace:
+            raise Rejected(f"JobSet {ref.name} is in namespace {ref.namespace!r}, not retrain's")
+        problem = self.cluster.confirm_completion(
+            self.settings.namespace, ref.name, ref.uid, completion.run_id, str(completion.state)
+        )
+        if problem:
+            raise Rejected(problem)

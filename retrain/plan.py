@@ -153,6 +153,7 @@ def workflow_argument(settings: Settings, run: Run, champion: Champion | None) -
         train_timeout_s=settings.train_timeout_s,
         release_timeout_s=settings.release_timeout_s,
         poll_interval_s=settings.poll_interval_s,
+        completion_check_s=settings.completion_check_s,
         price_per_node_hour=settings.price_per_node_hour,
         ticks_topic=settings.scheduler_topic,
     )

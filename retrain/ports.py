@@ -126,10 +126,15 @@ class Ledger(Protocol):
 
 
 class Cluster(Protocol):
-    """The GKE cluster, for what must happen there on a schedule (the reaper)."""
+    """The GKE cluster: the reaper's work, and the confirmation of a JobSet's completion."""
 
     def reap(self, runs: RunLookup) -> dict[str, Any]:
         """Delete the training objects no live run owns; the report (what went, what stayed, nodes up)."""
+        ...
+
+    def confirm_completion(self, namespace: str, name: str, uid: str, run_id: str, state: str) -> str | None:
+        """None when JobSet ``name`` exists with ``uid``, carries run ``run_id``'s label and is in terminal
+        ``state``; otherwise why not."""
         ...
 
 
@@ -137,6 +142,29 @@ class RunLookup(Protocol):
     """The part of :class:`Ledger` the reaper needs."""
 
     def get_run(self, run_id: str) -> Run | None: ...
+
+
+class ExecutionState(StrEnum):
+    """A workflow execution's state, as the Executions API names it, and LOST for one it no longer has."""
+
+    STATE_UNSPECIFIED = "STATE_UNSPECIFIED"
+    QUEUED = "QUEUED"
+    ACTIVE = "ACTIVE"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOST = "LOST"
+    """The Executions API answers 404: nothing will record the run's outcome or release its capacity."""
+
+    @property
+    def ended(self) -> bool:
+        return self in (
+            ExecutionState.SUCCEEDED,
+            ExecutionState.FAILED,
+            ExecutionState.CANCELLED,
+            ExecutionState.LOST,
+        )
 
 
 class Orchestrator(Protocol):

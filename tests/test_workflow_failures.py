@@ -4,6 +4,7 @@ ends with a reason, no JobSet, no ProvisioningRequest and zero GPU nodes."""
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import json
 import time
 import uuid
@@ -119,7 +120,8 @@ def test_cancel_while_waiting_for_capacity(stack: LocalStack, tmp_path: Path) ->
         time.sleep(0.2)
     request_cancel(ledger, executions, run.run_id, "operator said stop")
     ended = follow(ledger, run.run_id, 120, executions)
-    assert ended.status == "cancelled" and ended.reason == "cancelled: operator said stop"
+    assert ended.status == "cancelled"
+    assert ended.reason == f"cancelled by {getpass.getuser()} (local): operator said stop"  # who asked
     assert ended.nodes_at_end == 0 and stack.twin.node_names() == []
     with pytest.raises(RuntimeError, match="already ended"):
         request_cancel(ledger, executions, run.run_id, "again")

@@ -60,6 +60,7 @@ locals {
     RETRAIN_TOKENIZE_TIMEOUT_S  = tostring(var.tokenize_timeout_s)
     RETRAIN_RELEASE_TIMEOUT_S   = tostring(var.release_timeout_s)
     RETRAIN_POLL_INTERVAL_S     = tostring(var.poll_interval_s)
+    RETRAIN_COMPLETION_CHECK_S  = tostring(var.completion_check_s)
 
     RETRAIN_DATAFLOW_TEMPLATE         = local.dataflow_template_path
     RETRAIN_DATAFLOW_TEMP_LOCATION    = local.dataflow_temp_location

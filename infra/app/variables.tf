@@ -345,6 +345,12 @@ variable "release_timeout_s" {
   default     = 1200
 }
 
+variable "completion_check_s" {
+  type        = number
+  description = "The training wait reads the JobSet's status itself this often, completion message or not (RETRAIN_COMPLETION_CHECK_S): a lost message costs at most this long."
+  default     = 300
+}
+
 variable "poll_interval_s" {
   type        = number
   description = "Seconds between the workflow's polls of a Dataflow job, a ProvisioningRequest and the pool's nodes (RETRAIN_POLL_INTERVAL_S); a day of polling stays far inside Workflows' steps-per-execution limit."

@@ -1,4 +1,5 @@
-"""The GKE cluster's Kubernetes API, for the reaper run by the Scheduler's ``reaper`` job.
+"""The GKE cluster's Kubernetes API: the reaper run by the Scheduler's ``reaper`` job, and the relay's
+confirmation that a completion message is true.
 
 Where the API is: ``$KUBECONFIG`` when set (the local stack's envtest control plane), else the
 cluster's DNS-based control-plane endpoint (``RETRAIN_CLUSTER_ENDPOINT``, the platform stage's
@@ -55,3 +56,31 @@ class GkeCluster:
         finally:
             api.close()
         return report.to_dict()
+
+    def confirm_completion(self, namespace: str, name: str, uid: str, run_id: str, state: str) -> str | None:
+        from kubernetes import client
+        from kubernetes.client import ApiException
+
+        from retrain.k8s.notifier import terminal_state
+        from retrain.k8s.render import JOBSET_API, RUN_ID_LABEL, label_value
+
+        group, version = JOBSET_API.split("/")
+        api = self.api_client()
+        objects: Any = client.CustomObjectsApi(api)
+        try:
+            jobset: dict[str, Any] = objects.get_namespaced_custom_object(
+                group, version, namespace, "jobsets", name
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return f"JobSet {name} does not exist"
+            raise
+        finally:
+            api.close()
+        meta = jobset.get("metadata") or {}
+        if meta.get("uid") != uid or (meta.get("labels") or {}).get(RUN_ID_LABEL) != label_value(run_id):
+            return f"JobSet {name} is not run {run_id}'s (its label or uid differ)"
+        terminal = terminal_state(jobset)
+        if terminal is None or terminal[0] != state:
+            return f"JobSet {name} is {terminal[0] if terminal else 'not finished'}, not {state}"
+        return None

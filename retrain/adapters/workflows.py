@@ -15,6 +15,8 @@ from urllib.parse import urlparse
 
 import requests
 
+from retrain.domain.errors import ExecutionLost
+
 CLOUD_ENDPOINT = "https://workflowexecutions.googleapis.com"
 
 
@@ -55,7 +57,10 @@ class WorkflowsExecutions:
         return str(resp.json()["name"])
 
     def get(self, execution: str) -> dict[str, Any]:
+        """The execution's resource; ExecutionLost when there is no such execution (404)."""
         resp = self.session().get(f"{self.endpoint}/v1/{execution}", timeout=30)
+        if resp.status_code == 404:
+            raise ExecutionLost(execution)
         resp.raise_for_status()
         return dict(resp.json())
 

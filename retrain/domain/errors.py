@@ -20,3 +20,8 @@ class PlanError(ValueError):
     """A run planned so that its trainer would refuse it (impossible batch arithmetic, an override its
     configuration does not have, data it cannot read): refused before any capacity is requested; the
     message says why and goes into the run record."""
+
+
+class ExecutionLost(LookupError):
+    """A run's workflow execution no longer exists (the Executions API answers 404): nothing will ever
+    record its outcome or release its capacity, so the sweeper does both."""

@@ -64,11 +64,29 @@ def check_object_name(name: object) -> str:
         raise Rejected("object name contains control characters")
     if name.startswith("/") or any(part in ("..", ".") for part in name.split("/")):
         raise Rejected("object name contains '.' or '..' segments or a leading '/'")
+    if name.endswith("/"):
+        raise Rejected("object name ends with '/': a folder placeholder, not data")
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise Rejected("object name is not valid UTF-8") from None
     return name
+
+
+def encode_header_value(value: str) -> str:
+    """A CloudEvents attribute as an HTTP header value: percent-encoded UTF-8 outside printable ASCII,
+    and space, double quote and percent (CloudEvents HTTP protocol binding, "HTTP Header Values")."""
+    out = []
+    for byte in value.encode("utf-8"):
+        out.append(chr(byte) if 0x21 <= byte <= 0x7E and byte not in b'"%' else f"%{byte:02X}")
+    return "".join(out)
+
+
+def decode_header_value(value: str) -> str:
+    """The attribute an encoded header value stands for (the binding's decoding)."""
+    from urllib.parse import unquote
+
+    return unquote(value, encoding="utf-8", errors="strict")
 
 
 def _field(data: Mapping[str, Any], key: str) -> Any:

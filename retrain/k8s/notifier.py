@@ -4,16 +4,20 @@ It watches JobSets labelled ``retrain.dev/run-id`` and, for each one that reache
 publishes one JSON message carrying the run id, the state (with reason and message), start and finish
 times, the JobSet's name/uid and its ``retrain.dev/callback-url`` annotation.
 
+It follows the informer pattern, so that no completion is lost across restarts or compaction: it lists
+first and watches from the list's resourceVersion (a resourceVersion kept from another run of the
+notifier, or another etcd, says nothing about this one), relists on 410 Gone, on any error and every
+``resync_s``, and on every list reconciles each terminal JobSet not marked as published yet.
+
 Exactly once across restarts of the notifier:
-- delivery is recorded durably twice: in the state file (``state_path``: delivered keys and the last
-  resourceVersion seen) and on the JobSet itself, ``retrain.dev/notified=<state>``, written with a
-  resourceVersion-conditioned merge patch (a 409 is re-read and retried);
-- a JobSet already carrying that annotation, or whose key is in the state file, is never published again;
-- the watch resumes from the last resourceVersion seen; a 410 Gone (history compacted) relists and
-  reconciles everything before watching again.
+- delivery is recorded durably twice: in the state file (``state_path``: delivered keys) and on the
+  JobSet itself, ``retrain.dev/notified=<state>``, written with a resourceVersion-conditioned merge patch
+  (a 409 is re-read and retried);
+- a JobSet already carrying that annotation, or whose key is in the state file, is never published again.
 The window between a successful publish and its recording (a crash right there) can still produce a
 second publish; every message carries ``dedupe_key`` = ``<jobset uid>:<state>`` in its attributes (and
-body) so subscribers drop duplicates.
+body) so subscribers drop duplicates.  A lost message costs at most one period of the workflow's own
+check of the JobSet (``completion_check_s``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 NOTIFIED_ANNOTATION = "retrain.dev/notified"
 TERMINAL = ("Completed", "Failed")
+#: Delivered keys kept in the state file (the oldest go first).
+MAX_REMEMBERED = 1000
 
 Publish = Callable[[bytes, dict[str, str]], None]
 
@@ -87,6 +93,7 @@ class Notifier:
         state_path: Path | None = None,
         *,
         watch_timeout_s: int = 2,
+        resync_s: float = 300.0,
     ) -> None:
         from kubernetes import client
 
@@ -95,8 +102,10 @@ class Notifier:
         self.namespace = namespace
         self.state_path = Path(state_path) if state_path else None
         self.watch_timeout_s = watch_timeout_s
+        self.resync_s = resync_s
         self._objects: Any = client.CustomObjectsApi(api)
-        self._state: dict[str, Any] = {"resourceVersion": None, "delivered": {}}
+        self._state: dict[str, Any] = {"delivered": {}}
+        self._resource_version: str | None = None
         self._load_state()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -106,7 +115,6 @@ class Notifier:
         if self.state_path and self.state_path.exists():
             try:
                 data = json.loads(self.state_path.read_text())
-                self._state["resourceVersion"] = data.get("resourceVersion")
                 self._state["delivered"] = dict(data.get("delivered") or {})
             except (OSError, ValueError) as e:
                 log.warning("ignoring unreadable notifier state %s: %s", self.state_path, e)
@@ -121,12 +129,19 @@ class Notifier:
 
     @property
     def resource_version(self) -> str | None:
-        return self._state["resourceVersion"]
+        """The last resourceVersion seen (in memory only: it means nothing to another notifier)."""
+        return self._resource_version
 
     def _seen(self, rv: str | None) -> None:
-        if rv and rv != self._state["resourceVersion"]:
-            self._state["resourceVersion"] = rv
-            self._save_state()
+        if rv:
+            self._resource_version = rv
+
+    def _delivered(self, key: str, name: str) -> None:
+        delivered = self._state["delivered"]
+        delivered[key] = name
+        while len(delivered) > MAX_REMEMBERED:  # the JobSet's own mark is the lasting record
+            delivered.pop(next(iter(delivered)))
+        self._save_state()
 
     # --- reconcile one JobSet --------------------------------------------------------------------
     def handle(self, jobset: dict[str, Any]) -> bool:
@@ -140,16 +155,14 @@ class Notifier:
         notified = (meta.get("annotations") or {}).get(NOTIFIED_ANNOTATION)
         if notified == state:
             if key not in self._state["delivered"]:
-                self._state["delivered"][key] = meta["name"]
-                self._save_state()
+                self._delivered(key, meta["name"])
             return False
         published = False
         if key not in self._state["delivered"]:
             data, attributes = message_for(jobset, state, cond)
             self.publish(data, attributes)  # raises on failure: nothing recorded, retried on relist
             published = True
-            self._state["delivered"][key] = meta["name"]
-            self._save_state()
+            self._delivered(key, meta["name"])
             log.info("published %s for jobset %s/%s", state, meta.get("namespace"), meta["name"])
         self._annotate(jobset, state)
         return published
@@ -223,6 +236,11 @@ class Notifier:
         )
         for event in stream:
             obj = event.get("object") or {}
+            if event.get("type") == "ERROR":  # a Status, e.g. 410 Gone or "too large resource version"
+                from kubernetes.client import ApiException
+
+                status = obj if isinstance(obj, dict) else {}
+                raise ApiException(status=int(status.get("code") or 500), reason=str(status.get("message")))
             if event.get("type") in ("ADDED", "MODIFIED") and isinstance(obj, dict):
                 self.handle(obj)
             new_rv = (obj.get("metadata") or {}).get("resourceVersion") if isinstance(obj, dict) else None
@@ -235,15 +253,20 @@ class Notifier:
         return rv
 
     def run(self, stop: threading.Event) -> None:
-        """List-and-watch until ``stop`` is set; resumes from the stored resourceVersion."""
+        """List, then watch from the list's resourceVersion, until ``stop`` is set; relist on 410 Gone,
+        on errors and every ``resync_s``."""
+        import time
+
         from kubernetes.client import ApiException
 
-        rv = self._state["resourceVersion"]
+        rv: str | None = None  # always list first: a stored resourceVersion may belong to another etcd
+        listed_at = 0.0
         backoff = 0.2
         while not stop.is_set():
             try:
-                if rv is None:
+                if rv is None or time.monotonic() - listed_at >= self.resync_s:
                     rv = self._relist()
+                    listed_at = time.monotonic()
                 rv = self._watch(rv, stop)
                 backoff = 0.2
             except ApiException as e:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retrain.local import processes
 from retrain.local.emulators import free_port
 from retrain.local.gcsfuse import DRIVER as GCSFUSE_DRIVER
 from retrain.local.gcsfuse import FuseMount, named_paths
@@ -777,6 +778,7 @@ class ClusterTwin:
             except OSError as e:
                 pod.forced_failure = f"container {c['name']}: {e}"
                 continue
+            processes.record(proc.pid, f"pod {pod.name}/{c['name']}")
             pod.procs.append(proc)
         crash_now = self.faults.crash_pods_always or (self.faults.crash_pod_once and not self._crashed_once)
         if crash_now and pod.rank == 0 and pod.procs:

@@ -8,8 +8,10 @@ twin, and a Dataflow flex-template launch runs the same Beam pipeline on the FnA
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +27,7 @@ import yaml
 from google.api_core.exceptions import NotFound
 
 from retrain.adapters import objects
+from retrain.local import processes
 from retrain.workflows import ConnectorRegistry, WorkflowError, http_error
 from retrain.workflows.stdlib import send
 
@@ -103,6 +106,13 @@ def storage_get(args: Args, _: Args) -> Any:
 # --- Dataflow: flex-template launches run the Beam pipeline locally --------------------------------
 
 
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """A job and the workers it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 @dataclass
 class LocalDataflow:
     """Runs each launched tokenize job as a subprocess (FnApiRunner) and reports Dataflow job states."""
@@ -139,8 +149,11 @@ class LocalDataflow:
             "--report",
             params["report"],
         ]
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
+        )
         log.close()
+        processes.record(proc.pid, f"dataflow {job_id}")
         with self.lock:
             self.jobs[job_id] = proc
         return {
@@ -179,7 +192,7 @@ class LocalDataflow:
             raise WorkflowError(http_error(400, f"requestedState {requested!r} is not supported locally"))
         proc = self._job(args)
         if proc.poll() is None:
-            proc.kill()
+            _kill_group(proc)
             proc.wait()
             self.cancelled.add(args["jobId"])
         return self.get(args, {})
@@ -188,7 +201,7 @@ class LocalDataflow:
         with self.lock:
             for proc in self.jobs.values():
                 if proc.poll() is None:
-                    proc.kill()
+                    _kill_group(proc)
                     proc.wait()
 
 

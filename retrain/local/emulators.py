@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retrain.local import processes
+
 
 class EmulatorError(RuntimeError):
     """An emulator that could not be found or did not come up."""
@@ -89,6 +91,7 @@ class ManagedProcess:
             start_new_session=True,
         )
         log.close()
+        processes.record(self.proc.pid, self.name)
         pattern = re.compile(self.ready_line or "")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain.k8s.schema import load_crds
+from retrain.local import processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED = REPO_ROOT.parent / "shared"
@@ -139,6 +140,8 @@ class ControlPlane:
         except subprocess.TimeoutExpired:
             failure = f"start-control-plane.sh did not finish within {timeout_s}s"
         self._pids = [int(p.read_text()) for p in self._pid_files() if p.exists()]
+        for pid, name in zip(self._pids, ("kube-apiserver", "etcd"), strict=False):
+            processes.record(pid, name)
         atexit.register(self.stop)  # no orphans even when the caller forgets stop()
         if failure is not None:
             self.stop()

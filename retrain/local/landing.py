@@ -1,8 +1,10 @@
 """Dropping data into the local landing bucket, and the finalize CloudEvent that GCS would emit.
 
-gcp-storage-emulator has no notifications, so after each upload the local stack posts the event
-itself, shaped as Eventarc delivers it: binary content mode, ``ce-*`` headers, and the object's GCS
-JSON resource (StorageObjectData) as the body.
+gcp-storage-emulator has no notifications, so after each upload the event is made here, shaped as
+Eventarc delivers it: binary content mode, ``ce-*`` headers (percent-encoded as the CloudEvents HTTP
+binding says, so any object name travels), and the object's GCS JSON resource (StorageObjectData) as
+the body; it is delivered as Eventarc delivers it (``retrain.local.eventarc``): now, or again until the
+function takes it.
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from retrain.adapters import objects
-from retrain.config import Settings
-from retrain.domain.events import GCS_FINALIZED, GCS_SOURCE_PREFIX
+from retrain.config import DATASET_RE, Settings
+from retrain.domain.errors import Rejected
+from retrain.domain.events import GCS_FINALIZED, GCS_SOURCE_PREFIX, check_object_name, encode_header_value
 from retrain.domain.runs import now_iso
+from retrain.local import eventarc
 
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
 
@@ -35,17 +38,11 @@ def finalized_event(resource: dict[str, Any]) -> tuple[dict[str, str], bytes]:
         "ce-id": event_id,
         "ce-source": GCS_SOURCE_PREFIX + bucket,
         "ce-type": GCS_FINALIZED,
-        "ce-subject": f"objects/{name}",
+        "ce-subject": encode_header_value(f"objects/{name}"),
         "ce-time": resource.get("updated") or now_iso(),
         "content-type": "application/json; charset=utf-8",
     }
     return headers, json.dumps(resource).encode()
-
-
-def post_event(function_url: str, headers: dict[str, str], body: bytes) -> None:
-    resp = requests.post(function_url, headers=headers, data=body, timeout=60)
-    if resp.status_code >= 300:
-        raise RuntimeError(f"function answered {resp.status_code}: {resp.text[:500]}")
 
 
 def upload(local: Path | bytes, uri: str) -> dict[str, Any]:
@@ -73,6 +70,33 @@ def data_files(paths: Iterable[Path]) -> list[Path]:
     return out
 
 
+@dataclass
+class Dropped:
+    """What a drop did: the objects uploaded, and how many of their events wait for redelivery."""
+
+    uris: list[str] = field(default_factory=list)
+    queued: int = 0
+
+
+def announce(settings: Settings, function_url: str, resource: dict[str, Any]) -> bool:
+    """Deliver an object's finalize event as Eventarc does: now, or (when the function does not take it)
+    by the stack's redelivery loop; True when delivered now."""
+    headers, body = finalized_event(resource)
+    status = eventarc.post(function_url, headers, body)
+    if 200 <= status < 300:
+        return True
+    eventarc.enqueue(settings.project, headers, body)
+    return False
+
+
+def check_dataset(settings: Settings, dataset: str | None) -> None:
+    """The function's rule for a dataset folder, checked before anything is uploaded: ValueError."""
+    if dataset is not None and not DATASET_RE.match(dataset):
+        raise ValueError(
+            f"{dataset!r} is not a valid dataset name (lower-case letters, digits and '-', at most 40)"
+        )
+
+
 def drop(
     settings: Settings,
     function_url: str,
@@ -81,17 +105,27 @@ def drop(
     dataset: str | None = None,
     seal: bool = True,
     progress: Callable[[str], None] = lambda _: None,
-) -> list[str]:
-    """Upload files to the landing bucket, emit their events, then (by default) the seal marker's."""
+) -> Dropped:
+    """Upload files to the landing bucket, announce their events, then (by default) the seal marker's.
+    ValueError before anything is uploaded for a dataset or a file name the function would refuse."""
+    check_dataset(settings, dataset)
     prefix = settings.landing_prefix + (f"{dataset}/" if dataset else "")
-    uris = []
+    for path in files:
+        try:
+            check_object_name(prefix + path.name)
+        except Rejected as e:
+            raise ValueError(f"{path.name}: {e.reason}") from None
+    out = Dropped()
     for i, path in enumerate(files, 1):
         uri = f"gs://{settings.landing_bucket}/{prefix}{path.name}"
-        post_event(function_url, *finalized_event(upload(path, uri)))
-        uris.append(uri)
-        progress(f"dropped {i}/{len(files)}: {path.name} ({path.stat().st_size / 1e6:.2f} MB)")
+        delivered = announce(settings, function_url, upload(path, uri))
+        out.uris.append(uri)
+        out.queued += not delivered
+        note = "" if delivered else " (the function did not answer: queued for redelivery)"
+        progress(f"dropped {i}/{len(files)}: {path.name} ({path.stat().st_size / 1e6:.2f} MB){note}")
     if seal:
         marker = f"gs://{settings.landing_bucket}/{prefix}{settings.seal_marker}"
-        post_event(function_url, *finalized_event(upload(b"", marker)))
-        progress(f"sealed with {settings.seal_marker}")
-    return uris
+        delivered = announce(settings, function_url, upload(b"", marker))
+        out.queued += not delivered
+        progress(f"sealed with {settings.seal_marker}" + ("" if delivered else " (queued for redelivery)"))
+    return out

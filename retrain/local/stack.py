@@ -28,7 +28,7 @@ from typing import Any
 from retrain import config
 from retrain.adapters import objects
 from retrain.deployment import AUTOSCALER_SCALE_DOWN_S, LOCAL_TIME_FACTOR, Deployment, ScheduledJob
-from retrain.local import delivery, emulators
+from retrain.local import delivery, emulators, processes
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
 
 log = logging.getLogger("retrain.stack")
@@ -38,6 +38,27 @@ FUNCTIONS_SOURCE = REPO_ROOT / "functions" / "main.py"
 WORKFLOW_FILE = REPO_ROOT / "workflows" / "retrain.yaml"
 
 Progress = Callable[[str], None]
+
+#: Where the stack records every process it starts (retrain.local.processes).
+PROCESS_REGISTRY = "processes.jsonl"
+#: The ledger is exported this often (and at a clean stop): a crash of the stack loses at most this much.
+LEDGER_EXPORT_S = 5.0
+
+
+def periodically(every_s: float, fn: Callable[[], None], what: str) -> Callable[[], None]:
+    """Run ``fn`` every ``every_s`` in a thread (errors logged); returns the function that stops it."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                fn()
+            except Exception as e:
+                log.warning("%s: %s", what, e)
+
+    threading.Thread(target=loop, name=what, daemon=True).start()
+    return stop.set
+
 
 #: API groups only GKE serves (its multi-networking objects): the local control plane has no such CRDs.
 GKE_ONLY_APIS = ("networking.gke.io/",)
@@ -101,10 +122,10 @@ def attach(settings: config.Settings) -> Endpoints:
 
 
 def function_server(
-    target: str, log_path: Path, env: dict[str, str], signature: str = "cloudevent"
+    target: str, log_path: Path, env: dict[str, str], signature: str = "cloudevent", port: int | None = None
 ) -> tuple[emulators.ManagedProcess, str]:
     """A function of functions/main.py served by the real functions-framework; returns it and its URL."""
-    port = emulators.free_port()
+    port = port or emulators.free_port()
     argv = [
         sys.executable,
         "-m",
@@ -178,6 +199,7 @@ class LocalStack:
     _procs: list[emulators.ManagedProcess] = field(default_factory=list)
     _closers: list[Callable[[], None]] = field(default_factory=list)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
+    _ledger_lock: threading.Lock = field(default_factory=threading.Lock)
     deployment: Deployment | None = None
     """What infra/ declares (topics, Scheduler jobs, the pool's bounds, the Kubernetes manifests) for
     the settings' project; by default read from infra/."""
@@ -226,6 +248,9 @@ class LocalStack:
     def _start(self) -> None:
         s, ep = self.settings, self.endpoints
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        processes.use(self.state_dir / PROCESS_REGISTRY)  # every child recorded as it starts
+        self._closers.append(lambda: processes.use(None))
         ep.pid = os.getpid()
         reason = emulators.java_emulators_unavailable_reason()
         if reason:
@@ -246,6 +271,7 @@ class LocalStack:
         for proc in (gcs, fs, ps):
             self._spawn(proc)
         self._closers.append(self._keep_ledger)
+        self._closers.append(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
 
         self.progress("starting the Kubernetes control plane (kube-apiserver + etcd, CRDs)")
         control_plane = ControlPlane(self.state_dir / "kube")
@@ -356,6 +382,8 @@ class LocalStack:
             proc, url = function_server(target, self.state_dir / f"function-{target}.log", fn_env)
             self._spawn(proc)
             setattr(ep, attr, url)
+        # A function that dies is started again on its port (Cloud Run starts a new instance).
+        self._closers.append(periodically(1.0, self._restart_dead_functions, "function supervisor"))
 
         subscriber = pubsub_v1.SubscriberClient()
         jobs = self._deployment.scheduler_jobs()
@@ -370,6 +398,10 @@ class LocalStack:
             publisher.publish(job.topic, job.data, **job.attributes).result(timeout=30)
 
         self._closers.append(scheduler_twin(jobs, publish_tick))
+        from retrain.local.eventarc import Redelivery
+
+        redelivery = Redelivery(s.project, ep.ingest_function, dead_letters).start()
+        self._closers.append(redelivery.stop)
         ep.save(stack_file(s))
         self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
         self.progress("local stack is up")
@@ -378,9 +410,29 @@ class LocalStack:
     def firestore_data(self) -> Path:
         return self.state_dir / "firestore-data"
 
+    def _take_lock(self) -> None:
+        """One stack per state folder: a second ``retrain up`` refuses while this one starts or runs."""
+        import fcntl
+
+        lock = open(self.state_dir / "stack.lock", "w")  # noqa: SIM115 - held for the stack's lifetime
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RuntimeError(f"another local stack is starting or running on {self.state_dir}") from None
+        self._closers.append(lock.close)
+
+    def _restart_dead_functions(self) -> None:
+        for proc in self._procs:
+            if proc.name.startswith("function-") and proc.proc is not None and proc.proc.poll() is not None:
+                log.warning("%s exited with %s: starting it again", proc.name, proc.proc.returncode)
+                proc.start()
+
     def _keep_ledger(self) -> None:
-        """Export the ledger so run records outlive the stack (`retrain runs` after `retrain demo`)."""
-        emulators.export_firestore(self.endpoints.firestore, self.settings.project, self.firestore_data)
+        """Export the ledger so run records outlive the stack (`retrain runs` after `retrain demo`, and
+        after a crash: it is exported every LEDGER_EXPORT_S too)."""
+        with self._ledger_lock:
+            emulators.export_firestore(self.endpoints.firestore, self.settings.project, self.firestore_data)
 
     def stop(self) -> None:
         """Stop everything that started, newest first; never raises."""

@@ -125,17 +125,17 @@ def test_failed_state_published_with_reason(api: Any, namespace: str, tmp_path: 
 
 
 def test_gone_watch_relists(api: Any, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """List first, watch from the list's resourceVersion; a 410 Gone relists before watching again."""
     from kubernetes.client import ApiException
 
     notifier = Notifier(api, Recorder(), namespace=namespace)
-    notifier._state["resourceVersion"] = "1"
     calls: list[str] = []
     stop = threading.Event()
     real_relist = notifier._relist
 
     def watch(rv: str, _stop: threading.Event) -> str:
         calls.append(f"watch:{rv}")
-        if rv == "1":
+        if len(calls) == 2:
             raise ApiException(status=410, reason="Gone")
         stop.set()
         return rv
@@ -147,5 +147,47 @@ def test_gone_watch_relists(api: Any, namespace: str, monkeypatch: pytest.Monkey
     monkeypatch.setattr(notifier, "_watch", watch)
     monkeypatch.setattr(notifier, "_relist", relist)
     notifier.run(stop)
-    assert calls[:3] == ["watch:1", "relist", calls[2]] and calls[2] != "watch:1"
-    assert notifier.resource_version not in (None, "1")
+    assert [c.split(":")[0] for c in calls] == ["relist", "watch", "relist", "watch"]
+    assert notifier.resource_version is not None
+
+
+def test_a_resource_version_from_another_etcd_loses_no_completion(
+    api: Any, namespace: str, tmp_path: Path
+) -> None:
+    """A state file from before ``retrain down``/``up`` (a fresh etcd, whose resourceVersions are far
+    below the stored one): the notifier lists first, so the next completion is published."""
+    pool = f"pool-{namespace}"
+    rec = Recorder()
+    state = tmp_path / "notifier-state.json"
+    state.write_text(json.dumps({"resourceVersion": "987654321", "delivered": {}}))
+    with ClusterTwin(
+        api, namespace=namespace, node_pool=pool, workdir=tmp_path / "twin", provision_delay_s=0.2, poll_s=0.1
+    ):
+        notifier = Notifier(api, rec, namespace=namespace, state_path=state, watch_timeout_s=1).start()
+        try:
+            submit(api, namespace, pool, "notify-stale", "pass")
+            wait_for(lambda: rec.messages, timeout=30)
+        finally:
+            notifier.stop()
+    assert [m[0]["run_id"] for m in rec.messages] == ["notify-stale"]
+
+
+def test_a_completion_missed_while_down_is_found_by_the_next_list(
+    api: Any, namespace: str, tmp_path: Path
+) -> None:
+    """The JobSet finishes while no notifier runs: the next one publishes it from its first list."""
+    pool = f"pool-{namespace}"
+    rec = Recorder()
+    with ClusterTwin(
+        api, namespace=namespace, node_pool=pool, workdir=tmp_path / "twin", provision_delay_s=0.2, poll_s=0.1
+    ):
+        js = submit(api, namespace, pool, "notify-missed", "pass")
+        wait_for(
+            lambda: (get_js(api, namespace, js["metadata"]["name"]).get("status") or {}).get("terminalState")
+        )
+        notifier = Notifier(api, rec, namespace=namespace, watch_timeout_s=1).start()
+        try:
+            wait_for(lambda: rec.messages, timeout=30)
+        finally:
+            notifier.stop()
+    assert [m[0]["state"] for m in rec.messages] == ["Completed"]

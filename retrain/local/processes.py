@@ -1,0 +1,101 @@
+"""Every process the local stack starts, recorded as it starts, so that none outlives the stack.
+
+The stack runs emulators, functions, etcd and kube-apiserver, tokenize jobs and the pods' trainers, each
+in its own process group.  When the stack process itself is killed (SIGKILL, a crash), they would go on
+running, still holding ports, a "node" and a JobSet.  So each start appends a line to
+``<state dir>/processes.jsonl`` (pid, process group, name, start time) before anything else happens, and
+:func:`stop_recorded` -- what ``retrain down`` does -- stops every recorded group still alive, whether
+or not the stack that started them is.  A pid is only signalled while its start time is the recorded
+one, so a pid the system has since given to another process is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: The registry this process writes to (set by the stack; None: nothing is recorded).
+_registry: Path | None = None
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Recorded:
+    pid: int
+    pgid: int
+    name: str
+    started: str
+    """The process's start time as /proc/<pid>/stat gives it (clock ticks since boot)."""
+
+
+def start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (None when there is no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def use(registry: Path | None) -> None:
+    """Record this process's children in ``registry`` from now on (None: stop recording)."""
+    global _registry
+    _registry = registry
+    if registry is not None:
+        registry.parent.mkdir(parents=True, exist_ok=True)
+
+
+def record(pid: int, name: str) -> None:
+    """Note a child just started (in its own process group)."""
+    if _registry is None:
+        return
+    started = start_time(pid) or ""
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    line = json.dumps(asdict(Recorded(pid, pgid, name, started)))
+    with _lock, open(_registry, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def recorded(registry: Path) -> list[Recorded]:
+    if not registry.exists():
+        return []
+    out = []
+    for line in registry.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError, TypeError):
+            out.append(Recorded(**json.loads(line)))
+    return out
+
+
+def alive(p: Recorded) -> bool:
+    return bool(p.started) and start_time(p.pid) == p.started
+
+
+def stop_recorded(registry: Path, grace_s: float = 10.0) -> list[Recorded]:
+    """SIGTERM every recorded group still alive, then SIGKILL what is left; the processes it stopped.
+    The registry is emptied once nothing recorded is alive."""
+    targets = [p for p in recorded(registry) if alive(p)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in targets:
+            if alive(p):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if p.pgid == p.pid:  # a group of its own: its children go with it
+                        os.killpg(p.pgid, sig)
+                    else:  # started in someone else's group (the control plane's script): itself only
+                        os.kill(p.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(alive(p) for p in targets):
+            time.sleep(0.1)
+    if not any(alive(p) for p in recorded(registry)):
+        registry.unlink(missing_ok=True)
+    return targets
