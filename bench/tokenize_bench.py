@@ -17,6 +17,10 @@
 * incremental: 100 objects tokenized into a shard root, then the same 100 plus one new object (1%),
   then nothing new, then one tiny new object (the fixed cost of any run with new data): what adding
   1% costs, against the full tokenization.
+* where the time goes: the pipeline's own stage functions run one after another in this process on the
+  same input (``read_split``: reading and JSON parsing; ``encode_batch``: tokenizing to arrays;
+  concatenation and ``encode_index``: the .bin/.idx), and what is left of the end-to-end time (Beam,
+  its workers' start-up, the temporary part files), each as a share of the pipeline's time.
 * ``--memory N``: peak RSS of a fresh process tokenizing the input, and N times the input.
 
 Contenders are interleaved, trial by trial, so a noisy neighbour slows all of them alike; each row is
@@ -220,6 +224,42 @@ def incremental(tmp: Path, docs: list[str], workers: int, trials: int) -> dict[s
     return best
 
 
+def stage_breakdown(src: Path, out: Path) -> dict[str, float]:
+    """Seconds of each of the pipeline's stages, run one after another in this process on ``src``:
+    the very functions its transforms call (ReadDocuments, TokenizeDocuments, WriteIndexedDataset)."""
+    import numpy as np
+
+    from retrain import megatron
+    from retrain.tokenize.pipeline import encode_batch
+    from retrain.tokenize.records import Batch, plan_splits, read_split
+    from retrain.tokenize.tokenizer import TokenizerSpec
+
+    tok = TokenizerSpec().load()
+    t0 = time.perf_counter()
+    batches = [
+        item
+        for split in plan_splits(0, str(src), src.stat().st_size)
+        for item in read_split(split)
+        if isinstance(item, Batch)
+    ]
+    t1 = time.perf_counter()
+    encoded = [encode_batch(tok, b.texts[0], append_eod=True) for b in batches]
+    t2 = time.perf_counter()
+    flat = np.concatenate([f for f, _ in encoded])
+    lengths = np.concatenate([n for _, n in encoded])
+    out.with_suffix(".bin").write_bytes(flat.tobytes())
+    has_tokens = lengths > 0
+    doc_index = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(has_tokens, out=doc_index[1:])
+    out.with_suffix(".idx").write_bytes(megatron.encode_index(tok.dtype, lengths[has_tokens], doc_index))  # type: ignore[arg-type]
+    t3 = time.perf_counter()
+    return {
+        "read + parse JSONL (read_split)": t1 - t0,
+        "tokenize to arrays (encode_batch)": t2 - t1,
+        "build .bin/.idx (concatenate, encode_index)": t3 - t2,
+    }
+
+
 def peak_rss_mb(src: Path, out: Path, workers: int) -> float:
     """Peak RSS of a fresh process that tokenizes ``src`` (the pipeline's whole memory, start to end)."""
     code = (
@@ -339,6 +379,18 @@ def main() -> None:
     fastest = min((t.seconds for name, t in timings.items() if name.startswith("Megatron")), default=None)
     if fastest is not None:
         print(f"pipeline speed / the fastest Megatron preprocess_data.py: {fastest / pipeline.seconds:.2f}")
+
+    stages = min(
+        (stage_breakdown(src, tmp / "stages") for _ in range(args.trials)), key=lambda d: sum(d.values())
+    )
+    total = pipeline.seconds
+    print(f"\n{'where the pipeline time goes (stages in process, one pass)':58} {'seconds':>8} {'share':>6}")
+    for name, secs in stages.items():
+        print(f"  {name:56} {secs:8.2f} {secs / total:6.1%}")
+    rest = total - sum(stages.values())
+    print(
+        f"  {'the rest: Beam, worker start-up, part files, parallelism':56} {rest:8.2f} {rest / total:6.1%}"
+    )
 
     inc = incremental(tmp / "inc", docs, args.workers, args.trials)
     full = inc["100 objects, all new"]

@@ -176,7 +176,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     settings = local_settings()
     attach(settings)
-    outcomes = composition.ingest(settings).seal_pending(args.dataset, "manual")
+    ingest = composition.ingest(settings)
+    if args.retry:
+        from retrain.domain.errors import Rejected
+
+        try:
+            outcome = ingest.retry(args.retry)
+        except Rejected as e:
+            _say(f"error: {e.reason}")
+            return 2
+        _say(f"{outcome.action}: {outcome.run_id or ''} {outcome.detail}")
+        return 0
+    outcomes = ingest.seal_pending(args.dataset, "manual")
     if not outcomes:
         _say("nothing pending: no run started")
     for o in outcomes:
@@ -428,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rn = sub.add_parser("run", help="seal pending data now and start its run (manual trigger)")
     rn.add_argument("--dataset", default=None, help="only this dataset (default: every dataset with data)")
+    rn.add_argument("--retry", metavar="RUN", help="run a failed or cancelled run's objects again")
     rn.set_defaults(fn=cmd_run)
 
     c = sub.add_parser("cancel", help="stop a run; its GPUs are released and it ends as cancelled")

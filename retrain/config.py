@@ -102,8 +102,11 @@ class Settings:
     """How long a run waits for DWS capacity before it fails."""
     train_timeout_s: int = 86400
     """How long a run waits for the training JobSet to finish."""
-    tokenize_timeout_s: int = 7200
-    """How long a run waits for its tokenize job."""
+    tokenize_timeout_s: int = 1800
+    """How long a run waits for its tokenize job, on top of its batch at tokenize_min_bytes_per_s."""
+    tokenize_min_bytes_per_s: float = 1e6
+    """The slowest a healthy tokenize job reads (the local FnApiRunner does 10 MB/s on two cores): a
+    batch's deadline grows by its size at this rate."""
     release_timeout_s: int = 1200
     """How long the release waits for the pool's nodes to be gone (the autoscaler removes unneeded nodes
     after 10 minutes by default)."""

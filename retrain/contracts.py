@@ -34,6 +34,7 @@ from typing import Any
 
 from retrain.config import DATASET_RE
 from retrain.domain.errors import Rejected
+from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Run as RunRecord
 from retrain.domain.runs import RunStatus
 
@@ -207,22 +208,29 @@ class RunManifest:
     """The sealed batch the objects came from."""
     snapshot: str
     """The snapshot id: the hash of the objects' content hashes."""
-    objects: list[str] = field(default_factory=list)
-    """``gs://bucket/name`` of every object, once each."""
+    objects: list[ObjectVersion] = field(default_factory=list)
+    """Every object, once each: ``{"uri": "gs://bucket/name", "generation": N, "size": B}``.  The name
+    is literal (never a pattern) and the tokenize job reads exactly that generation."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.size for o in self.objects)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        body = asdict(self)
+        return json.dumps(body, indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes | str) -> RunManifest:
         """A manifest from its JSON; ValueError naming what is wrong."""
         body = json.loads(data)
         if not isinstance(body, dict) or not isinstance(body.get("objects"), list):
-            raise ValueError('not a run manifest: expected {"objects": [URI, ...], ...}')
-        if not all(isinstance(o, str) for o in body["objects"]):
-            raise ValueError("run manifest: every object must be a gs:// URI string")
-        known = {k: body[k] for k in field_names(cls) if k in body}
-        return cls(**{"run_id": "", "dataset": "", "batch_id": "", "snapshot": "", **known})
+            raise ValueError(
+                'not a run manifest: expected {"objects": [{"uri": ..., "generation": ...}], ...}'
+            )
+        versions = [ObjectVersion.parse(o) for o in body["objects"]]
+        known = {k: body[k] for k in field_names(cls) if k in body and k != "objects"}
+        return cls(**{"run_id": "", "dataset": "", "batch_id": "", "snapshot": "", **known}, objects=versions)
 
 
 # --- retrain tokenize -> the workflow --------------------------------------------------------------
@@ -256,6 +264,9 @@ class TokenizeReport:
     ``reused``."""
     data_prefix_blend: list[Any]
     """Megatron's blend: ``[weight, prefix, weight, prefix, ...]``, weights proportional to tokens."""
+    quarantined_objects: list[dict[str, Any]]
+    """Objects set aside whole, each ``object``, ``generation``, ``reason`` (``unreadable``,
+    ``object_changed``, ``decompressed_too_large``) and ``detail``: the others are tokenized all the same."""
     tokenizer: dict[str, Any]
     """The tokenizer's files, kept beside the shards for the trainer (:class:`retrain.trainers.
     TokenizerFiles`): ``type`` and ``vocab_file``/``merge_file`` or ``tokenizer_json`` (``gs://``)."""
@@ -409,6 +420,8 @@ class StepName(StrEnum):
     """Tokenizing is done: render the trainer's command and JobSet from the tokenize report."""
     RESULTS = "results"
     """The JobSet completed: read what the trainer wrote, record it, promote the checkpoint."""
+    FINISH = "finish"
+    """The run ended (its outcome recorded): one that did not succeed gives its content back."""
 
 
 @dataclass(frozen=True)
@@ -452,6 +465,14 @@ class Handover:
     """The training JobSet, submitted as is."""
     command: list[str]
     """The trainer's argv (container command and arguments), also in the run record."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """``finish``'s answer."""
+
+    returned: int
+    """Objects given back (eligible again; ``run --retry`` re-runs them); 0 for a run that succeeded."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ completions come back the other way and are relayed to the waiting execution's c
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
 import re
 import uuid
@@ -101,6 +100,13 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
     current = ledger.get_run(run.run_id)  # re-read: the workflow writes its outcome before it ends
     if current is None or current.status.terminal:
         return None
+    if state == ExecutionState.LOST and current.checkpoint:
+        # trained, its results recorded and its checkpoint promoted: only its release was cut short
+        reason = f"trained; its execution {run.execution} was lost while releasing (the reaper releases)"
+        ledger.update_run(
+            run.run_id, {"status": str(RunStatus.SUCCEEDED), "reason": reason, "finished_at": now_iso()}
+        )
+        return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
     if state == ExecutionState.LOST:
         reason = f"execution lost: {run.execution} no longer exists (nothing will release its capacity)"
     else:
@@ -111,7 +117,17 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
     ledger.update_run(
         run.run_id, {"status": str(RunStatus.FAILED), "reason": reason, "finished_at": now_iso()}
     )
+    ledger.give_back(current)  # identical bytes dropped again are new; `run --retry` re-runs them
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
+
+
+def bigquery_files(destination: str) -> Callable[[str], bool]:
+    """Which object URIs an extract job wrote to ``destination``: the name taken literally, but for
+    BigQuery's one wildcard, which it replaces by a 12-digit, zero-padded file number ("Exporting data
+    into one or more files", cloud.google.com/bigquery/docs/exporting-data)."""
+    head, star, tail = destination.partition("*")
+    pattern = re.compile(re.escape(head) + (r"[0-9]{12}" if star else "") + re.escape(tail))
+    return lambda uri: pattern.fullmatch(uri) is not None
 
 
 def _safe_name(value: Any) -> str:
@@ -199,10 +215,10 @@ class Ingest:
         if export.error:
             return Outcome(Action.IGNORED, f"export {export.job} failed: {export.error}")
         found = 0
-        for pattern in export.destination_uris:
-            prefix = pattern.split("*", 1)[0]
-            for info in self.store.list_objects(prefix):
-                if not fnmatch.fnmatchcase(info.uri, pattern) or info.generation is None:
+        for destination in export.destination_uris:
+            matches = bigquery_files(destination)
+            for info in self.store.list_objects(destination.split("*", 1)[0]):
+                if not matches(info.uri) or info.generation is None:
                     continue
                 bucket, name = info.uri.removeprefix("gs://").split("/", 1)
                 arrival = ObjectArrival(
@@ -296,9 +312,10 @@ class Ingest:
             current = self.ledger.get_run(run.run_id)
             return Outcome(Action.STARTED, str(current.execution if current else ""), run.run_id)
         run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
+        manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         champion = self.ledger.champion(run.dataset)
         try:
-            argument = workflow_argument(self.settings, run, champion)
+            argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
         except PlanError as e:
             reason = f"the trainer would refuse this run: {e}"
             self.ledger.update_run(
@@ -310,7 +327,13 @@ class Ingest:
                     "finished_at": now_iso(),
                 },
             )
-            log.warning("run %s refused before any capacity was requested: %s", run.run_id, reason)
+            returned = self.ledger.give_back(run)  # eligible again: `run --retry`, or dropped again
+            log.warning(
+                "run %s refused before any capacity was requested (%d objects given back): %s",
+                run.run_id,
+                returned,
+                reason,
+            )
             return Outcome(Action.REFUSED, reason, run.run_id)
         self.ledger.update_run(
             run.run_id,
@@ -320,7 +343,6 @@ class Ingest:
                 "base_step": champion.step if champion else 0,
             },
         )
-        manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         self.store.write_bytes(
             f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
             manifest.to_json(),
@@ -354,6 +376,20 @@ class Ingest:
         if report["errors"]:
             raise Retry(f"reaper: {report['errors']}")
         return Outcome(Action.REAPED, detail)
+
+    def retry(self, run_id: str) -> Outcome:
+        """Run a failed or cancelled run's objects again: its content is given back (if its end did not
+        already), its objects arrive again, and its dataset is sealed now, so a run takes them (with
+        whatever else is pending)."""
+        run = self.ledger.get_run(run_id)
+        if run is None:
+            raise Rejected(f"no run {run_id}")
+        if not run.status.terminal or run.status == RunStatus.SUCCEEDED:
+            raise Rejected(f"run {run_id} is {run.status}: only a failed or cancelled run is retried")
+        self.ledger.give_back(run)
+        returned = self.ledger.requeue(run)
+        log.info("retrying run %s: its %d object(s) arrive again", run_id, returned)
+        return self.seal(run.dataset, f"retry of {run_id}")
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""

@@ -109,7 +109,15 @@ def check_before_capacity(settings: Settings, plan: TrainingPlan) -> None:
     render_training(settings, stand_in)
 
 
-def workflow_argument(settings: Settings, run: Run, champion: Champion | None) -> WorkflowArgument:
+def tokenize_deadline_s(settings: Settings, batch_bytes: int) -> int:
+    """How long the tokenize job may take: the fixed allowance (start-up, workers) plus the batch read
+    at the slowest rate a healthy job keeps."""
+    return int(settings.tokenize_timeout_s + batch_bytes / settings.tokenize_min_bytes_per_s)
+
+
+def workflow_argument(
+    settings: Settings, run: Run, champion: Champion | None, batch_bytes: int = 0
+) -> WorkflowArgument:
     """The argument of one execution of workflows/retrain.yaml (its objects are in the manifest);
     PlanError when the trainer would refuse the run."""
     root = run_root(settings, run.run_id)
@@ -148,7 +156,7 @@ def workflow_argument(settings: Settings, run: Run, champion: Champion | None) -
         jobset_name=jobset_name(run.run_id),
         podtemplate=podtemplate,
         provisioning_request=provreq,
-        tokenize_timeout_s=settings.tokenize_timeout_s,
+        tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes),
         provision_timeout_s=settings.provision_timeout_s,
         train_timeout_s=settings.train_timeout_s,
         release_timeout_s=settings.release_timeout_s,

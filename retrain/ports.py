@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from retrain.domain.events import ObjectArrival
+from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus
 
 
@@ -48,7 +48,7 @@ class SealOutcome:
     run: Run | None
     verdict: SealVerdict
     reason: str
-    objects: tuple[str, ...] = ()
+    objects: tuple[ObjectVersion, ...] = ()
     """The objects whose content is new (one per content hash)."""
     skipped: int = 0
     """Objects of the batch that add nothing (their content is held by a run already)."""
@@ -70,7 +70,7 @@ class StartVerdict(StrEnum):
 @dataclass(frozen=True)
 class StartClaim:
     verdict: StartVerdict
-    objects: tuple[str, ...]
+    objects: tuple[ObjectVersion, ...]
     """Every object the run trains (one per content hash), when claimed."""
     snapshot: str = ""
     """The run's snapshot id: the hash of its objects' content hashes."""
@@ -98,7 +98,11 @@ class Ledger(Protocol):
 
     def materialize(self, batch_id: str) -> SealOutcome: ...
 
-    def run_objects(self, run: Run) -> tuple[str, ...]: ...
+    def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]: ...
+
+    def give_back(self, run: Run) -> int: ...
+
+    def requeue(self, run: Run) -> int: ...
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]: ...
 

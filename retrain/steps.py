@@ -4,6 +4,8 @@
   complete the run's training plan; its trainer profile renders the command (checked against the
   trainer's own configuration) and the JobSet that runs it; the run record gains ``command``,
   ``image`` and ``blend``, and the workflow submits the JobSet.
+- :meth:`Steps.finish`, once the run ended: a run that did not succeed gives its content back, so that
+  it trains in a later run (content counts as trained only when its run succeeded).
 - :meth:`Steps.results`, once the JobSet completed: what the trainer wrote -- TensorBoard events and
   checkpoint folders under the profile's run folder -- becomes the record's ``metrics`` and
   ``checkpoint``, and the checkpoint becomes the dataset's champion, which the next run continues from.
@@ -23,9 +25,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from retrain.config import Settings
-from retrain.contracts import Handover, Results, StepName, StepRequest, TokenizeReport, field_names
+from retrain.contracts import (
+    Finished,
+    Handover,
+    Results,
+    StepName,
+    StepRequest,
+    TokenizeReport,
+    field_names,
+)
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import Champion, TrainingMetrics
+from retrain.domain.runs import Champion, RunStatus, TrainingMetrics
 from retrain.plan import render_training, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
@@ -87,6 +97,8 @@ class Steps:
                 raise Rejected(f"the training plan is run {plan.run_id}'s, not {request.run_id}'s")
             if request.step == StepName.HANDOVER:
                 return dataclasses.asdict(self.handover(plan, request.callback_url))
+            if request.step == StepName.FINISH:
+                return dataclasses.asdict(self.finish(plan))
             return dataclasses.asdict(self.results(plan))
         except PlanError as e:
             raise Rejected(str(e)) from None
@@ -112,6 +124,15 @@ class Steps:
             },
         )
         return Handover(jobset, command.argv)
+
+    def finish(self, plan: TrainingPlan) -> Finished:
+        """A run that ended without succeeding gives its content back: content counts as trained only
+        when it trained, so identical bytes dropped again are new again (and ``run --retry`` re-runs
+        the run's own objects)."""
+        run = self.ledger.get_run(plan.run_id)
+        if run is None or not run.status.terminal or run.status == RunStatus.SUCCEEDED:
+            return Finished(0)
+        return Finished(self.ledger.give_back(run))
 
     def results(self, plan: TrainingPlan) -> Results:
         trainer = profile(self.settings.profile)

@@ -111,7 +111,7 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     (run,) = [r for r in ledger.list_runs() if r.dataset == "orders"]
     assert run.trigger == "bigquery" and run.objects == 1
     manifest = json.loads(objects.read_bytes(f"gs://{artifacts}/runs/{run.run_id}/objects.json"))
-    (first,) = manifest["objects"]
+    (first,) = [o["uri"] for o in manifest["objects"]]
     assert first.startswith(f"gs://{artifacts}/bigquery/orders/proj.sales.orders/")
     exported = lines(first)
     assert [r["id"] for r in exported] == [0, 1, 2, 100, 101, 102, 103]  # every row, in watermark order

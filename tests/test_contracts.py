@@ -42,6 +42,7 @@ from retrain.contracts import (
 )
 from retrain.deployment import Deployment, cron_period_s, local_settings
 from retrain.domain.errors import Rejected
+from retrain.domain.events import ObjectVersion
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "workflows" / "retrain.yaml"
@@ -449,9 +450,9 @@ def test_the_notifier_message_is_a_completion_and_relays_as_a_callback() -> None
 
 
 def test_a_manifest_round_trips() -> None:
-    m = RunManifest("r", "d", "b", "s", ["gs://x/a[1].jsonl"])
-    assert RunManifest.parse(m.to_json()) == m
-    for bad in (b"[]", b'{"objects": "gs://x/a"}', b'{"objects": [1]}'):
+    m = RunManifest("r", "d", "b", "s", [ObjectVersion("gs://x/a[1].jsonl", 17, 100)])
+    assert RunManifest.parse(m.to_json()) == m and m.total_bytes == 100
+    for bad in (b"[]", b'{"objects": "gs://x/a"}', b'{"objects": [1]}', b'{"objects": ["gs://x/a"]}'):
         with pytest.raises(ValueError):
             RunManifest.parse(bad)
 

@@ -85,7 +85,8 @@ def test_events_become_one_execution_per_sealed_snapshot(
     assert argument["objects"] == 3
     assert argument["training"]["run_id"] == argument["run_id"] == runs[0].run_id
     manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/{argument['manifest_object']}"))
-    assert manifest["objects"] == [f"gs://land/{n}" for n in names]
+    assert [o["uri"] for o in manifest["objects"]] == [f"gs://land/{n}" for n in names]
+    assert [o["generation"] for o in manifest["objects"]] == [1, 1, 1]  # the versions that arrived
 
     # the same data again, under new generations: acknowledged, but no second run
     for name in names:

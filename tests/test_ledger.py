@@ -6,6 +6,7 @@ import random
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,11 @@ from retrain.domain.events import ObjectArrival
 from retrain.ports import SealVerdict, StartVerdict
 
 pytestmark = pytest.mark.emulators
+
+
+def uris(versions: Any) -> tuple[str, ...]:
+    """The object names of object versions (what these tests compare)."""
+    return tuple(v.uri for v in versions)
 
 
 def arrival(name: str, event_id: str | None = None, generation: int = 1, md5: str = "") -> ObjectArrival:
@@ -51,7 +57,7 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
     assert pending.first_arrival_at <= pending.last_arrival_at
     sealed = ledger.seal("ds", "test")
     assert sealed.run is not None
-    assert sealed.objects == ("gs://land/incoming/a", "gs://land/incoming/b", "gs://land/incoming/c")
+    assert uris(sealed.objects) == ("gs://land/incoming/a", "gs://land/incoming/b", "gs://land/incoming/c")
     stored = ledger.get_run(sealed.run.run_id)
     assert stored is not None and stored.status == "pending" and stored.trigger == "test"
     assert ledger.seal("ds", "test").verdict == SealVerdict.NOTHING_PENDING
@@ -59,9 +65,9 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
     # arrivals after the seal open the next batch; while the run is pending, it joins that run
     ledger.record_arrival(arrival("d"), "ds", "h-d")
     later = ledger.seal("ds", "test")
-    assert later.objects == ("gs://land/incoming/d",) and later.run is not None
+    assert uris(later.objects) == ("gs://land/incoming/d",) and later.run is not None
     assert later.run.run_id == sealed.run.run_id
-    assert ledger.run_objects(later.run) == (*sealed.objects, "gs://land/incoming/d")
+    assert uris(ledger.run_objects(later.run)) == (*uris(sealed.objects), "gs://land/incoming/d")
 
 
 def test_identical_data_never_trains_twice(ledger: FirestoreLedger) -> None:
@@ -85,7 +91,7 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
     first = ledger.seal("ds", "t").run
     assert first is not None
     claim = ledger.claim_start(first, stale_after_s=60)
-    assert (claim.verdict, claim.objects) == (StartVerdict.CLAIMED, ("gs://land/incoming/a",))
+    assert (claim.verdict, uris(claim.objects)) == (StartVerdict.CLAIMED, ("gs://land/incoming/a",))
     assert ledger.claim_start(first, stale_after_s=60).verdict == StartVerdict.STARTING  # claimed already
     for name, content in (("b", "h-b"), ("a-again", "h-a"), ("c", "h-c")):
         ledger.record_arrival(arrival(name), "ds", content)
@@ -94,12 +100,47 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
     second = ledger.seal("ds", "t")
     pending = ledger.pending_run("ds")
     assert second.verdict == SealVerdict.NOTHING_PENDING and pending is not None
-    assert ledger.run_objects(pending) == ("gs://land/incoming/b", "gs://land/incoming/c")  # h-a: trained
+    assert uris(ledger.run_objects(pending)) == (
+        "gs://land/incoming/b",
+        "gs://land/incoming/c",
+    )  # h-a: trained
     assert ledger.claim_start(pending, stale_after_s=60).verdict == StartVerdict.QUEUED  # first is live
     ledger.update_run(first.run_id, {"status": "succeeded"})
     started = ledger.claim_start(pending, stale_after_s=60)
     assert started.verdict == StartVerdict.CLAIMED and len(started.objects) == 2
     assert ledger.get_run(pending.run_id).objects == 2  # type: ignore[union-attr]
+
+
+def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: FirestoreLedger) -> None:
+    """A failed (or cancelled) run's content is not "trained": identical bytes dropped again are new
+    again, nothing re-runs by itself, and a requeue brings back the very versions the run held."""
+    for name in ("a", "b"):
+        ledger.record_arrival(arrival(name, generation=3), "ds", f"h-{name}")
+    failed = ledger.seal("ds", "t").run
+    assert failed is not None and ledger.claim_start(failed, stale_after_s=60).verdict == StartVerdict.CLAIMED
+    ledger.update_run(failed.run_id, {"status": "failed"})
+    # identical content under another name is still counted trained until the run gives it back
+    ledger.record_arrival(arrival("copy-of-a", generation=5), "ds", "h-a")
+    assert ledger.seal("ds", "t").verdict == SealVerdict.NOTHING_NEW
+
+    assert ledger.give_back(failed) == 2
+    assert ledger.give_back(failed) == 0  # idempotent: a retried finish step gives nothing twice
+    stored = ledger.get_run(failed.run_id)
+    assert stored is not None and stored.content_returned
+    assert uris(ledger.run_objects(stored)) == ("gs://land/incoming/a", "gs://land/incoming/b")  # its record
+    assert ledger.pending() == []  # nothing re-runs by itself
+    ledger.record_arrival(arrival("copy-of-a", generation=6), "ds", "h-a")  # dropped again: new again
+    again = ledger.seal("ds", "t").run
+    assert again is not None and uris(ledger.run_objects(again)) == ("gs://land/incoming/copy-of-a",)
+
+    assert ledger.requeue(stored) == 2
+    assert ledger.requeue(stored) == 2  # the same two arrivals, not four
+    retried = ledger.seal("ds", "t")  # joins the pending run; h-a is held by it already
+    assert retried.run is not None and retried.run.run_id == again.run_id and retried.skipped == 1
+    assert {(v.uri, v.generation) for v in ledger.run_objects(retried.run)} == {
+        ("gs://land/incoming/copy-of-a", 6),
+        ("gs://land/incoming/b", 3),
+    }
 
 
 def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: FirestoreLedger) -> None:
@@ -120,7 +161,7 @@ def test_datasets_have_separate_batches(ledger: FirestoreLedger) -> None:
     assert sorted(p.dataset for p in ledger.pending()) == ["one", "two"]
     assert [p.dataset for p in ledger.pending("two")] == ["two"]
     one, two = ledger.seal("one", "t"), ledger.seal("two", "t")
-    assert one.objects == ("gs://land/incoming/a",) and two.objects == ("gs://land/incoming/b",)
+    assert uris(one.objects) == ("gs://land/incoming/a",) and uris(two.objects) == ("gs://land/incoming/b",)
 
 
 def test_concurrent_duplicated_reordered_arrivals_land_exactly_once(ledger: FirestoreLedger) -> None:
@@ -131,7 +172,7 @@ def test_concurrent_duplicated_reordered_arrivals_land_exactly_once(ledger: Fire
         outcomes = list(pool.map(lambda a: ledger.record_arrival(a, "ds", "h-" + a.name).status, deliveries))
     assert outcomes.count("new") == 40 and outcomes.count("duplicate") == 15
     sealed = ledger.seal("ds", "t")
-    assert sealed.objects == tuple(sorted(a.uri for a in objects))
+    assert uris(sealed.objects) == tuple(sorted(a.uri for a in objects))
 
 
 def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: FirestoreLedger) -> None:
@@ -144,7 +185,7 @@ def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: Fi
         while not done.is_set():
             sealed = ledger.seal("race", "t")
             if sealed.run is not None:
-                batches.append(sealed.objects)
+                batches.append(uris(sealed.objects))
 
     thread = threading.Thread(target=sealer)
     thread.start()
@@ -154,7 +195,7 @@ def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: Fi
     thread.join()
     last = ledger.seal("race", "t")
     if last.run is not None:
-        batches.append(last.objects)
+        batches.append(uris(last.objects))
     counts = Counter(uri for batch in batches for uri in batch)
     assert len(batches) > 1  # the seals really did cut the stream
     assert counts == Counter(a.uri for a in objects)  # every arrival exactly once
@@ -170,7 +211,7 @@ def test_export_watermark_moves_once_per_range(ledger: FirestoreLedger) -> None:
     assert not ledger.record_export(table, None, 12, arrival("bq-2"), "ds", "h-2")
     assert ledger.record_export(table, 10, 12, arrival("bq-3"), "ds", "h-3")
     sealed = ledger.seal("ds", "t")
-    assert sealed.objects == ("gs://land/incoming/bq-1", "gs://land/incoming/bq-3")
+    assert uris(sealed.objects) == ("gs://land/incoming/bq-1", "gs://land/incoming/bq-3")
 
 
 def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: FirestoreLedger) -> None:

@@ -50,6 +50,7 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
         "documents": 3,
         "tokens": 900,
         "quarantined": 0,
+        "quarantined_objects": [],
         "input_records": 3,
         "bytes": 4000,
         "seconds": 1.0,
@@ -196,3 +197,33 @@ def test_the_function_answers_400_with_the_reason(serve_function: Any) -> None:
     )
     assert bad.status_code == 400 and "not a training plan" in bad.json()["error"]
     assert requests.get(fn.url, timeout=30).status_code == 405
+
+
+def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(steps: Steps) -> None:
+    from retrain.domain.events import ObjectArrival
+
+    ledger = steps.ledger
+    for name in ("a", "b"):
+        event = ObjectArrival(
+            f"ev-{name}", "land", f"in/{name}.txt", 1, 9, f"m-{name}", "2026-11-24T00:00:00Z"
+        )
+        ledger.record_arrival(event, "fin", f"h-{name}")
+    run = ledger.seal("fin", "t").run
+    assert run is not None
+    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    ledger.update_run(run.run_id, {"status": "training"})
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # not ended: nothing yet
+    ledger.update_run(run.run_id, {"status": "failed"})
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 2}
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
+    assert ledger.pending("fin") == []  # eligible again, but nothing re-runs by itself
+
+    ledger.record_arrival(
+        ObjectArrival("ev-c", "land", "in/c.txt", 1, 9, "m-c", "2026-11-24T00:00:00Z"), "fin", "h-c"
+    )
+    good = ledger.seal("fin", "t").run
+    assert good is not None and good.run_id != run.run_id
+    ledger.update_run(good.run_id, {"status": "succeeded"})
+    good_plan = training_plan(steps.settings, good.run_id, None).to_dict()
+    assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
+    assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained

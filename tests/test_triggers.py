@@ -85,10 +85,10 @@ def test_sweeper_seals_a_batch_at_max_age_while_data_keeps_arriving(ingest: Inge
     arrive(ingest, "busy", "2.txt")  # still arriving: the batch is not quiet
     (aged,) = ingest.sweep()
     assert aged.action == "started" and ingest.ledger.get_run(aged.run_id).trigger == "max-age"
-    assert ingest.ledger.run_objects(ingest.ledger.get_run(aged.run_id)) == (
+    assert [o.uri for o in ingest.ledger.run_objects(ingest.ledger.get_run(aged.run_id))] == [
         "gs://land/incoming/busy/1.txt",
         "gs://land/incoming/busy/2.txt",
-    )
+    ]
 
 
 def test_a_run_the_trainer_would_refuse_is_refused_before_capacity_with_its_reason(ingest: Ingest) -> None:
@@ -139,10 +139,9 @@ def test_a_crash_between_seal_and_start_loses_nothing(
         objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json")
     )
     stored = ingest.ledger.get_run(sealed.run.run_id)
-    assert (
-        manifest["objects"] == ["gs://land/incoming/c/1.txt"]
-        and manifest["snapshot"] == stored.snapshot != ""
-    )
+    assert [o["uri"] for o in manifest["objects"]] == ["gs://land/incoming/c/1.txt"] and manifest[
+        "snapshot"
+    ] == stored.snapshot != ""
 
 
 def test_a_crash_between_claiming_a_start_and_starting_is_recovered_once_stale(
@@ -196,7 +195,7 @@ def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
         ]
         for r in runs
     ]
-    names = [uri.rsplit("/", 1)[-1] for m in manifests for uri in m]
+    names = [o["uri"].rsplit("/", 1)[-1] for m in manifests for o in m]
     assert len(names) == 200 and all(n.startswith("a-") for n in names)  # each content once, never again
 
 
@@ -298,4 +297,32 @@ def test_a_crash_right_after_the_cut_loses_nothing(ingest: Ingest, monkeypatch: 
     (started,) = [o for o in ingest.sweep() if o.run_id]
     assert started.action == "started"
     run = ingest.ledger.get_run(started.run_id)
-    assert ingest.ledger.run_objects(run) == ("gs://land/incoming/x/1.txt",) and run.trigger == "manual"
+    assert [o.uri for o in ingest.ledger.run_objects(run)] == ["gs://land/incoming/x/1.txt"]
+    assert run.trigger == "manual"
+
+
+def test_a_failed_run_is_retried_on_request_with_its_own_objects(ingest: Ingest) -> None:
+    """Nothing re-runs by itself; ``retrain run --retry RUN`` (Ingest.retry) does, once, and only a run
+    that did not succeed."""
+    from retrain.domain.errors import Rejected
+
+    arrive(ingest, "again", "1.txt")
+    arrive(ingest, "again", "2.txt")
+    first = ingest.seal("again", "manual")
+    assert first.action == "started"
+    with pytest.raises(Rejected, match="only a failed or cancelled run is retried"):
+        ingest.retry(first.run_id)  # still live
+    ingest.ledger.update_run(first.run_id, {"status": "failed", "reason": "training failed"})
+    retried = ingest.retry(first.run_id)
+    assert retried.action == "started" and retried.run_id != first.run_id
+    second = ingest.ledger.get_run(retried.run_id)
+    assert second is not None and second.trigger == f"retry of {first.run_id}"
+    assert [o.uri for o in ingest.ledger.run_objects(second)] == [
+        "gs://land/incoming/again/1.txt",
+        "gs://land/incoming/again/2.txt",
+    ]
+    ingest.ledger.update_run(retried.run_id, {"status": "succeeded"})
+    with pytest.raises(Rejected, match="is succeeded"):
+        ingest.retry(retried.run_id)
+    with pytest.raises(Rejected, match="no run"):
+        ingest.retry("nope-1")

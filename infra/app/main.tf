@@ -58,6 +58,7 @@ locals {
     RETRAIN_PROVISION_TIMEOUT_S = tostring(var.provision_timeout_s)
     RETRAIN_TRAIN_TIMEOUT_S     = tostring(var.train_timeout_s)
     RETRAIN_TOKENIZE_TIMEOUT_S  = tostring(var.tokenize_timeout_s)
+    RETRAIN_TOKENIZE_MIN_BYTES_PER_S = tostring(var.tokenize_min_bytes_per_s)
     RETRAIN_RELEASE_TIMEOUT_S   = tostring(var.release_timeout_s)
     RETRAIN_POLL_INTERVAL_S     = tostring(var.poll_interval_s)
     RETRAIN_COMPLETION_CHECK_S  = tostring(var.completion_check_s)

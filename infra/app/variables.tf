@@ -335,8 +335,14 @@ variable "seq_length" {
 
 variable "tokenize_timeout_s" {
   type        = number
-  description = "How long a run waits for its tokenize job before it fails and cancels the job (RETRAIN_TOKENIZE_TIMEOUT_S)."
-  default     = 7200
+  description = "Fixed part of a run's tokenize deadline (RETRAIN_TOKENIZE_TIMEOUT_S): the job is cancelled and the run fails after this plus its batch at tokenize_min_bytes_per_s."
+  default     = 1800
+}
+
+variable "tokenize_min_bytes_per_s" {
+  type        = number
+  description = "The slowest rate a healthy tokenize job reads at (RETRAIN_TOKENIZE_MIN_BYTES_PER_S): a batch's deadline grows by its size at this rate."
+  default     = 1000000
 }
 
 variable "release_timeout_s" {

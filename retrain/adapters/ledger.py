@@ -51,7 +51,7 @@ from google.cloud.firestore_v1.base_query import FieldFilter
 from google.cloud.firestore_v1.types import common, document, write
 from google.cloud.firestore_v1.types import firestore as api
 
-from retrain.domain.events import ObjectArrival
+from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import (
     BatchState,
     Champion,
@@ -272,17 +272,17 @@ class FirestoreLedger:
             done = self.get_run(str(batch["run_id"])) if batch.get("run_id") else None
             verdict = SealVerdict.ALREADY_SEALED if done else SealVerdict.NOTHING_NEW
             return SealOutcome(done, verdict, "already sealed", skipped=int(batch.get("skipped", 0)))
-        first_uri: dict[str, str] = {}  # content hash -> the first object (by name) that has it
+        first: dict[str, ObjectVersion] = {}  # content hash -> the first object (by name) that has it
         arrivals = sorted(self._batch_arrivals(batch), key=lambda a: str(a["uri"]))
         for a in arrivals:
-            first_uri.setdefault(str(a["content_hash"]), str(a["uri"]))
+            first.setdefault(str(a["content_hash"]), ObjectVersion.parse(a))
         if not arrivals:  # a concurrent seal cut the same window first
             batch_ref.update({"state": str(BatchState.DUPLICATE), "new_objects": 0, "skipped": 0})
             return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
         run: Run | None = None
-        added: list[str] = []
-        held = self._held(dataset, list(first_uri))
-        todo = {h: uri for h, uri in first_uri.items() if h not in held}
+        added: list[ObjectVersion] = []
+        held = self._held(dataset, list(first))
+        todo = {h: version for h, version in first.items() if h not in held}
         while todo:
             run = self._pending_run(dataset, trigger, batch_id)
             chunk = dict(list(todo.items())[:CONTENT_CHUNK])
@@ -317,7 +317,8 @@ class FirestoreLedger:
     def pending_run(self, dataset: str) -> Run | None:
         """The dataset's pending run (the one later seals join), if any."""
         snap = self._slot(dataset).get()
-        return self.get_run(str(snap.get("run_id"))) if snap.exists else None
+        run = self.get_run(str(snap.get("run_id"))) if snap.exists else None
+        return run if run is not None and not run.status.terminal else None
 
     def _pending_run(self, dataset: str, trigger: str, batch_id: str) -> Run:
         """The dataset's pending run, created (as ``trigger`` made it) when there is none.  Creating it
@@ -328,12 +329,12 @@ class FirestoreLedger:
             snap = slot.get()
             if snap.exists:
                 run = self.get_run(str(snap.get("run_id")))
-                if run is not None:
+                if run is not None and not run.status.terminal:
                     return run
             fresh = Run(run_id=new_run_id(dataset), dataset=dataset, trigger=trigger, batch_id=batch_id)
             writes = self.db.batch()
             writes.set(self.db.collection("runs").document(fresh.run_id), fresh.to_dict())
-            if snap.exists:  # a slot naming a run that is gone (dropped empty): replace it
+            if snap.exists:  # a slot naming a run that is gone or ended before it started: replace it
                 writes.update(
                     slot,
                     {"run_id": fresh.run_id},
@@ -347,7 +348,7 @@ class FirestoreLedger:
                 continue  # another seal made one first: join it
             return fresh
 
-    def _join(self, run: Run, content: Mapping[str, str]) -> tuple[list[str], bool]:
+    def _join(self, run: Run, content: Mapping[str, ObjectVersion]) -> tuple[list[ObjectVersion], bool]:
         """Give ``run`` the content (hash -> object) no run holds yet, in one transaction that checks it
         is still its dataset's pending run; (the objects added, whether the run had started).
 
@@ -358,16 +359,15 @@ class FirestoreLedger:
         refs = {h: self._contents(run.dataset).document(_key(h)) for h in content}
 
         @firestore.transactional
-        def join(tx: firestore.Transaction, held: set[str]) -> tuple[list[str], bool]:
+        def join(tx: firestore.Transaction, held: set[str]) -> tuple[list[ObjectVersion], bool]:
             current = slot.get(transaction=tx)
             if not current.exists or current.get("run_id") != run.run_id:
                 return [], True
             added = []
             for h, ref in refs.items():
                 if ref.id not in held:
-                    tx.create(
-                        ref, {"content_hash": h, "uri": content[h], "run_id": run.run_id, "at": now_iso()}
-                    )
+                    entry = {"content_hash": h, **content[h].to_dict(), "run_id": run.run_id, "at": now_iso()}
+                    tx.create(ref, entry)
                     added.append(content[h])
             return added, False
 
@@ -387,10 +387,56 @@ class FirestoreLedger:
             held.update(chunk[snap.id] for snap in self.db.get_all(refs) if snap.exists)
         return held
 
-    def run_objects(self, run: Run) -> tuple[str, ...]:
+    def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]:
         """The objects a run trains: every content entry that names it (one object per content)."""
+        query: Any = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
+        if run.content_returned:
+            query = self._returned(run.run_id)
+        return tuple(sorted(ObjectVersion.parse(d.to_dict() or {}) for d in query.stream()))
+
+    def give_back(self, run: Run) -> int:
+        """A run that did not succeed gives its content back: each content entry it holds goes (so
+        identical bytes dropped again are new again) and is kept under the run as ``runs/{run}/objects``
+        (what it trained on, for its record and for :meth:`requeue`).  Nothing is re-queued: a run that
+        failed is retried on purpose (``retrain run --retry``), never in a loop.  Idempotent; how many
+        objects it gave back."""
+        current = self.get_run(run.run_id)
+        if current is None or current.content_returned:
+            return 0
         query = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
-        return tuple(sorted(str((d.to_dict() or {})["uri"]) for d in query.stream()))
+        entries = list(query.stream())
+        kept = self._returned(run.run_id)
+        for i in range(0, len(entries), CONTENT_CHUNK // 2):
+            writes = self.db.batch()
+            for snap in entries[i : i + CONTENT_CHUNK // 2]:
+                writes.set(kept.document(snap.id), snap.to_dict() or {})
+                writes.delete(snap.reference)
+            writes.commit()
+        self.update_run(run.run_id, {"content_returned": True})
+        return len(entries)
+
+    def requeue(self, run: Run) -> int:
+        """The objects a run gave back arrive again (at the versions it held, stamped now), so the next
+        seal takes them into a run.  Idempotent (one arrival per object and run); how many."""
+        entries = [snap.to_dict() or {} for snap in self._returned(run.run_id).stream()]
+        for i in range(0, len(entries), CONTENT_CHUNK // 2):
+            writes = self.db.batch()
+            for entry in entries[i : i + CONTENT_CHUNK // 2]:
+                version = ObjectVersion.parse(entry)
+                key = _key(f"{version.uri}#{version.generation}:given back by {run.run_id}")
+                arrival = {
+                    **version.to_dict(),
+                    "content_hash": entry["content_hash"],
+                    "time": now_iso(),
+                    "event_id": f"requeued:{run.run_id}",
+                    ARRIVED_AT: firestore.SERVER_TIMESTAMP,
+                }
+                writes.set(self._arrivals(run.dataset, key).document(key), arrival)
+            writes.commit()
+        return len(entries)
+
+    def _returned(self, run_id: str) -> firestore.CollectionReference:
+        return self.db.collection("runs").document(run_id).collection("objects")
 
     def _run_hashes(self, run: Run) -> list[str]:
         query = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))

@@ -59,25 +59,29 @@ def storage_client() -> Any:
     return _client(os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("GOOGLE_CLOUD_PROJECT"))
 
 
-def _blob(uri: str) -> Any:
+def _blob(uri: str, generation: int | None = None) -> Any:
     bucket, name = split_gs(uri)
-    return storage_client().bucket(bucket).blob(name)
+    return storage_client().bucket(bucket).blob(name, generation=generation)
 
 
-def read_bytes(uri: str) -> bytes:
-    """The object's bytes; FileNotFoundError when there is no such object (GCS's 404 included)."""
+def read_bytes(uri: str, generation: int | None = None) -> bytes:
+    """The object's bytes (of ``generation`` exactly, when given); FileNotFoundError when there is no
+    such object or version (GCS's 404 included)."""
     if is_gcs(uri):
         try:
-            return bytes(_blob(uri).download_as_bytes())
+            return bytes(_blob(uri, generation).download_as_bytes())
         except NotFound:
-            raise FileNotFoundError(f"no object {uri}") from None
+            raise FileNotFoundError(
+                f"no object {uri}" + (f" at generation {generation}" if generation else "")
+            ) from None
     return Path(uri).read_bytes()
 
 
-def open_read(uri: str) -> IO[bytes]:
-    """A streaming reader: memory stays bounded by the buffer, not the object."""
+def open_read(uri: str, generation: int | None = None) -> IO[bytes]:
+    """A streaming reader (of ``generation`` exactly, when given; local files have none): memory stays
+    bounded by the buffer, not the object."""
     if is_gcs(uri):
-        return _blob(uri).open("rb")
+        return _blob(uri, generation).open("rb")
     return open(uri, "rb")
 
 
@@ -148,12 +152,14 @@ def exists(uri: str) -> bool:
     return Path(uri).exists()
 
 
-def stat(uri: str) -> ObjectInfo:
+def stat(uri: str, generation: int | None = None) -> ObjectInfo:
+    """Size, generation and md5 of the object (of ``generation`` exactly, when given); FileNotFoundError
+    when there is no such object or version."""
     if is_gcs(uri):
         bucket, name = split_gs(uri)
-        blob = storage_client().bucket(bucket).get_blob(name)
+        blob = storage_client().bucket(bucket).get_blob(name, generation=generation)
         if blob is None:
-            raise FileNotFoundError(uri)
+            raise FileNotFoundError(uri + (f" at generation {generation}" if generation else ""))
         return ObjectInfo(uri, int(blob.size or 0), blob.generation, blob.md5_hash)
     st = Path(uri).stat()
     return ObjectInfo(uri, st.st_size, st.st_mtime_ns)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from retrain.domain.errors import Rejected
@@ -24,6 +24,31 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 # Objects retrain writes itself; they must never start a run even if they land under the prefix.
 RETRAIN_OWNED_MARKERS = ("/_retrain/", "_text_document.", "_report.json", "_quarantine.jsonl")
+
+
+@dataclass(frozen=True, order=True)
+class ObjectVersion:
+    """One version of one object: what a run trains on, read exactly as it was when it arrived."""
+
+    uri: str
+    """``gs://bucket/name``, the name taken literally (never a pattern)."""
+    generation: int
+    """GCS's generation of that version (0: not known, read whatever is there)."""
+    size: int = field(default=0, compare=False)
+    """Its size in bytes, as its finalize event said."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri, "generation": self.generation, "size": self.size}
+
+    @classmethod
+    def parse(cls, value: Any) -> ObjectVersion:
+        """From its dict; ValueError naming what is wrong."""
+        if not isinstance(value, dict) or not isinstance(value.get("uri"), str):
+            raise ValueError(f"not an object version: {value!r}")
+        try:
+            return cls(value["uri"], int(value.get("generation") or 0), int(value.get("size") or 0))
+        except (TypeError, ValueError):
+            raise ValueError(f"not an object version: {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -48,10 +73,16 @@ class ObjectArrival:
         return f"{self.bucket}/{self.name}#{self.generation}"
 
     @property
+    def version(self) -> ObjectVersion:
+        return ObjectVersion(self.uri, self.generation, self.size)
+
+    @property
     def content_hash(self) -> str:
-        """What snapshots are made of: the object's md5 (same bytes, same hash, whatever the name);
-        an object without one (a composite upload) stands for itself."""
-        return f"md5:{self.md5_hash}" if self.md5_hash else f"object:{self.identity}"
+        """What snapshots are made of: the object's md5 and how it is read (same bytes as the same format,
+        same hash, whatever the name); an object without one (a composite upload) stands for itself."""
+        if not self.md5_hash:
+            return f"object:{self.identity}"
+        return f"md5:{self.md5_hash}:{object_format(self.name)}"
 
 
 def check_object_name(name: object) -> str:
@@ -129,6 +160,18 @@ def parse_gcs_finalized(attributes: Mapping[str, Any], data: Any) -> ObjectArriv
         raise Rejected("md5Hash is not a short string")
     time = str(attributes.get("time") or data.get("updated") or "")
     return ObjectArrival(event_id, bucket, name, generation, size, md5, time)
+
+
+def object_format(name: str) -> str:
+    """How an object's bytes are read, by its name: ``jsonl`` (.jsonl/.ndjson/.json), ``parquet``
+    (.parquet/.pq) or ``text`` (the whole object one document).  The same bytes under another format
+    are other documents, so content identity includes it."""
+    lower = name.lower()
+    if lower.endswith((".jsonl", ".ndjson", ".json")):
+        return "jsonl"
+    if lower.endswith((".parquet", ".pq")):
+        return "parquet"
+    return "text"
 
 
 def is_retrain_output(name: str) -> bool:

@@ -171,6 +171,8 @@ class Run:
     """:class:`TrainingMetrics` as the trainer reported them (null: none were found)."""
     reason: str | None = None
     """Why it ended as it did (failures, cancels, missing metrics)."""
+    content_returned: bool = False
+    """It did not succeed and gave its content back: its objects joined the next seal."""
     execution: str | None = None
     """Its workflow execution."""
     callback_url: str | None = None

@@ -22,6 +22,8 @@ from typing import Any
 
 from google.api_core.exceptions import GoogleAPICallError
 
+from retrain.contracts import RunManifest
+from retrain.domain.events import ObjectVersion
 from retrain.tokenize import records
 from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
 
@@ -34,7 +36,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="INPUT",
         help="paths, globs, folders, gs:// URIs or bq://project.dataset.table",
     )
-    p.add_argument("--manifest", help='JSON file or gs:// object {"objects": [URI, ...]}: more inputs')
+    p.add_argument(
+        "--manifest",
+        help="a run's manifest (JSON file or gs:// object): its objects, named literally, each read at its "
+        "generation",
+    )
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--output-prefix", help="write PREFIX_{key}_document.bin/.idx, PREFIX_report.json")
     out.add_argument("--shard-root", help="incremental: one shard per object at ROOT/<sha256>/data")
@@ -53,15 +59,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_manifest(uri: str) -> list[str]:
-    """The object list a workflow writes for a run (too long for template parameters at scale)."""
+def read_manifest(uri: str) -> list[ObjectVersion]:
+    """The objects a run trains (its manifest, ``retrain.contracts.RunManifest``): names taken literally,
+    each read at the generation it had when it arrived."""
     from retrain.adapters import objects
 
-    manifest = json.loads(objects.read_bytes(uri))
-    listed = manifest.get("objects") if isinstance(manifest, dict) else None
-    if not isinstance(listed, list) or not all(isinstance(o, str) for o in listed):
-        raise SystemExit(f'retrain tokenize: {uri} is not a manifest ({{"objects": [URI, ...]}})')
-    return listed
+    try:
+        return RunManifest.parse(objects.read_bytes(uri)).objects
+    except ValueError as e:
+        raise SystemExit(f"retrain tokenize: {uri} is not a run manifest: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--vocab-file and --merge-file go together")
     if args.report and not args.shard_root:
         parser().error("--report goes with --shard-root")
-    if args.manifest:
-        args.inputs += read_manifest(args.manifest)
-    if not args.inputs:
+    if args.manifest and not args.shard_root:
+        parser().error("--manifest goes with --shard-root")
+    pinned = read_manifest(args.manifest) if args.manifest else []
+    if not args.inputs and not pinned:
         parser().error("no inputs: give INPUT... or --manifest")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("apache_beam", "google", "urllib3"):
@@ -99,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.shard_root:
-            report = tokenize_incremental(args.inputs, args.shard_root, report_uri=args.report, **common)
+            report = tokenize_incremental(
+                args.inputs, args.shard_root, pinned=pinned, report_uri=args.report, **common
+            )
         else:
             report = tokenize_to_prefix(args.inputs, args.output_prefix, **common)
     except (FileNotFoundError, ValueError, GoogleAPICallError) as e:

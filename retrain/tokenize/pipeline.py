@@ -33,6 +33,7 @@ from google.api_core.exceptions import NotFound
 
 from retrain import megatron
 from retrain.adapters import objects
+from retrain.domain.events import ObjectVersion
 from retrain.tokenize import records, tables
 from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
 from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
@@ -93,19 +94,34 @@ class _ReadFn(beam.DoFn):
         self.job = job
 
     def process(self, split: Split) -> Iterator[Any]:
-        for item in records.read_split(
+        reader = records.read_split(
             split,
             self.job.json_keys,
             max_document_bytes=self.job.max_document_bytes,
             batch_bytes=self.job.batch_bytes,
             keep_empty=self.job.keep_empty,
-        ):
-            if isinstance(item, Batch):
-                yield item
-            elif isinstance(item, Rejected):
-                yield beam.pvalue.TaggedOutput(REJECTED, item)
-            else:
-                yield beam.pvalue.TaggedOutput(STATS, item)
+        )
+        seen = 0  # records handed on (documents and rejections), for the accounting of a failure
+        try:
+            for item in reader:
+                if isinstance(item, Batch):
+                    seen += item.documents
+                    yield item
+                elif isinstance(item, Rejected):
+                    seen += 1
+                    yield beam.pvalue.TaggedOutput(REJECTED, item)
+                else:
+                    yield beam.pvalue.TaggedOutput(STATS, item)
+        except Exception as e:  # unreadable past its checks (a torn object, an I/O error): set aside
+            log.warning("%s: reading failed at byte %d: %s", split.uri, split.start, e)
+            stats = records.SplitStats(split.input_index, split.start, records=seen + 1)
+            stats.reasons[records.UNREADABLE] = 1
+            detail = f"reading failed: {type(e).__name__}: {e}"[:500]
+            yield beam.pvalue.TaggedOutput(
+                REJECTED,
+                Rejected(split.input_index, split.start, records.UNREADABLE, detail, "", 0, split.start),
+            )
+            yield beam.pvalue.TaggedOutput(STATS, stats)
 
 
 class ReadDocuments(beam.PTransform):
@@ -411,6 +427,7 @@ def content_hashes(infos: Sequence[objects.ObjectInfo], index_root: str) -> list
     def sha(info: objects.ObjectInfo) -> str:
         if info.generation is None:
             return records.sha256_of(info.uri)
+        generation = info.generation if objects.is_gcs(info.uri) else None
         entry = objects.join(index_root, hashlib.sha1(f"{info.uri}#{info.generation}".encode()).hexdigest())
         try:
             known = objects.read_bytes(entry).decode()
@@ -418,7 +435,7 @@ def content_hashes(infos: Sequence[objects.ObjectInfo], index_root: str) -> list
             known = ""
         if len(known) == 64:
             return known
-        digest = records.sha256_of(info.uri)
+        digest = records.sha256_of(info.uri, generation)
         objects.write_bytes(entry, digest.encode(), "text/plain")
         return digest
 
@@ -509,14 +526,16 @@ def incremental_report(
     reports: dict[str, dict[str, Any]],
     seconds: float,
     tokenizer: dict[str, str],
+    quarantined_objects: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The aggregate: totals over every object's shard (each distinct shard once), the shards, the blend."""
+    """The aggregate: totals over every object's shard (each distinct shard once), the shards, the blend,
+    and the objects quarantined whole (unreadable, changed since they arrived, over a size limit)."""
     totals = dict.fromkeys(("documents", "tokens", "quarantined", "input_records", "bytes"), 0)
     new = dict(totals)
-    for sha, r in reports.items():
+    for prefix, r in reports.items():
         for k in totals:
             totals[k] += int(r[k])
-        if any(e["sha256"] == sha and not e["reused"] for e in entries):
+        if any(e["data_prefix"].startswith(prefix) and not e["reused"] for e in entries):
             for k in new:
                 new[k] += int(r[k])
     blend: list[Any] = []
@@ -525,8 +544,8 @@ def incremental_report(
         if e["tokens"] > 0 and e["data_prefix"] not in seen:
             seen[e["data_prefix"]] = e["tokens"]
     total_tokens = sum(seen.values())
-    for prefix, n in seen.items():
-        blend += [n / total_tokens, prefix]
+    for data_prefix, n in seen.items():
+        blend += [n / total_tokens, data_prefix]
     return {
         **totals,
         "seconds": round(seconds, 3),
@@ -536,13 +555,45 @@ def incremental_report(
         "shards": entries,
         "data_prefix_blend": blend,
         "tokenizer": tokenizer,
+        "quarantined_objects": quarantined_objects or [],
     }
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """One input object before tokenizing: what it is, or why it is set aside whole."""
+
+    uri: str
+    generation: int | None
+    info: objects.ObjectInfo | None
+    problem: tuple[str, str] | None  # (reason, detail)
+
+
+def _check(uri: str, generation: int | None, max_decompressed: int) -> _Checked:
+    try:
+        info = objects.stat(uri, generation)
+    except FileNotFoundError:
+        detail = f"generation {generation} no longer exists (overwritten or deleted since it arrived)"
+        return _Checked(
+            uri,
+            generation,
+            None,
+            (records.OBJECT_CHANGED, detail) if generation else (records.UNREADABLE, "no such object"),
+        )
+    if generation and objects.is_gcs(uri) and info.generation != generation:
+        # GCS answers a request for a gone generation with 404; a store that answers with the current
+        # version instead (the local emulator keeps no history) is caught here just the same.
+        detail = f"generation {generation} is gone: the object is at generation {info.generation} now"
+        return _Checked(uri, generation, None, (records.OBJECT_CHANGED, detail))
+    problem = records.check_object(uri, generation, max_decompressed)
+    return _Checked(uri, generation, info, problem)
 
 
 def tokenize_incremental(
     objects_: list[str],
     shard_root: str,
     *,
+    pinned: Sequence[ObjectVersion] = (),
     report_uri: str | None = None,
     runner: str = "FnApiRunner",
     workers: int = 2,
@@ -553,15 +604,20 @@ def tokenize_incremental(
     tokenizer_json: str | None = None,
     eod_id: int | None = None,
     max_document_bytes: int = records.DEFAULT_MAX_DOCUMENT_BYTES,
+    max_decompressed_bytes: int = records.DEFAULT_MAX_DECOMPRESSED_BYTES,
     keep_empty: bool = False,
     split_bytes: int = records.DEFAULT_SPLIT_BYTES,
     pipeline_args: Sequence[str] | None = None,
     wait: bool = True,
 ) -> dict[str, Any]:
-    """Tokenize each object once into its own shard ``shard_root/<sha256 of its bytes>/data``.
+    """Tokenize each object once into its own shard ``shard_root/<format>-<sha256 of its bytes>/data``.
 
-    Objects whose shard is complete (its data_report.json exists) are reused, not re-read beyond hashing.
-    A shard made with other tokenizer settings is an error (use another shard_root), never reused.
+    ``objects_`` are patterns (paths, globs, folders, gs:// URIs, ``bq://`` tables); ``pinned`` are
+    objects named literally and read at exactly their generation (a run's manifest).  Objects whose shard
+    is complete (its data_report.json exists) are reused, not re-read beyond hashing; an object that
+    cannot be read (gone, changed since it arrived, not what its suffix says, decompressing past
+    ``max_decompressed_bytes``) is quarantined whole, with its reason, and the others go on.  A shard made
+    with other tokenizer settings is an error (use another shard_root), never reused.
     """
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
@@ -569,18 +625,36 @@ def tokenize_incremental(
     tokenizer_files = keep_tokenizer_files(spec, shard_root, fp)
     objects_, staged = tables.stage(objects_, objects.join(shard_root, "_bigquery", uuid.uuid4().hex[:12]))
     source = {t.object: t.source for t in staged}
-    uris = records.expand_inputs(objects_)
-    infos = _stat_all(uris)
+    generations: dict[str, int | None] = dict.fromkeys(records.expand_inputs(objects_) if objects_ else [])
+    for version in pinned:
+        generations[version.uri] = version.generation or None
+    if not generations:
+        raise ValueError("no inputs")
+    with ThreadPool(min(16, len(generations))) as pool:
+        checked = pool.starmap(_check, [(u, g, max_decompressed_bytes) for u, g in generations.items()])
+    quarantined_objects = [
+        {
+            "object": source.get(c.uri, c.uri),
+            "generation": c.generation,
+            "reason": c.problem[0],
+            "detail": c.problem[1],
+        }
+        for c in checked
+        if c.problem is not None
+    ]
+    for q in quarantined_objects:
+        log.warning("quarantined %s: %s (%s)", q["object"], q["reason"], q["detail"])
+    infos = [c.info for c in checked if c.problem is None and c.info is not None]
     shas = content_hashes(infos, objects.join(shard_root, "_index"))
-    sizes = [info.size for info in infos]
     key = json_keys[0]
-    reports: dict[str, dict[str, Any]] = {}
-    todo: dict[str, tuple[str, int]] = {}  # sha -> (first object with it, size)
-    plan: list[tuple[str, str, str, bool]] = []  # (uri, sha, prefix, reused)
-    for uri, sha, size in zip(uris, shas, sizes, strict=True):
-        prefix = objects.join(shard_root, sha, "data")
-        shown = source.get(uri, uri)  # a table's rows: named by the table, not the staged export
-        if sha in todo or sha in reports:
+    reports: dict[str, dict[str, Any]] = {}  # shard prefix -> its report
+    todo: dict[str, tuple[str, int, int | None]] = {}  # shard prefix -> (first object with it, size, gen)
+    plan: list[tuple[str, str, str, bool]] = []  # (object, sha, shard prefix, reused)
+    for info, sha in zip(infos, shas, strict=True):
+        # The same bytes make other documents as another format: the shard is keyed by both.
+        prefix = objects.join(shard_root, f"{records.detect_format(info.uri)}-{sha}", "data")
+        shown = source.get(info.uri, info.uri)  # a table's rows: named by the table, not the staged export
+        if prefix in todo or prefix in reports:
             plan.append((shown, sha, prefix, True))
             continue
         if objects.exists(prefix + "_report.json"):
@@ -590,32 +664,41 @@ def tokenize_incremental(
                     f"{prefix} was tokenized with other settings ({r.get('fingerprint')} != {fp}); "
                     "use a shard_root per tokenizer"
                 )
-            reports[sha] = r
+            reports[prefix] = r
             plan.append((shown, sha, prefix, True))
         else:
-            todo[sha] = (uri, size)
+            todo[prefix] = (info.uri, info.size, generations.get(info.uri))
             plan.append((shown, sha, prefix, False))
-    log.info("%d object(s): %d to tokenize, %d reused", len(uris), len(todo), len(uris) - len(todo))
+    log.info(
+        "%d object(s): %d to tokenize, %d reused, %d quarantined",
+        len(generations),
+        len(todo),
+        len(infos) - len(todo),
+        len(quarantined_objects),
+    )
 
     def finish(new_reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
         all_reports = dict(reports)
         for r in new_reports:
-            all_reports[r["sha256"]] = r
-        entries = [_shard_entry(u, s, p, all_reports[s], key, reused) for u, s, p, reused in plan]
-        agg = incremental_report(entries, all_reports, time.time() - started, tokenizer_files)
+            all_reports[r["shard"]] = r
+        entries = [_shard_entry(u, s, p, all_reports[p], key, reused) for u, s, p, reused in plan]
+        agg = incremental_report(
+            entries, all_reports, time.time() - started, tokenizer_files, quarantined_objects
+        )
         if report_uri:
             objects.write_bytes(report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json")
         return agg
 
     if todo:
         run_id = uuid.uuid4().hex[:12]
+        shas_of = {p: sha for _, sha, p, _ in plan}
         shards = tuple(
             ShardSpec(
-                objects.join(shard_root, sha, "data"),
+                prefix,
                 ((i, uri, size),),
-                (("object", source.get(uri, uri)), ("sha256", sha)),
+                (("object", source.get(uri, uri)), ("sha256", shas_of[prefix]), ("shard", prefix)),
             )
-            for i, (sha, (uri, size)) in enumerate(todo.items())
+            for i, (prefix, (uri, size, _)) in enumerate(todo.items())
         )
         job = Job(
             shards=shards,
@@ -632,15 +715,13 @@ def tokenize_incremental(
         )
         splits = [
             s
-            for i, sh in enumerate(shards)
-            for s in records.plan_splits(i, sh.inputs[0][1], sh.inputs[0][2], split_bytes)
+            for i, (uri, size, generation) in enumerate(todo.values())
+            for s in records.plan_splits(i, uri, size, split_bytes, generation)
         ]
         _run(job, splits, runner, workers, pipeline_args, wait, finalize=None if wait else finish)
         if not wait:
             return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(todo)}
-        for sha in todo:
-            reports[sha] = json.loads(
-                objects.read_bytes(objects.join(shard_root, sha, "data") + "_report.json")
-            )
+        for prefix in todo:
+            reports[prefix] = json.loads(objects.read_bytes(prefix + "_report.json"))
     tables.unstage(staged)
     return finish([])

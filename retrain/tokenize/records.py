@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from retrain.adapters import objects
+from retrain.domain.events import object_format
 
 MiB = 1 << 20
 DEFAULT_MAX_DOCUMENT_BYTES = 32 * MiB
@@ -35,15 +36,15 @@ MISSING_KEY = "missing_key"
 NOT_A_STRING = "not_a_string"
 EMPTY_TEXT = "empty_text"
 TOO_LARGE = "too_large"
+# Reasons a whole object is set aside (before or while reading it).
+UNREADABLE = "unreadable"
+OBJECT_CHANGED = "object_changed"
+DECOMPRESSED_TOO_LARGE = "decompressed_too_large"
+#: A Parquet object whose pages decompress past this is not read (a decompression bomb).
+DEFAULT_MAX_DECOMPRESSED_BYTES = 4 << 30
 
 
-def detect_format(uri: str) -> str:
-    name = uri.lower()
-    if name.endswith((".jsonl", ".ndjson", ".json")):
-        return "jsonl"
-    if name.endswith((".parquet", ".pq")):
-        return "parquet"
-    return "text"
+detect_format = object_format
 
 
 def _has_glob(s: str) -> bool:
@@ -80,10 +81,29 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return out
 
 
-def sha256_of(uri: str) -> str:
+def check_object(uri: str, generation: int | None, max_decompressed: int) -> tuple[str, str] | None:
+    """(reason, detail) when an object must be set aside whole before reading it, else None: a
+    ``.parquet`` that is not Parquet, or whose pages decompress past ``max_decompressed`` bytes (its
+    footer says how much, before anything is decompressed)."""
+    if detect_format(uri) != "parquet":
+        return None
+    import pyarrow.parquet as pq
+
+    try:
+        with objects.open_read(uri, generation) as f:
+            meta = pq.ParquetFile(f).metadata
+    except Exception as e:  # pyarrow says ArrowInvalid; any failure to read a footer is the same
+        return UNREADABLE, f"not a Parquet file: {type(e).__name__}: {e}"[:500]
+    unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if unpacked > max_decompressed:
+        return DECOMPRESSED_TOO_LARGE, f"its pages decompress to {unpacked} bytes > max {max_decompressed}"
+    return None
+
+
+def sha256_of(uri: str, generation: int | None = None) -> str:
     """sha256 of an object's bytes, streamed."""
     h = hashlib.sha256()
-    with objects.open_read(uri) as f:
+    with objects.open_read(uri, generation) as f:
         while chunk := f.read(_READ_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -98,13 +118,24 @@ class Split:
     fmt: str
     start: int
     end: int
+    generation: int | None = None
+    """The object version read (None: whatever is there)."""
 
 
-def plan_splits(input_index: int, uri: str, size: int, split_bytes: int = DEFAULT_SPLIT_BYTES) -> list[Split]:
+def plan_splits(
+    input_index: int,
+    uri: str,
+    size: int,
+    split_bytes: int = DEFAULT_SPLIT_BYTES,
+    generation: int | None = None,
+) -> list[Split]:
     fmt = detect_format(uri)
     if fmt != "jsonl" or size <= split_bytes:
-        return [Split(input_index, uri, fmt, 0, size)]
-    return [Split(input_index, uri, fmt, s, min(s + split_bytes, size)) for s in range(0, size, split_bytes)]
+        return [Split(input_index, uri, fmt, 0, size, generation)]
+    return [
+        Split(input_index, uri, fmt, s, min(s + split_bytes, size), generation)
+        for s in range(0, size, split_bytes)
+    ]
 
 
 @dataclass
@@ -247,7 +278,7 @@ class _Reader:
         yield self.stats
 
     def _jsonl(self) -> Iterator[Batch | Rejected | None]:
-        with objects.open_read(self.split.uri) as f:
+        with objects.open_read(self.split.uri, self.split.generation) as f:
             for line_no, (offset, raw, nbytes) in enumerate(
                 _lines(f, self.split.start, self.split.end, self.max)
             ):
@@ -291,7 +322,7 @@ class _Reader:
     def _text(self) -> Iterator[Batch | Rejected | None]:
         self.stats.records = 1
         self.stats.lines = 1
-        with objects.open_read(self.split.uri) as f:
+        with objects.open_read(self.split.uri, self.split.generation) as f:
             raw = f.read(self.max + 1)
             if len(raw) > self.max:
                 nbytes = len(raw)
@@ -314,7 +345,7 @@ class _Reader:
         import pyarrow.parquet as pq
 
         self.stats.lines = 0
-        with objects.open_read(self.split.uri) as f:
+        with objects.open_read(self.split.uri, self.split.generation) as f:
             pf = pq.ParquetFile(f)
             names = set(pf.schema_arrow.names)
             present = [k for k in self.keys if k in names]

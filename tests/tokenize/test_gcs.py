@@ -48,7 +48,8 @@ def test_gs_incremental_round_trip(gcs_emulator, gpt2):
     assert [s["reused"] for s in second["shards"]] == [True, False]
     assert json.loads(objects.read_bytes(rep)) == first
     for shard, texts in zip(second["shards"], [docs[:5], [docs[6]]], strict=True):
-        assert shard["data_prefix"].startswith(f"{root}/{shard['sha256']}/data")
+        fmt = "jsonl" if shard["object"].endswith(".jsonl") else "text"
+        assert shard["data_prefix"].startswith(f"{root}/{fmt}-{shard['sha256']}/data")
         want_bin, want_idx = megatron_bytes([gpt2.encode(t).ids for t in texts])
         assert objects.read_bytes(shard["data_prefix"] + ".bin") == want_bin
         assert objects.read_bytes(shard["data_prefix"] + ".idx") == want_idx

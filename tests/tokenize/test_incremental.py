@@ -63,12 +63,12 @@ def test_second_run_only_tokenizes_the_new_object(two_runs):
     after = _snapshot(root)
     assert {k: v for k, v in after.items() if k in before} == before, "old shards were rewritten"
     assert {k for k in set(after) - set(before) if not k.startswith("_index/")} == {
-        f"{_sha(c)}/data_{s}"
+        f"jsonl-{_sha(c)}/data_{s}"
         for s in ("text_document.bin", "text_document.idx", "report.json", "quarantine.jsonl")
     }
     assert not (root / "_tmp").exists()
     # the new shard: its documents, and the "" record quarantined (input = written + quarantined)
-    shard = json.loads((root / _sha(c) / "data_report.json").read_text())
+    shard = json.loads((root / f"jsonl-{_sha(c)}" / "data_report.json").read_text())
     assert shard["object"] == str(c) and shard["sha256"] == _sha(c)
     assert shard["quarantined"] == 1 and shard["input_records"] == shard["documents"] + 1
     assert second["tokenized"]["documents"] == shard["documents"]
@@ -121,7 +121,7 @@ def test_old_objects_are_not_read_again_and_a_rewritten_one_is(tmp_path, monkeyp
 
     hashed: list[str] = []
     real = records.sha256_of
-    monkeypatch.setattr(records, "sha256_of", lambda uri: hashed.append(uri) or real(uri))
+    monkeypatch.setattr(records, "sha256_of", lambda uri, generation=None: hashed.append(uri) or real(uri))
     paths = [tmp_path / f"{n}.txt" for n in "abc"]
     for i, p in enumerate(paths):
         p.write_text(f"document number {i}")

@@ -1,0 +1,78 @@
+"""A run's objects are read as named and as they were: names are literal (never patterns), each object is
+read at its generation, and one bad object is set aside with its reason while the others are tokenized
+(against gcp-storage-emulator, which keeps every generation)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from conftest import corpus_documents
+
+from retrain.adapters import objects
+from retrain.domain.events import ObjectVersion
+from retrain.tokenize import tokenize_incremental
+
+NAMES = ["a[1].jsonl", "b*.jsonl", "c?.jsonl", "d e.jsonl", "é-ü.jsonl", "数据.jsonl"]
+
+
+def _write(uri: str, data: bytes) -> ObjectVersion:
+    objects.write_bytes(uri, data)
+    info = objects.stat(uri)
+    return ObjectVersion(uri, int(info.generation or 0), info.size)
+
+
+def test_any_name_gcs_accepts_is_read_literally_at_its_generation(gcs_emulator: str) -> None:
+    docs = corpus_documents(max_bytes=12_000)
+    versions = [
+        _write(
+            f"{gcs_emulator}/landing/{name}",
+            "".join(json.dumps({"text": f"{i} {d}"}) + "\n" for d in docs[:3]).encode(),
+        )
+        for i, name in enumerate(NAMES)
+    ]
+    # a pattern-looking name must not pull in its neighbours: a decoy it would match as a glob
+    objects.write_bytes(f"{gcs_emulator}/landing/bX.jsonl", b'{"text": "never read"}\n')
+    report = tokenize_incremental([], f"{gcs_emulator}/shards", pinned=versions)
+    assert [s["object"] for s in report["shards"]] == [v.uri for v in versions]
+    assert report["documents"] == 3 * len(NAMES) == report["input_records"] and report["quarantined"] == 0
+    assert report["quarantined_objects"] == []
+
+
+def test_an_object_overwritten_after_it_arrived_is_set_aside_not_read(gcs_emulator: str) -> None:
+    first = _write(f"{gcs_emulator}/landing/changing.jsonl", b'{"text": "the bytes that arrived"}\n')
+    good = _write(f"{gcs_emulator}/landing/steady.jsonl", b'{"text": "steady"}\n')
+    objects.write_bytes(first.uri, b'{"text": "other bytes, written later"}\n')  # a new generation
+    pinned = tokenize_incremental([], f"{gcs_emulator}/shards-pinned", pinned=[first, good])
+    (changed,) = pinned["quarantined_objects"]
+    assert changed["object"] == first.uri and changed["reason"] == "object_changed"
+    assert f"generation {first.generation}" in changed["detail"]
+    assert [s["object"] for s in pinned["shards"]] == [good.uri] and pinned["documents"] == 1
+
+
+def _parquet(rows: list[str]) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": rows}), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def test_a_mislabelled_parquet_and_a_decompression_bomb_are_quarantined_the_rest_trains(
+    gcs_emulator: str,
+) -> None:
+    good = _write(f"{gcs_emulator}/mixed/good.jsonl", b'{"text": "one"}\n{"text": "two"}\n')
+    fine = _write(f"{gcs_emulator}/mixed/fine.parquet", _parquet(["three", "four", "five"]))
+    liar = _write(f"{gcs_emulator}/mixed/liar.parquet", b'{"text": "I am JSON, not Parquet"}\n')
+    bomb_bytes = _parquet(["x" * 2_000_000] * 4)  # 8 MB of pages in a few KB
+    bomb = _write(f"{gcs_emulator}/mixed/bomb.parquet", bomb_bytes)
+    assert len(bomb_bytes) < 100_000
+    report = tokenize_incremental(
+        [], f"{gcs_emulator}/shards-mixed", pinned=[good, fine, liar, bomb], max_decompressed_bytes=1_000_000
+    )
+    reasons = {q["object"]: q["reason"] for q in report["quarantined_objects"]}
+    assert reasons == {liar.uri: "unreadable", bomb.uri: "decompressed_too_large"}
+    detail = {q["object"]: q["detail"] for q in report["quarantined_objects"]}
+    assert "not a Parquet file" in detail[liar.uri] and "> max 1000000" in detail[bomb.uri]
+    assert [s["object"] for s in report["shards"]] == [good.uri, fine.uri]
+    assert report["documents"] == 5 and report["input_records"] == report["documents"] + report["quarantined"]
