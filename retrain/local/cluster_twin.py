@@ -76,6 +76,9 @@ class Faults:
     crash_pod_once: bool = False
     crash_pods_always: bool = False  # every attempt's rank 0 dies: the JobSet exhausts maxRestarts
     preempt_node_after_s: float | None = None
+    hold_training_s: float = (
+        0.0  # a pod whose containers all exited 0 counts as running this long after it started
+    )
 
     def __post_init__(self) -> None:
         if self.provisioning not in ("ok", "fail", "never"):
@@ -147,6 +150,7 @@ class _Pod:
     reason: str = ""
     fuse: dict[str, FuseMount] = field(default_factory=dict)  # mountPath -> its Cloud Storage FUSE
     synced_at: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -520,6 +524,8 @@ class ClusterTwin:
                 msg = pod.forced_failure or f"container exited with code {next(c for c in codes if c)}"
                 self._finish_pod(pod, "Failed", "Error", msg)
             elif all(c == 0 for c in codes):
+                if time.monotonic() - pod.started_at < self.faults.hold_training_s:
+                    continue  # fault injection: training that takes longer than it does here
                 self._finish_pod(pod, "Succeeded", "Completed", "")
         failed = [p for p in run.pods.values() if p.result == "Failed"]
         if failed:

@@ -200,6 +200,7 @@ class LocalStack:
     _closers: list[Callable[[], None]] = field(default_factory=list)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     _ledger_lock: threading.Lock = field(default_factory=threading.Lock)
+    _held_down: set[str] = field(default_factory=set)
     deployment: Deployment | None = None
     """What infra/ declares (topics, Scheduler jobs, the pool's bounds, the Kubernetes manifests) for
     the settings' project; by default read from infra/."""
@@ -342,6 +343,7 @@ class LocalStack:
         notifier = Notifier(api, publish, namespace=s.namespace, state_path=self.state_dir / "notifier.json")
         notifier.start()
         self._closers.append(notifier.stop)
+        self.notifier = notifier
 
         fn_env = {**config.to_env(s), **ep.env(), "PYTHONUNBUFFERED": "1"}
         self.progress("starting the run_step function (the workflow's steps in Python)")
@@ -422,8 +424,36 @@ class LocalStack:
             raise RuntimeError(f"another local stack is starting or running on {self.state_dir}") from None
         self._closers.append(lock.close)
 
+    @contextlib.contextmanager
+    def function_down(self, target: str) -> Iterator[None]:
+        """Function ``target`` (e.g. ``on_object_finalized``) stopped, and kept down until the block ends,
+        when the supervisor starts it again on its port: a crashed instance, for the fault suite."""
+        (proc,) = [p for p in self._procs if p.name == f"function-{target}"]
+        self._held_down.add(proc.name)
+        proc.stop()
+        try:
+            yield
+        finally:
+            self._held_down.discard(proc.name)
+            deadline = time.monotonic() + 60
+            while proc.proc is None or proc.proc.poll() is not None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{proc.name} did not come back")
+                time.sleep(0.2)
+
+    @contextlib.contextmanager
+    def notifier_down(self) -> Iterator[None]:
+        """The in-cluster notifier stopped for the block (a pod evicted): no completion is published."""
+        self.notifier.stop()
+        try:
+            yield
+        finally:
+            self.notifier.start()
+
     def _restart_dead_functions(self) -> None:
         for proc in self._procs:
+            if proc.name in self._held_down:
+                continue
             if proc.name.startswith("function-") and proc.proc is not None and proc.proc.poll() is not None:
                 log.warning("%s exited with %s: starting it again", proc.name, proc.proc.returncode)
                 proc.start()

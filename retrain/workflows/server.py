@@ -256,6 +256,13 @@ class ExecutionsServer:
             rec.cancel.set()
             return rec.resource()
 
+    def forget(self, name: str) -> None:
+        """Lose an execution, as a crashed service would: it stops where it is (no except, no release)
+        and is never heard of again (404).  For the fault suite."""
+        self.cancel(name)
+        with self._lock:
+            del self._records[name]
+
     # -- HTTP --------------------------------------------------------------------------------
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

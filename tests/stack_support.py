@@ -1,0 +1,112 @@
+"""The whole local stack for tests that drive runs through it: one stack per module, a run from a fresh
+dataset, and the checks every ending must pass (zero nodes, no JobSet, no ProvisioningRequest)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.cli import follow
+from retrain.deployment import local_settings
+from retrain.domain.runs import Run
+from retrain.local import emulators
+from retrain.local.envtest import envtest_unavailable_reason
+from retrain.local.landing import drop
+from retrain.local.stack import LocalStack
+
+
+def module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps."""
+    for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
+        if reason:
+            pytest.skip(reason)
+    settings = dataclasses.replace(
+        local_settings({}),  # what the local stack runs on: infra/'s values (retrain.deployment)
+        gpus_per_node=1,  # one stand-in rank per node: these runs are about their endings, not training
+        steps_per_run=4,
+        provision_timeout_s=8,
+        provision_delay_s=0.5,
+        state_dir=str(tmp_path_factory.mktemp("stack")),
+    )
+    with LocalStack(settings, fresh=True) as s:
+        yield s
+
+
+def unique_lines(n: int = 5) -> list[str]:
+    return [json.dumps({"text": f"document {i} of a unique batch {uuid.uuid4()}"}) for i in range(n)]
+
+
+def drop_lines(
+    stack: LocalStack, path: Path, lines: list[str], dataset: str, after: Run | None = None
+) -> Run:
+    """Drop one file of ``lines`` into ``dataset`` (sealed); the run it made (not ``after``)."""
+    path.write_text("\n".join(lines) + "\n")
+    drop(stack.settings, stack.endpoints.ingest_function, [path], dataset=dataset)
+    return wait_for_run(stack, dataset, after=after)
+
+
+def wait_for_run(stack: LocalStack, dataset: str, timeout_s: float = 120, after: Run | None = None) -> Run:
+    """The newest run of ``dataset`` (other than ``after``), waiting for it to be made."""
+    ledger = FirestoreLedger(stack.settings.project)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [r for r in ledger.list_runs() if r.dataset == dataset]
+        runs = [r for r in runs if after is None or r.run_id != after.run_id]
+        if runs:
+            return runs[0]
+        assert time.monotonic() < deadline, f"no run of {dataset} within {timeout_s} s"
+        time.sleep(0.5)
+
+
+def finish(stack: LocalStack, run: Run, timeout_s: float = 300) -> Run:
+    s = stack.settings
+    executions = WorkflowsExecutions(s.project, s.region, s.workflow)
+    return follow(FirestoreLedger(s.project), run.run_id, timeout_s, executions)
+
+
+def wait_for_status(stack: LocalStack, run: Run, status: str, timeout_s: float = 120) -> None:
+    ledger = FirestoreLedger(stack.settings.project)
+    deadline = time.monotonic() + timeout_s
+    while (current := ledger.get_run(run.run_id)) is None or current.status != status:
+        assert current is None or not current.status.terminal, current
+        assert time.monotonic() < deadline, current
+        time.sleep(0.2)
+
+
+def run_with(stack: LocalStack, tmp_path: Path, faults: object, lines: list[str] | None = None) -> Run:
+    """A run from a fresh dataset with the cluster twin's ``faults``, followed to its end."""
+    stack.twin.faults = faults
+    run = drop_lines(stack, tmp_path / f"{uuid.uuid4().hex}.jsonl", lines or unique_lines(), new_dataset())
+    return finish(stack, run)
+
+
+def new_dataset() -> str:
+    return f"d{uuid.uuid4().hex[:8]}"
+
+
+def assert_released(stack: LocalStack, run: Run, status: str = "failed") -> None:
+    """The run ended ``status`` and left nothing: zero nodes, no JobSet, no ProvisioningRequest."""
+    assert run.status == status, run
+    assert run.nodes_at_end == 0
+    assert_nothing_left(stack)
+
+
+def assert_nothing_left(stack: LocalStack) -> None:
+    """No GPU node, JobSet or ProvisioningRequest in the cluster."""
+    assert stack.twin.node_names() == []
+    custom = client.CustomObjectsApi(stack.kube_api)
+    for group, version, plural in (
+        ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+        ("autoscaling.x-k8s.io", "v1", "provisioningrequests"),
+    ):
+        items = custom.list_namespaced_custom_object(group, version, "default", plural)["items"]
+        assert [i["metadata"]["name"] for i in items] == [], plural

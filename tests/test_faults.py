@@ -1,0 +1,144 @@
+"""The fault suite: one component killed or one message lost while a run is under way, through the whole
+local stack.  Whatever happens, the run ends in a state that tells the truth, the pool is at zero nodes,
+no JobSet or ProvisioningRequest is left, and every object is trained once or eligible again.
+
+``pytest -m faults -s`` prints one line per fault (what happened, how long GPUs were held): README's table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from stack_support import (
+    assert_nothing_left,
+    assert_released,
+    drop_lines,
+    finish,
+    module_stack,
+    new_dataset,
+    unique_lines,
+    wait_for_run,
+    wait_for_status,
+)
+
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.cli import request_cancel
+from retrain.domain.runs import Run
+from retrain.local.cluster_twin import Faults
+from retrain.local.stack import LocalStack
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    yield from module_stack(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def healthy_twin(stack: LocalStack) -> None:
+    stack.twin.faults = Faults()
+
+
+def report(fault: str, run: Run, started: float) -> None:
+    print(
+        f"\nFAULT {fault}: {run.status} after {time.monotonic() - started:.0f} s; GPU node-seconds "
+        f"{run.gpu_node_seconds:.1f} (idle {run.idle_node_seconds:.1f}); nodes at end {run.nodes_at_end}"
+    )
+
+
+def test_notifier_down_the_completion_is_never_published(stack: LocalStack, tmp_path: Path) -> None:
+    """No message: the training wait reads the JobSet itself every completion_check_s."""
+    started = time.monotonic()
+    with stack.notifier_down():
+        run = finish(stack, drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset()))
+    assert_released(stack, run, "succeeded")
+    assert run.reason is None and run.checkpoint
+    report("notifier down (completion never published)", run, started)
+
+
+def test_relay_function_down_when_the_completion_is_published(stack: LocalStack, tmp_path: Path) -> None:
+    started = time.monotonic()
+    with stack.function_down("on_jobset_event"):
+        run = finish(stack, drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset()))
+    assert_released(stack, run, "succeeded")
+    report("relay function down (completion undeliverable)", run, started)
+
+
+def test_a_file_dropped_while_the_object_function_is_down_trains_once_it_is_back(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """数据.jsonl: a non-Latin name, percent-encoded in the CloudEvent's headers; the Eventarc twin
+    redelivers the events the dead function did not take, with Eventarc's backoff."""
+    started = time.monotonic()
+    dataset = new_dataset()
+    path = tmp_path / "数据.jsonl"
+    path.write_text("\n".join(unique_lines()) + "\n")
+    from retrain.local.landing import drop
+
+    with stack.function_down("on_object_finalized"):
+        dropped = drop(stack.settings, stack.endpoints.ingest_function, [path], dataset=dataset)
+        assert dropped.queued == 2  # the file's event and the seal marker's
+    run = finish(stack, wait_for_run(stack, dataset, timeout_s=180))
+    assert_released(stack, run, "succeeded")
+    objects = FirestoreLedger(stack.settings.project).run_objects(run)
+    assert [o.uri for o in objects] == [f"gs://{stack.settings.landing_bucket}/incoming/{dataset}/数据.jsonl"]
+    report("object function down during a drop (数据.jsonl)", run, started)
+
+
+def test_a_pod_that_crashes_once_resumes_and_the_run_succeeds(stack: LocalStack, tmp_path: Path) -> None:
+    started = time.monotonic()
+    stack.twin.faults = Faults(crash_pod_once=True)
+    run = finish(stack, drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset()))
+    assert_released(stack, run, "succeeded")
+    assert run.metrics is not None and run.metrics["steps"] == stack.settings.steps_per_run
+    report("training pod crashes once (JobSet restart)", run, started)
+
+
+def test_cancelled_in_training_its_content_is_eligible_again(stack: LocalStack, tmp_path: Path) -> None:
+    """A cancel during training releases every node; the same bytes dropped again train in a new run."""
+    s = stack.settings
+    ledger, executions = FirestoreLedger(s.project), WorkflowsExecutions(s.project, s.region, s.workflow)
+    started = time.monotonic()
+    dataset, lines = new_dataset(), unique_lines()
+    stack.twin.faults = Faults(hold_training_s=120)
+    run = drop_lines(stack, tmp_path / "a.jsonl", lines, dataset)
+    wait_for_status(stack, run, "training")
+    request_cancel(ledger, executions, run.run_id, "wrong data")
+    cancelled = finish(stack, run, 120)
+    assert_released(stack, cancelled, "cancelled")
+    assert cancelled.content_returned and cancelled.gpu_node_seconds > 0
+    report("cancel during training", cancelled, started)
+
+    stack.twin.faults = Faults()
+    again = drop_lines(stack, tmp_path / "same-bytes.jsonl", lines, dataset, after=run)
+    assert again.run_id != run.run_id
+    assert_released(stack, finish(stack, again), "succeeded")
+
+
+def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """The workflow execution vanishes mid-training (its service lost it): the sweeper records the run
+    failed ("execution lost") and reaps its JobSet and capacity request; the nodes scale down."""
+    started = time.monotonic()
+    stack.twin.faults = Faults(hold_training_s=120)
+    run = drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset())
+    wait_for_status(stack, run, "training")
+    current = FirestoreLedger(stack.settings.project).get_run(run.run_id)
+    assert current is not None and current.execution
+    stack.executions.forget(current.execution)
+    ended = finish(stack, run, 180)
+    assert ended.reason and ended.reason.startswith("execution lost"), ended
+    assert ended.status == "failed" and ended.content_returned
+    deadline = time.monotonic() + 120
+    while stack.twin.node_names():  # the reaper deleted its JobSet; the autoscaler takes the node
+        assert time.monotonic() < deadline, "the lost run's node never went away"
+        time.sleep(0.5)
+    assert_nothing_left(stack)
+    seconds = time.monotonic() - started
+    print(f"\nFAULT workflow execution lost in training: failed; no node left {seconds:.0f} s after the drop")
