@@ -284,9 +284,8 @@ def main() -> int:
         runs = [r for r in FirestoreLedger(project).list_runs() if r.dataset == "storm"]
         manifest: list[str] = []
         if len(runs) == 1:
-            manifest = json.loads(objects.read_bytes(f"gs://art/runs/{runs[0].run_id}/objects.json"))[
-                "objects"
-            ]
+            body = json.loads(objects.read_bytes(f"gs://art/runs/{runs[0].run_id}/objects.json"))
+            manifest = [str(entry["uri"]) for entry in body["objects"]]  # ObjectVersion entries
         exactly_once = len(runs) == 1 and sorted(manifest) == uris
         executions.stop()
         print(

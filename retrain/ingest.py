@@ -248,7 +248,7 @@ class Ingest:
         column = self.settings.bigquery_watermark_column
         for _ in range(EXPORT_ATTEMPTS):
             after = self.ledger.watermark(written.table)
-            through = self.warehouse.high_watermark(written.table, column)
+            through = self.warehouse.high_watermark(written.table, column, not_after=datetime.now(UTC))
             if through is None or (after is not None and through <= after):
                 return Outcome(Action.NOTHING_NEW, f"{written.table}: no rows after {after}")
             # In the artifacts bucket (retrain's own; no trigger fires), named per attempt, so that a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -198,7 +199,7 @@ class ObjectStore(Protocol):
 class Warehouse(Protocol):
     """Exports a table's rows, or the rows a watched table gained, as a JSONL object (BigQuery)."""
 
-    def high_watermark(self, table: str, column: str) -> Any: ...
+    def high_watermark(self, table: str, column: str, not_after: datetime | None = None) -> Any: ...
 
     def export(
         self, table: str, uri: str, column: str | None = None, after: Any = None, through: Any = None

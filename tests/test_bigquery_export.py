@@ -127,3 +127,25 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     (second,) = [a.uri for a in objects.list_objects(f"gs://{artifacts}/bigquery/orders/") if a.uri != first]
     assert [r["id"] for r in lines(second)] == [200, 201]  # only the new rows
     assert ledger.watermark(TABLE) == T0 + dt.timedelta(seconds=201)
+
+
+def test_a_row_stamped_in_the_future_never_moves_the_watermark_past_now(warehouse: BigQueryWarehouse) -> None:
+    """One row stamped in 2099 would hide every later row for good if the watermark took it: the
+    watermark stops at the export's start, and the row waits for its time."""
+    from google.cloud import bigquery
+
+    table = "proj.sales.poisoned"
+    schema = [bigquery.SchemaField("text", "STRING"), bigquery.SchemaField("ingested_at", "TIMESTAMP")]
+    warehouse.client.create_table(bigquery.Table(table, schema=schema), exists_ok=True)
+    future = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
+    rows = [
+        {"text": "now", "ingested_at": T0.isoformat()},
+        {"text": "later", "ingested_at": future.isoformat()},
+    ]
+    assert warehouse.client.insert_rows_json(table, rows) == []
+    assert warehouse.high_watermark(table, "ingested_at") == future  # unbounded: what MAX says
+    now = dt.datetime.now(dt.UTC)
+    assert warehouse.high_watermark(table, "ingested_at", not_after=now) == T0
+    # a row that arrives later, stamped before now, is still above the watermark: it will be exported
+    assert warehouse.client.insert_rows_json(table, [{"text": "next", "ingested_at": now.isoformat()}]) == []
+    assert warehouse.high_watermark(table, "ingested_at", not_after=dt.datetime.now(dt.UTC)) == now

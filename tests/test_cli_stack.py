@@ -111,3 +111,59 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
     assert not (state / "stack.json").exists()
     with pytest.raises(ProcessLookupError):
         os.kill(endpoints["pid"], 0)
+
+
+def runs_of(state: Path, dataset: str) -> list[dict[str, Any]]:
+    return [r for r in json.loads(retrain(["runs", "--json"], state).stdout) if r["dataset"] == dataset]
+
+
+def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(tmp_path: Path) -> None:
+    """SIGKILL of the stack process mid-training: `retrain down` stops every process it had started;
+    the next `retrain up` finds the run's execution gone, records the run failed with the reason and
+    zero nodes, and the next drop trains."""
+    import signal
+
+    from retrain.local import processes
+    from retrain.local.stack import PROCESS_REGISTRY
+
+    for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
+        if reason:
+            pytest.skip(reason)
+    state = tmp_path / "state"
+    os.environ["RETRAIN_TWIN_FAULTS"] = "hold_training_s=600"  # training that outlasts the kill
+    try:
+        up = retrain(["up"], state)
+    finally:
+        del os.environ["RETRAIN_TWIN_FAULTS"]
+    assert up.returncode == 0, up.stderr
+    try:
+        pid = json.loads((state / "stack.json").read_text())["pid"]
+        data = tmp_path / "long.jsonl"
+        data.write_text("\n".join(json.dumps({"text": f"a long run {i}"}) for i in range(10)))
+        assert retrain(["drop", str(data), "--dataset", "long"], state).returncode == 0
+        deadline = time.monotonic() + 180
+        while not [r for r in runs_of(state, "long") if r["status"] == "training"]:
+            assert time.monotonic() < deadline, runs_of(state, "long")
+            time.sleep(1)
+        time.sleep(6)  # one ledger export after training began (it is exported every 5 s)
+        os.kill(pid, signal.SIGKILL)
+        children = [p for p in processes.recorded(state / PROCESS_REGISTRY) if processes.alive(p)]
+        assert len(children) >= 8, children  # emulators, functions, etcd, apiserver, the pod's trainer...
+
+        down = retrain(["down"], state)
+        assert down.returncode == 0, down.stderr
+        assert [p for p in children if processes.alive(p)] == []
+
+        up = retrain(["up"], state)
+        assert up.returncode == 0, up.stderr
+        deadline = time.monotonic() + 180
+        while (run := runs_of(state, "long")[0])["status"] == "training":
+            assert time.monotonic() < deadline, run
+            time.sleep(1)
+        assert run["status"] == "failed" and run["reason"].startswith("execution lost"), run
+        more = tmp_path / "after.jsonl"
+        more.write_text("\n".join(json.dumps({"text": f"after the crash {i}"}) for i in range(10)))
+        assert retrain(["drop", str(more), "--dataset", "long"], state).returncode == 0
+        assert wait_for_run(state, "long", after=str(run["run_id"]))["nodes_at_end"] == 0
+    finally:
+        retrain(["down"], state)

@@ -120,6 +120,29 @@ def test_cancelled_in_training_its_content_is_eligible_again(stack: LocalStack, 
     assert_released(stack, finish(stack, again), "succeeded")
 
 
+def test_a_forged_failure_posted_to_the_callback_is_ignored(stack: LocalStack, tmp_path: Path) -> None:
+    """Anyone who can call the callback is only giving a hint: the training wait reads the JobSet, which
+    is running, logs the message as unconfirmed and waits on; the run succeeds."""
+    s = stack.settings
+    ledger, executions = FirestoreLedger(s.project), WorkflowsExecutions(s.project, s.region, s.workflow)
+    started = time.monotonic()
+    stack.twin.faults = Faults(hold_training_s=8)
+    run = drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset())
+    wait_for_status(stack, run, "training")
+    current = ledger.get_run(run.run_id)
+    assert current is not None and current.callback_url
+    forged = {
+        "state": "Failed",
+        "reason": "FailedJobs",
+        "run_id": run.run_id,
+        "jobset": f"retrain-{run.run_id}",
+    }
+    assert executions.send_callback(current.callback_url, forged) == 200  # delivered, and not believed
+    ended = finish(stack, run)
+    assert_released(stack, ended, "succeeded")
+    report("a forged Failed POSTed to the run's callback", ended, started)
+
+
 def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(
     stack: LocalStack, tmp_path: Path
 ) -> None:

@@ -120,6 +120,13 @@ variable "run_http_invokers" {
     condition     = alltrue([for m in var.run_http_invokers : !contains(["allUsers", "allAuthenticatedUsers"], m)])
     error_message = "run_http is never publicly invokable: allUsers and allAuthenticatedUsers are rejected."
   }
+
+  # By kind: one person, one group or one service account, each named by its email; never a whole
+  # domain (domain:), a principal set or a public member.
+  validation {
+    condition     = alltrue([for m in var.run_http_invokers : can(regex("^(user|group|serviceAccount):[^@:\\s]+@[^@:\\s]+\\.[^@:\\s]+$", m))])
+    error_message = "run_http invokers must be user:EMAIL, group:EMAIL or serviceAccount:EMAIL members."
+  }
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -229,11 +229,33 @@ resource "google_storage_bucket_iam_member" "dataflow_landing_viewer" {
   member = "serviceAccount:${google_service_account.dataflow.email}"
 }
 
-# Shards out, plus Dataflow staging/temp files under dataflow/ that the job deletes again.
-resource "google_storage_bucket_iam_member" "dataflow_artifacts_admin" {
+# Reads anything in the bucket (the shard cache, its template); writes only its managed folders: shards/,
+# the run's tokenize report under runs/, and staging/temp files under dataflow/ that the job deletes again.
+resource "google_storage_bucket_iam_member" "dataflow_artifacts_viewer" {
   bucket = google_storage_bucket.artifacts.name
-  role   = "roles/storage.objectAdmin"
+  role   = "roles/storage.objectViewer"
   member = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+resource "google_storage_managed_folder_iam_member" "dataflow_shards_admin" {
+  bucket         = google_storage_managed_folder.shards.bucket
+  managed_folder = google_storage_managed_folder.shards.name
+  role           = "roles/storage.objectAdmin"
+  member         = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+resource "google_storage_managed_folder_iam_member" "dataflow_runs_admin" {
+  bucket         = google_storage_managed_folder.runs.bucket
+  managed_folder = google_storage_managed_folder.runs.name
+  role           = "roles/storage.objectAdmin"
+  member         = "serviceAccount:${google_service_account.dataflow.email}"
+}
+
+resource "google_storage_managed_folder_iam_member" "dataflow_temp_admin" {
+  bucket         = google_storage_managed_folder.dataflow.bucket
+  managed_folder = google_storage_managed_folder.dataflow.name
+  role           = "roles/storage.objectAdmin"
+  member         = "serviceAccount:${google_service_account.dataflow.email}"
 }
 
 # The flex-template launcher VM pulls the template image as the worker account.
@@ -268,10 +290,19 @@ resource "google_service_account_iam_member" "notifier_workload_identity" {
 # Training workload (Workload Identity)
 # ---------------------------------------------------------------------------------------------
 
-resource "google_storage_bucket_iam_member" "training_artifacts_admin" {
+# Reads the shards, the tokenizer files and the champion checkpoint it continues from (Cloud Storage
+# FUSE lists, so bucket-level read); writes only under runs/ (its checkpoints and TensorBoard events).
+resource "google_storage_bucket_iam_member" "training_artifacts_viewer" {
   bucket = google_storage_bucket.artifacts.name
-  role   = "roles/storage.objectAdmin"
+  role   = "roles/storage.objectViewer"
   member = "serviceAccount:${google_service_account.training.email}"
+}
+
+resource "google_storage_managed_folder_iam_member" "training_runs_admin" {
+  bucket         = google_storage_managed_folder.runs.bucket
+  managed_folder = google_storage_managed_folder.runs.name
+  role           = "roles/storage.objectAdmin"
+  member         = "serviceAccount:${google_service_account.training.email}"
 }
 
 resource "google_service_account_iam_member" "training_workload_identity" {

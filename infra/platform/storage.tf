@@ -177,3 +177,27 @@ resource "google_storage_bucket" "function_sources" {
     }
   }
 }
+
+# Where each runtime account may write in the artifacts bucket. Cloud Storage's per-prefix IAM is the
+# managed folder: an IAM condition on object names cannot restrict listing ("Since the
+# storage.objects.list permission is granted at the bucket level, you cannot use the resource.name
+# condition attribute to restrict object listing access", cloud.google.com/storage/docs/access-control/iam),
+# and managed folders need uniform bucket-level access, which the bucket has. Grants: iam.tf. The
+# template spec (templates/) lies outside every folder: only the deployer writes it.
+resource "google_storage_managed_folder" "runs" {
+  bucket        = google_storage_bucket.artifacts.name
+  name          = "runs/" # run manifests, tokenize reports, checkpoints, TensorBoard events
+  force_destroy = var.force_destroy
+}
+
+resource "google_storage_managed_folder" "shards" {
+  bucket        = google_storage_bucket.artifacts.name
+  name          = "shards/" # tokenized shards (by content hash) and the tokenizer files they used
+  force_destroy = var.force_destroy
+}
+
+resource "google_storage_managed_folder" "dataflow" {
+  bucket        = google_storage_bucket.artifacts.name
+  name          = "dataflow/" # Dataflow staging and temp files
+  force_destroy = var.force_destroy
+}

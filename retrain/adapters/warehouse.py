@@ -12,6 +12,7 @@ import base64
 import datetime as dt
 import decimal
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from typing import Any
 
 from retrain.adapters import objects
 from retrain.config import TABLE_RE
+
+log = logging.getLogger(__name__)
 
 _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,299}$")
 ROWS_PER_PAGE = 5000
@@ -82,9 +85,29 @@ class BigQueryWarehouse:
         job = self.client.query(sql, job_config=config, retry=retry, timeout=QUERY_TIMEOUT_S)
         return job.result(page_size=ROWS_PER_PAGE, retry=retry, timeout=QUERY_TIMEOUT_S)
 
-    def high_watermark(self, table: str, column: str) -> Any:
-        """The largest value of ``column`` now (None: an empty table)."""
-        (row,) = list(self._query(f"SELECT MAX(`{column}`) AS hi FROM {_checked(table, column)}", {}))
+    def high_watermark(self, table: str, column: str, not_after: dt.datetime | None = None) -> Any:
+        """The largest value of ``column`` now (None: an empty table).  For a time column, never past
+        ``not_after`` (the export's own start): one row stamped in the future would otherwise move the
+        watermark past every row still to come, and they would never be exported.  Such rows wait for
+        their time, with a warning."""
+        checked = _checked(table, column)
+        (row,) = list(self._query(f"SELECT MAX(`{column}`) AS hi FROM {checked}", {}))
+        hi = row["hi"]
+        if not_after is None or not isinstance(hi, dt.datetime) or hi <= not_after:
+            return hi
+        bound = {"not_after": not_after}
+        below = f"SELECT MAX(`{column}`) AS hi FROM {checked} WHERE `{column}` <= @not_after"
+        (row,) = list(self._query(below, bound))
+        above = f"SELECT COUNT(*) AS n FROM {checked} WHERE `{column}` > @not_after"
+        (late,) = list(self._query(above, bound))
+        log.warning(
+            "%s: %s row(s) have %s after %s (up to %s): they wait for their time",
+            table,
+            late["n"],
+            column,
+            not_after,
+            hi,
+        )
         return row["hi"]
 
     def rows(

@@ -85,14 +85,18 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
     "dataflow": {
         ("roles/dataflow.worker", "project"),
         ("roles/storage.objectViewer", "bucket:landing"),
-        ("roles/storage.objectAdmin", "bucket:artifacts"),
+        ("roles/storage.objectViewer", "bucket:artifacts"),
+        ("roles/storage.objectAdmin", "managed_folder:shards"),
+        ("roles/storage.objectAdmin", "managed_folder:runs"),  # the tokenize report
+        ("roles/storage.objectAdmin", "managed_folder:dataflow"),  # staging and temp
         ("roles/artifactregistry.reader", "repository:retrain"),
     },
     "notifier": {
         ("roles/pubsub.publisher", "topic:jobset_events"),
     },
     "training": {
-        ("roles/storage.objectAdmin", "bucket:artifacts"),
+        ("roles/storage.objectViewer", "bucket:artifacts"),
+        ("roles/storage.objectAdmin", "managed_folder:runs"),  # checkpoints, TensorBoard events
     },
     "builder": {
         ("roles/logging.logWriter", "project"),
@@ -142,6 +146,7 @@ SCOPE_ATTRIBUTE = {
     "google_artifact_registry_repository_iam_member": "repository",
     "google_cloud_run_v2_service_iam_member": "name",
     "google_bigquery_table_iam_member": "table_id",
+    "google_storage_managed_folder_iam_member": "managed_folder",
 }
 SCOPE_KIND = {
     "google_storage_bucket": "bucket",
@@ -150,6 +155,7 @@ SCOPE_KIND = {
     "google_service_account": "service_account",
     "google_artifact_registry_repository": "repository",
     "google_cloudfunctions2_function": "function",
+    "google_storage_managed_folder": "managed_folder",
 }
 
 
@@ -837,9 +843,20 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         check_sa_roles,
         "platform",
         "iam.tf",
-        'resource "google_storage_bucket_iam_member" "training_artifacts_admin" {\n'
+        'resource "google_storage_bucket_iam_member" "training_artifacts_viewer" {\n'
         "  bucket = google_storage_bucket.artifacts.name",
-        'resource "google_project_iam_member" "training_artifacts_admin" {\n  project = var.project_id',
+        'resource "google_project_iam_member" "training_artifacts_viewer" {\n  project = var.project_id',
+    ),
+    (
+        "runtime account given the whole artifacts bucket",
+        check_sa_roles,
+        "platform",
+        "iam.tf",
+        'resource "google_storage_managed_folder_iam_member" "training_runs_admin" {\n'
+        "  bucket         = google_storage_managed_folder.runs.bucket\n"
+        "  managed_folder = google_storage_managed_folder.runs.name",
+        'resource "google_storage_bucket_iam_member" "training_runs_admin" {\n'
+        "  bucket         = google_storage_bucket.artifacts.name",
     ),
     (
         "node pool on default account",
@@ -975,3 +992,28 @@ def test_checkov_has_no_unexplained_failures(tmp_path: Path) -> None:
         if len(str(c.get("check_result", {}).get("suppress_comment", "")).strip()) < 30
     ]
     assert unexplained == [], unexplained
+
+
+def test_run_http_invokers_are_validated_by_kind(model: Model) -> None:
+    """The variable's own validation (its RE2 pattern, evaluated here as Terraform would) accepts one
+    person, group or service account by email, and rejects public members, domains and bare names."""
+    (variable,) = [b for b in model.of("variable") if b.name == "run_http_invokers"]
+    conditions = [v["condition"] for v in variable.body["validation"]]
+    (literal,) = [m.group(1) for c in conditions if (m := re.search(r'can\(regex\("(.+?)", m\)\)', c))]
+    pattern = re.compile(literal.replace("\\\\", "\\"))  # HCL's string escape, as Terraform reads it
+    for member in (
+        "user:ops@example.com",
+        "group:ml-team@example.com",
+        "serviceAccount:ci@p.iam.gserviceaccount.com",
+    ):
+        assert pattern.search(member), member
+    for member in (
+        "allUsers",
+        "allAuthenticatedUsers",
+        "domain:example.com",
+        "user:ops",
+        "ops@example.com",
+        "principalSet://goog/public:all",
+        "user:ops@example.com allUsers",
+    ):
+        assert not pattern.search(member), member
