@@ -67,6 +67,11 @@ def format_run(run: Run) -> str:
         ("documents", run.documents),
         ("tokens", run.tokens),
         ("quarantined", run.quarantined),
+        ("  by reason", ", ".join(f"{k} {v}" for k, v in sorted(run.quarantine_reasons.items()))),
+        *(
+            (f"  object {i}", f"{q.get('object')}: {q.get('reason')} ({q.get('detail')})")
+            for i, q in enumerate(run.quarantined_objects, 1)
+        ),
         ("nodes", run.nodes),
         ("gpu node-seconds", f"{run.gpu_node_seconds:.1f}"),
         ("gpu-hours", f"{run.gpu_hours:.3f}"),
@@ -195,6 +200,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: How long the demo waits for events the function did not take at once (redelivered 10 s, 20 s, ... /60).
+REDELIVERY_WAIT_S = 120.0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import LocalStack
@@ -209,11 +218,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with LocalStack(settings, progress=_say, fresh=True) as stack:
         ledger = _ledger(settings)
         before = {r.run_id for r in ledger.list_runs()}
-        drop(settings, stack.endpoints.ingest_function, files, dataset=args.dataset, progress=_say)
-        new = [r for r in ledger.list_runs() if r.run_id not in before]
-        if not new:
-            _say("no run started: this data has trained before")
-            return 1
+        dropped = drop(settings, stack.endpoints.ingest_function, files, dataset=args.dataset, progress=_say)
+        # Events the function did not take at once arrive by redelivery (Eventarc's backoff): wait for them.
+        deadline = time.monotonic() + (REDELIVERY_WAIT_S if dropped.queued else 0)
+        while not (new := [r for r in ledger.list_runs() if r.run_id not in before]):
+            if time.monotonic() >= deadline:
+                _say(
+                    f"no run started: {dropped.queued} event(s) still wait for redelivery"
+                    if dropped.queued
+                    else "no run started: this data has trained before"
+                )
+                return 1
+            time.sleep(0.5)
         executions = _executions(settings)
         run = follow(ledger, new[-1].run_id, args.timeout, executions)
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))

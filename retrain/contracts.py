@@ -264,6 +264,9 @@ class TokenizeReport:
     ``reused``."""
     data_prefix_blend: list[Any]
     """Megatron's blend: ``[weight, prefix, weight, prefix, ...]``, weights proportional to tokens."""
+    quarantine_reasons: dict[str, int]
+    """Quarantined records by reason, over every shard (the records are in each shard's
+    ``_quarantine.jsonl``)."""
     quarantined_objects: list[dict[str, Any]]
     """Objects set aside whole, each ``object``, ``generation``, ``reason`` (``unreadable``,
     ``object_changed``, ``decompressed_too_large``) and ``detail``: the others are tokenized all the same."""

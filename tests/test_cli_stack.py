@@ -112,6 +112,29 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(endpoints["pid"], 0)
 
+    # up again on the same state: the kept ledger, a fresh control plane; the next run is not slowed by
+    # anything the last stack left (a stale notifier resourceVersion once cost a run its completion)
+    assert retrain(["up"], state).returncode == 0
+    try:
+        again = tmp_path / "again.jsonl"
+        again.write_text("\n".join(json.dumps({"text": f"again {i}: after a restart"}) for i in range(20)))
+        assert retrain(["drop", str(again), "--dataset", "again"], state).returncode == 0
+        after_restart = wait_for_run(state, "again")
+        assert duration(after_restart) <= 2 * duration(run) + 30, (duration(run), duration(after_restart))
+        kept = [r["run_id"] for r in json.loads(retrain(["runs", "--json"], state).stdout)]
+        assert run["run_id"] in kept and after_restart["run_id"] in kept  # the ledger outlived the stack
+    finally:
+        assert retrain(["down"], state).returncode == 0
+
+
+def duration(run: dict[str, Any]) -> float:
+    """Seconds from a run's record being made to its end (both stamped by the stack)."""
+    from datetime import datetime
+
+    return (
+        datetime.fromisoformat(run["finished_at"]) - datetime.fromisoformat(run["created_at"])
+    ).total_seconds()
+
 
 def runs_of(state: Path, dataset: str) -> list[dict[str, Any]]:
     return [r for r in json.loads(retrain(["runs", "--json"], state).stdout) if r["dataset"] == dataset]
@@ -167,3 +190,12 @@ def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(
         assert wait_for_run(state, "long", after=str(run["run_id"]))["nodes_at_end"] == 0
     finally:
         retrain(["down"], state)
+
+
+def test_double_dash_ends_options_so_a_file_may_start_with_a_dash() -> None:
+    from retrain.cli import build_parser
+    from retrain.domain.events import check_object_name
+
+    args = build_parser().parse_args(["drop", "--dataset", "notes", "--", "-x.txt", "--no-seal"])
+    assert args.files == ["-x.txt", "--no-seal"] and args.no_seal is False and args.dataset == "notes"
+    assert check_object_name("incoming/notes/-x.txt") == "incoming/notes/-x.txt"  # and the function takes it

@@ -332,8 +332,8 @@ def test_every_setting_is_used() -> None:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        ("    RETRAIN_TRAINING_KSA        = local.platform.training_ksa\n", ""),
-        ("    RETRAIN_SEQ_LENGTH          = tostring(var.seq_length)\n", ""),
+        ("    RETRAIN_TRAINING_KSA             = local.platform.training_ksa\n", ""),
+        ("    RETRAIN_SEQ_LENGTH               = tostring(var.seq_length)\n", ""),
         ("RETRAIN_DATAFLOW_SUBNETWORK ", "RETRAIN_DATAFLOW_SUBNET "),
     ],
 )

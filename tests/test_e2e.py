@@ -105,7 +105,7 @@ def test_failed_provisioning_still_ends_at_zero_nodes_with_a_reason(tmp_path: Pa
         state,
         RETRAIN_TWIN_FAULTS="provisioning=fail",
     )
-    assert demo.returncode == 1, demo.stderr[-4000:]
+    assert demo.returncode == 1 and demo.stdout, demo.stderr[-4000:]
     run = json.loads(demo.stdout)
     assert run["status"] == "failed" and "DWS" in run["reason"], run
     assert run["nodes_at_end"] == 0 and run["tokens"] > 0

@@ -50,6 +50,7 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
         "documents": 3,
         "tokens": 900,
         "quarantined": 0,
+        "quarantine_reasons": {},
         "quarantined_objects": [],
         "input_records": 3,
         "bytes": 4000,

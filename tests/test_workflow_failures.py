@@ -14,7 +14,7 @@ from stack_support import assert_released, drop_lines, finish, module_stack, run
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
-from retrain.cli import request_cancel
+from retrain.cli import format_run, request_cancel
 from retrain.local.cluster_twin import Faults
 from retrain.local.stack import LocalStack
 
@@ -32,6 +32,8 @@ def test_tokenization_without_tokens_fails_before_any_capacity(stack: LocalStack
     )
     assert_released(stack, run)
     assert run.reason == "tokenization produced no tokens" and run.quarantined == 3
+    assert run.quarantine_reasons == {"empty_text": 1, "invalid_json": 1, "missing_key": 1}
+    assert "by reason       empty_text 1, invalid_json 1, missing_key 1" in format_run(run)  # `status`
     assert run.gpu_node_seconds == 0
 
 

@@ -140,7 +140,12 @@ class Run:
     tokens: int = 0
     """Tokens the tokenize job wrote."""
     quarantined: int = 0
-    """Records the tokenize job set aside, with reasons."""
+    """Records the tokenize job set aside."""
+    quarantine_reasons: dict[str, int] = field(default_factory=dict)
+    """Those records by reason (``invalid_json``, ``missing_key``, ...); each record is in the
+    quarantine file beside its shard, with its object and line."""
+    quarantined_objects: list[dict[str, Any]] = field(default_factory=list)
+    """Objects set aside whole: ``object``, ``generation``, ``reason``, ``detail``."""
     nodes: int = 0
     """GPU nodes it asked DWS for."""
     gpu_node_seconds: float = 0.0
@@ -172,7 +177,8 @@ class Run:
     reason: str | None = None
     """Why it ended as it did (failures, cancels, missing metrics)."""
     content_returned: bool = False
-    """It did not succeed and gave its content back: its objects joined the next seal."""
+    """It did not succeed and gave its content back: identical bytes are new again, and
+    ``retrain run --retry`` re-runs its objects (kept under ``runs/{run}/objects``)."""
     execution: str | None = None
     """Its workflow execution."""
     callback_url: str | None = None

@@ -538,6 +538,10 @@ def incremental_report(
         if any(e["data_prefix"].startswith(prefix) and not e["reused"] for e in entries):
             for k in new:
                 new[k] += int(r[k])
+    reasons: dict[str, int] = {}
+    for r in reports.values():
+        for reason, n in (r.get("quarantine_reasons") or {}).items():
+            reasons[reason] = reasons.get(reason, 0) + int(n)
     blend: list[Any] = []
     seen: dict[str, int] = {}
     for e in entries:
@@ -555,6 +559,7 @@ def incremental_report(
         "shards": entries,
         "data_prefix_blend": blend,
         "tokenizer": tokenizer,
+        "quarantine_reasons": dict(sorted(reasons.items())),
         "quarantined_objects": quarantined_objects or [],
     }
 
