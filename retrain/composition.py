@@ -28,7 +28,9 @@ def orchestrator(settings: Settings) -> WorkflowsExecutions:
     """Workflow executions (:class:`retrain.ports.Orchestrator`)."""
     from retrain.adapters.workflows import WorkflowsExecutions
 
-    return WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+    return WorkflowsExecutions(
+        settings.project, settings.region, settings.workflow, project_number=settings.project_number
+    )
 
 
 def steps(settings: Settings) -> Steps:

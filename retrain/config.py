@@ -24,6 +24,9 @@ TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-
 class Settings:
     project: str = "retrain-local"
     """Google Cloud project id."""
+    project_number: str = ""
+    """The project's number: Google may write it where the id stands in resource names (an execution's
+    name, hence its callback URLs), so both are recognised."""
     region: str = "us-central1"
     """Region of the workflow, functions, Dataflow jobs and the GKE cluster."""
     landing_bucket: str = "retrain-landing"

@@ -24,6 +24,7 @@ locals {
   # (tests/test_contracts.py); the local stack reads this very map (retrain.deployment).
   retrain_env = {
     RETRAIN_PROJECT                  = var.project_id
+    RETRAIN_PROJECT_NUMBER           = tostring(local.platform.project_number)
     RETRAIN_REGION                   = var.region
     RETRAIN_LANDING_BUCKET           = local.platform.landing_bucket
     RETRAIN_LANDING_PREFIX           = var.landing_prefix

@@ -23,11 +23,23 @@ CLOUD_ENDPOINT = "https://workflowexecutions.googleapis.com"
 class WorkflowsExecutions:
     """:class:`retrain.ports.Orchestrator` over the Workflow Executions REST API."""
 
-    def __init__(self, project: str, region: str, workflow: str, endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        project: str,
+        region: str,
+        workflow: str,
+        endpoint: str | None = None,
+        *,
+        project_number: str = "",
+    ) -> None:
         self.endpoint = (endpoint or os.environ.get("RETRAIN_WORKFLOWS_ENDPOINT") or CLOUD_ENDPOINT).rstrip(
             "/"
         )
         self.parent = f"projects/{project}/locations/{region}/workflows/{workflow}"
+        # Execution names (and the callback URLs made from them) may carry the project number instead.
+        self.parents = tuple(
+            f"projects/{p}/locations/{region}/workflows/{workflow}" for p in (project, project_number) if p
+        )
         self._session: requests.Session | None = None
 
     @property
@@ -73,7 +85,7 @@ class WorkflowsExecutions:
         return (
             parsed.scheme == ours.scheme
             and parsed.netloc == ours.netloc
-            and parsed.path.startswith(f"/v1/{self.parent}/executions/")
+            and any(parsed.path.startswith(f"/v1/{parent}/executions/") for parent in self.parents)
             and "/callbacks/" in parsed.path
             and ".." not in parsed.path
         )

@@ -258,3 +258,26 @@ def test_callbacks_without_hub_fail() -> None:
     wf = load_workflow("- c:\n    call: events.create_callback_endpoint\n    result: cb\n")
     with pytest.raises(WorkflowError):
         wf.run()
+
+
+def test_callback_urls_with_the_project_id_or_its_number_are_ours() -> None:
+    """Google may name an execution (and so its callbacks) by project number: both shapes are ours; another
+    project's, another workflow's, another host's or a path escaping the execution are not."""
+    from retrain.adapters.workflows import CLOUD_ENDPOINT, WorkflowsExecutions
+
+    client = WorkflowsExecutions(
+        "my-proj", "us-central1", "retrain", CLOUD_ENDPOINT, project_number="123456789012"
+    )
+    tail = "locations/us-central1/workflows/retrain/executions/e1/callbacks/c1_abc"
+    assert client.is_callback_url(f"{CLOUD_ENDPOINT}/v1/projects/my-proj/{tail}")
+    assert client.is_callback_url(f"{CLOUD_ENDPOINT}/v1/projects/123456789012/{tail}")
+    for url in (
+        f"{CLOUD_ENDPOINT}/v1/projects/other-proj/{tail}",
+        f"{CLOUD_ENDPOINT}/v1/projects/999999999999/{tail}",
+        f"{CLOUD_ENDPOINT}/v1/projects/my-proj/{tail.replace('/retrain/', '/other/')}",
+        f"https://evil.example.com/v1/projects/my-proj/{tail}",
+        f"{CLOUD_ENDPOINT}/v1/projects/my-proj/locations/us-central1/workflows/retrain/executions/../../x/callbacks/c",
+    ):
+        assert not client.is_callback_url(url), url
+    without_number = WorkflowsExecutions("my-proj", "us-central1", "retrain", CLOUD_ENDPOINT)
+    assert not without_number.is_callback_url(f"{CLOUD_ENDPOINT}/v1/projects/123456789012/{tail}")
