@@ -71,6 +71,8 @@ class Action(StrEnum):
     """Handling this item failed (logged); the round went on, and the next one retries it."""
     RECORDED_FAILURE = "recorded-failure"
     """A run whose execution ended without an outcome was recorded as failed."""
+    RECORDED_SUCCESS = "recorded-success"
+    """A run whose execution was lost after its results were recorded was recorded as succeeded."""
     RELAYED = "relayed"
     """A JobSet completion reached its run's callback."""
     REAPED = "reaped"
@@ -106,7 +108,7 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
         ledger.update_run(
             run.run_id, {"status": str(RunStatus.SUCCEEDED), "reason": reason, "finished_at": now_iso()}
         )
-        return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
+        return Outcome(Action.RECORDED_SUCCESS, reason, run.run_id)
     if state == ExecutionState.LOST:
         reason = f"execution lost: {run.execution} no longer exists (nothing will release its capacity)"
     else:
@@ -433,7 +435,10 @@ class Ingest:
                 silent = each(
                     f"run {run.run_id}", partial(record_silent_end, self.ledger, self.orchestrator, run)
                 )
-                ended |= silent is not None and silent.action == Action.RECORDED_FAILURE
+                ended |= silent is not None and silent.action in (
+                    Action.RECORDED_FAILURE,
+                    Action.RECORDED_SUCCESS,  # its release was cut short: what it left is reaped too
+                )
         if ended and self.cluster is not None:
             each("reaping what ended runs left", self.reap)  # their JobSets and capacity go now
         for run in self.ledger.runs_in(RunStatus.PENDING):

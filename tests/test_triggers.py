@@ -216,6 +216,27 @@ def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(
     assert "without recording an outcome" in (ingest.ledger.get_run(first.run_id).reason or "")
 
 
+def test_an_execution_lost_after_its_results_is_recorded_succeeded_and_the_dataset_moves_on(
+    ingest: Ingest, held_executions: ExecutionsServer
+) -> None:
+    """Trained, results recorded (a checkpoint), then the execution vanished while releasing: the run
+    keeps its success (it says the release was cut short) and its content stays trained."""
+    arrive(ingest, "lost", "1.txt")
+    first = ingest.seal("lost", "manual")
+    run = ingest.ledger.get_run(first.run_id)
+    assert run is not None and run.execution
+    ckpt = f"gs://art/runs/{run.run_id}/checkpoints/megatron_gpt--step=4-last"
+    ingest.ledger.update_run(run.run_id, {"status": "training", "checkpoint": ckpt})
+    held_executions.forget(run.execution)
+    (outcome,) = ingest.sweep(now=later(31))
+    assert outcome.action == "recorded-success"
+    ended = ingest.ledger.get_run(run.run_id)
+    assert ended is not None and ended.status == RunStatus.SUCCEEDED and not ended.content_returned
+    assert ended.reason and "lost while releasing" in ended.reason
+    arrive(ingest, "lost", "2.txt")
+    assert ingest.seal("lost", "manual").action == "started"  # the dataset is free
+
+
 def test_bad_ticks_are_rejected(ingest: Ingest) -> None:
     from retrain.domain.errors import Rejected
 

@@ -76,9 +76,7 @@ class Faults:
     crash_pod_once: bool = False
     crash_pods_always: bool = False  # every attempt's rank 0 dies: the JobSet exhausts maxRestarts
     preempt_node_after_s: float | None = None
-    hold_training_s: float = (
-        0.0  # a pod whose containers all exited 0 counts as running this long after it started
-    )
+    hold_training_s: float = 0.0  # pods that exited 0 count as running until this long after their start
 
     def __post_init__(self) -> None:
         if self.provisioning not in ("ok", "fail", "never"):
