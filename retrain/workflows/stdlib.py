@@ -296,11 +296,13 @@ def _text_replace_all_regex(rt: Runtime, source: Any, regexp: Any, repl: Any) ->
 def _text_find_all(rt: Runtime, source: Any, substr: Any) -> Any:
     _want(source, "string", "text.find_all", "source")
     _want(substr, "string", "text.find_all", "substr")
+    # "A sorted list of indexes where the substring is found": non-overlapping, leftmost first, over code
+    # points (cloud.google.com/workflows/docs/reference/stdlib/text/find_all; find_all_regex returns maps).
     out, start = [], 0
     if substr == "":
         return []
     while (idx := source.find(substr, start)) != -1:
-        out.append({"index": idx, "match": substr})
+        out.append(idx)
         start = idx + len(substr)
     return out
 
@@ -343,7 +345,11 @@ def _text_substring(rt: Runtime, source: Any, start: Any, end: Any) -> Any:
     _want(source, "string", "text.substring", "source")
     _want(start, "integer", "text.substring", "start")
     _want(end, "integer", "text.substring", "end")
-    start, end = max(0, start), min(len(source), end)
+    # "A negative index is considered an offset from the end of the string. If an index is outside of the
+    # source string's range, it is clamped to the bounds of the range."
+    # (cloud.google.com/workflows/docs/reference/stdlib/text/substring)
+    n = len(source)
+    start, end = (min(max(i + n if i < 0 else i, 0), n) for i in (start, end))
     return source[start:end] if start < end else ""
 
 
