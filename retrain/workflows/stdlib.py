@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64 as _b64
 import binascii
+import hashlib
 import json as _json
 import logging
 import math as _math
@@ -373,10 +374,21 @@ def _text_encode(rt: Runtime, text: Any, charset: Any = "UTF-8") -> Any:
 
 @_register("text.url_encode", "source")
 def _text_url_encode(rt: Runtime, source: Any) -> Any:
+    """ "Letters, digits, and the characters .-_ are not escaped" (so "~" is, unlike Python's quote)
+    (cloud.google.com/workflows/docs/reference/stdlib/text/url_encode)."""
     from urllib.parse import quote
 
     _want(source, "string", "text.url_encode", "source")
-    return quote(source, safe="")
+    return quote(source, safe="").replace("~", "%7E")
+
+
+@_register("text.url_encode_plus", "source")
+def _text_url_encode_plus(rt: Runtime, source: Any) -> Any:
+    """Like text.url_encode, with "spaces replaced by pluses (+)" (.../stdlib/text/url_encode_plus)."""
+    from urllib.parse import quote_plus
+
+    _want(source, "string", "text.url_encode_plus", "source")
+    return quote_plus(source, safe="").replace("~", "%7E")
 
 
 @_register("text.url_decode", "source")
@@ -391,14 +403,18 @@ def _text_url_decode(rt: Runtime, source: Any) -> Any:
 
 
 def _json_text(data: Any, indent: Any = None) -> str:
+    """``indent``: "either a boolean, or a dictionary with two optional string attributes: prefix
+    (defaulting to an empty string), and indent (defaulting to four spaces). Setting indent to true is
+    equivalent to setting it to an empty dictionary" (cloud.google.com/workflows/docs/reference/stdlib/
+    json/encode)."""
+    if indent is True:
+        indent = {}
     try:
         if isinstance(indent, dict):
             prefix = str(indent.get("prefix", ""))
-            ind = indent.get("indent", "  ")
+            ind = indent.get("indent", "    ")
             text = _json.dumps(json_safe(data), indent=ind, ensure_ascii=False)
             return "\n".join(prefix + line for line in text.split("\n"))
-        if indent is True:
-            return _json.dumps(json_safe(data), indent=2, ensure_ascii=False)
         return _json.dumps(json_safe(data), separators=(",", ":"), ensure_ascii=False)
     except ValueError as exc:
         raise value_error(f"json.encode: {exc}") from None
@@ -436,6 +452,30 @@ def _base64_encode(rt: Runtime, data: Any, padding: Any = True) -> Any:
     return out if padding else out.rstrip("=")
 
 
+#: hash.compute_checksum's algorithms, as its page lists them ("Supported algorithms: MD5, SHA1, SHA224,
+#: SHA256, SHA384, SHA512"; cloud.google.com/workflows/docs/reference/stdlib/hash/compute_checksum).
+CHECKSUM_ALGORITHMS = {
+    "MD5": "md5",
+    "SHA1": "sha1",
+    "SHA224": "sha224",
+    "SHA256": "sha256",
+    "SHA384": "sha384",
+    "SHA512": "sha512",
+}
+
+
+@_register("hash.compute_checksum", "data,algorithm")
+def _hash_compute_checksum(rt: Runtime, data: Any, algorithm: Any) -> Any:
+    """ "TypeError If data is not in bytes, or if algorithm is not a string. ValueError If the provided
+    hashing algorithm is not supported." Returns the checksum in bytes."""
+    _want(data, "bytes", "hash.compute_checksum", "data")
+    _want(algorithm, "string", "hash.compute_checksum", "algorithm")
+    name = CHECKSUM_ALGORITHMS.get(algorithm)
+    if name is None:
+        raise value_error(f"hash.compute_checksum: unsupported algorithm {algorithm!r}")
+    return hashlib.new(name, bytes(data)).digest()
+
+
 @_register("base64.decode", "data,padding", required=1)
 def _base64_decode(rt: Runtime, data: Any, padding: Any = True) -> Any:
     _want(data, "string", "base64.decode", "data")
@@ -451,9 +491,11 @@ def _base64_decode(rt: Runtime, data: Any, padding: Any = True) -> Any:
 
 @_register("time.format", "seconds,timezone", required=1)
 def _time_format(rt: Runtime, seconds: Any, timezone: Any = None) -> Any:
+    # "If not specified or if an empty string, the default is UTC"; time.format(1720788633, "GMT") ->
+    # "2024-07-12T12:50:33.000000Z" (cloud.google.com/workflows/docs/reference/stdlib/time/format).
     _want(seconds, "number", "time.format", "seconds")
     tz: Any = UTC
-    if timezone is not None:
+    if timezone is not None and timezone not in ("", "UTC", "GMT"):
         try:
             tz = ZoneInfo(str(timezone))
         except (ZoneInfoNotFoundError, ValueError):
