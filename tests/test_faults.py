@@ -7,6 +7,7 @@ no JobSet or ProvisioningRequest is left, and every object is trained once or el
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +119,28 @@ def test_cancelled_in_training_its_content_is_eligible_again(stack: LocalStack, 
     again = drop_lines(stack, tmp_path / "same-bytes.jsonl", lines, dataset, after=run)
     assert again.run_id != run.run_id
     assert_released(stack, finish(stack, again), "succeeded")
+
+
+def test_a_cancel_while_tokenizing_stops_the_tokenize_job(stack: LocalStack, tmp_path: Path) -> None:
+    """The cancel reaches the tokenize wait: the workflow cancels the Dataflow job (jobs.update,
+    JOB_STATE_CANCELLED; locally its process is killed), asks for no capacity, and ends cancelled."""
+    s = stack.settings
+    ledger, executions = FirestoreLedger(s.project), WorkflowsExecutions(s.project, s.region, s.workflow)
+    started = time.monotonic()
+    corpus = sorted((Path(__file__).resolve().parents[2] / "shared" / "corpus").glob("*.txt"))
+    text = "".join(p.read_text(encoding="utf-8") for p in corpus)
+    lines = [
+        json.dumps({"text": f"{i} {text[j : j + 4000]}"}) for i, j in enumerate(range(0, len(text), 4000))
+    ]
+    run = drop_lines(stack, tmp_path / "big.jsonl", lines * 4, new_dataset())  # long enough to cancel
+    wait_for_status(stack, run, "tokenizing")
+    request_cancel(ledger, executions, run.run_id, "wrong data")
+    ended = finish(stack, run, 120)
+    assert_released(stack, ended, "cancelled")
+    assert ended.gpu_node_seconds == 0 and ended.tokens == 0  # no capacity asked for, nothing tokenized
+    assert stack.dataflow.cancelled, "the tokenize job was not cancelled"
+    assert all(job.poll() is not None for job in stack.dataflow.jobs.values())  # nothing still running
+    report("cancel while tokenizing", ended, started)
 
 
 def test_a_forged_failure_posted_to_the_callback_is_ignored(stack: LocalStack, tmp_path: Path) -> None:

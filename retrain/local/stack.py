@@ -357,6 +357,7 @@ class LocalStack:
 
         dataflow = LocalDataflow(self.state_dir / "dataflow", child_env)
         self._closers.append(dataflow.stop)
+        self.dataflow = dataflow
         registry = local_registry(
             firestore_host=ep.firestore,
             pubsub_host=ep.pubsub,
