@@ -19,7 +19,7 @@
   1% costs, against the full tokenization.
 * where the time goes: the pipeline's own stage functions run one after another in this process on the
   same input (``read_split``: reading and JSON parsing; ``encode_batch``: tokenizing to arrays;
-  concatenation and ``encode_index``: the .bin/.idx), and what is left of the end-to-end time (Beam,
+  concatenation and ``document_index``: the .bin/.idx), and what is left of the end-to-end time (Beam,
   its workers' start-up, the temporary part files), each as a share of the pipeline's time.
 * ``--memory N``: peak RSS of a fresh process tokenizing the input, and N times the input.
 
@@ -226,11 +226,10 @@ def incremental(tmp: Path, docs: list[str], workers: int, trials: int) -> dict[s
 
 def stage_breakdown(src: Path, out: Path) -> dict[str, float]:
     """Seconds of each of the pipeline's stages, run one after another in this process on ``src``:
-    the very functions its transforms call (ReadDocuments, TokenizeDocuments, WriteIndexedDataset)."""
+    the very functions its transforms call (read_split, encode_batch, document_index)."""
     import numpy as np
 
-    from retrain import megatron
-    from retrain.tokenize.pipeline import encode_batch
+    from retrain.tokenize.pipeline import document_index, encode_batch
     from retrain.tokenize.records import Batch, plan_splits, read_split
     from retrain.tokenize.tokenizer import TokenizerSpec
 
@@ -245,18 +244,14 @@ def stage_breakdown(src: Path, out: Path) -> dict[str, float]:
     t1 = time.perf_counter()
     encoded = [encode_batch(tok, b.texts[0], append_eod=True) for b in batches]
     t2 = time.perf_counter()
-    flat = np.concatenate([f for f, _ in encoded])
+    out.with_suffix(".bin").write_bytes(np.concatenate([f for f, _ in encoded]).tobytes())
     lengths = np.concatenate([n for _, n in encoded])
-    out.with_suffix(".bin").write_bytes(flat.tobytes())
-    has_tokens = lengths > 0
-    doc_index = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(has_tokens, out=doc_index[1:])
-    out.with_suffix(".idx").write_bytes(megatron.encode_index(tok.dtype, lengths[has_tokens], doc_index))  # type: ignore[arg-type]
+    out.with_suffix(".idx").write_bytes(document_index(tok.dtype, lengths))
     t3 = time.perf_counter()
     return {
         "read + parse JSONL (read_split)": t1 - t0,
         "tokenize to arrays (encode_batch)": t2 - t1,
-        "build .bin/.idx (concatenate, encode_index)": t3 - t2,
+        "build .bin/.idx (concatenate, document_index)": t3 - t2,
     }
 
 

@@ -217,8 +217,7 @@ class RunManifest:
         return sum(o.size for o in self.objects)
 
     def to_json(self) -> bytes:
-        body = asdict(self)
-        return json.dumps(body, indent=1).encode()
+        return json.dumps(asdict(self), indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes | str) -> RunManifest:

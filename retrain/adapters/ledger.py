@@ -41,7 +41,7 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -389,10 +389,8 @@ class FirestoreLedger:
 
     def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]:
         """The objects a run trains: every content entry that names it (one object per content)."""
-        query: Any = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
-        if run.content_returned:
-            query = self._returned(run.run_id)
-        return tuple(sorted(ObjectVersion.parse(d.to_dict() or {}) for d in query.stream()))
+        entries = self._returned(run.run_id) if run.content_returned else self._held_by(run)
+        return tuple(sorted(ObjectVersion.parse(d.to_dict() or {}) for d in entries.stream()))
 
     def give_back(self, run: Run) -> int:
         """A run that did not succeed gives its content back: each content entry it holds goes (so
@@ -403,15 +401,14 @@ class FirestoreLedger:
         current = self.get_run(run.run_id)
         if current is None or current.content_returned:
             return 0
-        query = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
-        entries = list(query.stream())
+        entries = list(self._held_by(run).stream())
         kept = self._returned(run.run_id)
-        for i in range(0, len(entries), CONTENT_CHUNK // 2):
-            writes = self.db.batch()
-            for snap in entries[i : i + CONTENT_CHUNK // 2]:
-                writes.set(kept.document(snap.id), snap.to_dict() or {})
-                writes.delete(snap.reference)
-            writes.commit()
+
+        def move(writes: firestore.WriteBatch, snap: Any) -> None:
+            writes.set(kept.document(snap.id), snap.to_dict() or {})
+            writes.delete(snap.reference)
+
+        self._commit_in_batches(entries, move)
         self.update_run(run.run_id, {"content_returned": True})
         return len(entries)
 
@@ -419,28 +416,40 @@ class FirestoreLedger:
         """The objects a run gave back arrive again (at the versions it held, stamped now), so the next
         seal takes them into a run.  Idempotent (one arrival per object and run); how many."""
         entries = [snap.to_dict() or {} for snap in self._returned(run.run_id).stream()]
-        for i in range(0, len(entries), CONTENT_CHUNK // 2):
-            writes = self.db.batch()
-            for entry in entries[i : i + CONTENT_CHUNK // 2]:
-                version = ObjectVersion.parse(entry)
-                key = _key(f"{version.uri}#{version.generation}:given back by {run.run_id}")
-                arrival = {
-                    **version.to_dict(),
-                    "content_hash": entry["content_hash"],
-                    "time": now_iso(),
-                    "event_id": f"requeued:{run.run_id}",
-                    ARRIVED_AT: firestore.SERVER_TIMESTAMP,
-                }
-                writes.set(self._arrivals(run.dataset, key).document(key), arrival)
-            writes.commit()
+
+        def arrive(writes: firestore.WriteBatch, entry: dict[str, Any]) -> None:
+            version = ObjectVersion.parse(entry)
+            bucket, name = version.uri.removeprefix("gs://").split("/", 1)
+            arrival = ObjectArrival(
+                f"requeued:{run.run_id}", bucket, name, version.generation, version.size, "", now_iso()
+            )
+            key = _key(f"{arrival.identity}:given back by {run.run_id}")
+            fields = {
+                **_arrival_fields(arrival, str(entry["content_hash"])),
+                ARRIVED_AT: firestore.SERVER_TIMESTAMP,
+            }
+            writes.set(self._arrivals(run.dataset, key).document(key), fields)
+
+        self._commit_in_batches(entries, arrive)
         return len(entries)
+
+    def _commit_in_batches(self, items: list[Any], add: Callable[[firestore.WriteBatch, Any], None]) -> None:
+        """``add`` each item's writes (at most two) to a batch, committed every CONTENT_CHUNK // 2 items."""
+        for i in range(0, len(items), CONTENT_CHUNK // 2):
+            writes = self.db.batch()
+            for item in items[i : i + CONTENT_CHUNK // 2]:
+                add(writes, item)
+            writes.commit()
+
+    def _held_by(self, run: Run) -> Any:
+        """The query for the content entries ``run`` holds."""
+        return self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
 
     def _returned(self, run_id: str) -> firestore.CollectionReference:
         return self.db.collection("runs").document(run_id).collection("objects")
 
     def _run_hashes(self, run: Run) -> list[str]:
-        query = self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
-        return [str((d.to_dict() or {})["content_hash"]) for d in query.stream()]
+        return [str((d.to_dict() or {})["content_hash"]) for d in self._held_by(run).stream()]
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]:
         """Batches in one state, each with its ``batch_id`` (few at a time: stuck ones)."""

@@ -221,6 +221,15 @@ class _WriteShardFn(beam.DoFn):
         yield write_shard(self.job, shard_index, values, self.tok)
 
 
+def document_index(dtype: type[np.generic], doc_lengths: np.ndarray) -> bytes:
+    """The .idx bytes for documents of ``doc_lengths`` tokens (one sequence each; an empty document
+    keeps its place in the document index and adds no sequence)."""
+    has_tokens = doc_lengths > 0
+    doc_index = np.zeros(doc_lengths.size + 1, dtype=np.int64)
+    np.cumsum(has_tokens, out=doc_index[1:])
+    return megatron.encode_index(dtype, cast(Any, doc_lengths[has_tokens]), cast(Any, doc_index))
+
+
 def write_shard(
     job: Job, shard_index: int, values: Iterable[tuple[str, Any]], tok: LoadedTokenizer
 ) -> dict[str, Any]:
@@ -253,15 +262,11 @@ def write_shard(
                     raise RuntimeError(f"part {p.uris[k]} holds {len(data)} bytes, expected {want}")
                 out.write(data)
         dl = np.concatenate([p.doc_lengths[k] for p in parts]) if parts else np.zeros(0, np.int32)
-        has_tokens = dl > 0
-        doc_index = np.zeros(dl.size + 1, dtype=np.int64)
-        np.cumsum(has_tokens, out=doc_index[1:])
-        idx = megatron.encode_index(dtype, cast(Any, dl[has_tokens]), cast(Any, doc_index))
-        objects.write_bytes(prefix + ".idx", idx)
+        objects.write_bytes(prefix + ".idx", document_index(dtype, dl))
         documents = int(dl.size)
         per_key[key] = {
             "documents": documents,
-            "sequences": int(has_tokens.sum()),
+            "sequences": int(np.count_nonzero(dl)),
             "tokens": int(dl.astype(np.int64).sum()),
         }
         outputs[key] = prefix
@@ -653,7 +658,7 @@ def tokenize_incremental(
     shas = content_hashes(infos, objects.join(shard_root, "_index"))
     key = json_keys[0]
     reports: dict[str, dict[str, Any]] = {}  # shard prefix -> its report
-    todo: dict[str, tuple[str, int, int | None]] = {}  # shard prefix -> (first object with it, size, gen)
+    todo: dict[str, tuple[str, int, int | None, str]] = {}  # shard prefix -> (first object, size, gen, sha)
     plan: list[tuple[str, str, str, bool]] = []  # (object, sha, shard prefix, reused)
     for info, sha in zip(infos, shas, strict=True):
         # The same bytes make other documents as another format: the shard is keyed by both.
@@ -672,7 +677,7 @@ def tokenize_incremental(
             reports[prefix] = r
             plan.append((shown, sha, prefix, True))
         else:
-            todo[prefix] = (info.uri, info.size, generations.get(info.uri))
+            todo[prefix] = (info.uri, info.size, generations.get(info.uri), sha)
             plan.append((shown, sha, prefix, False))
     log.info(
         "%d object(s): %d to tokenize, %d reused, %d quarantined",
@@ -696,14 +701,13 @@ def tokenize_incremental(
 
     if todo:
         run_id = uuid.uuid4().hex[:12]
-        shas_of = {p: sha for _, sha, p, _ in plan}
         shards = tuple(
             ShardSpec(
                 prefix,
                 ((i, uri, size),),
-                (("object", source.get(uri, uri)), ("sha256", shas_of[prefix]), ("shard", prefix)),
+                (("object", source.get(uri, uri)), ("sha256", sha), ("shard", prefix)),
             )
-            for i, (prefix, (uri, size, _)) in enumerate(todo.items())
+            for i, (prefix, (uri, size, _, sha)) in enumerate(todo.items())
         )
         job = Job(
             shards=shards,
@@ -720,7 +724,7 @@ def tokenize_incremental(
         )
         splits = [
             s
-            for i, (uri, size, generation) in enumerate(todo.values())
+            for i, (uri, size, generation, _) in enumerate(todo.values())
             for s in records.plan_splits(i, uri, size, split_bytes, generation)
         ]
         _run(job, splits, runner, workers, pipeline_args, wait, finalize=None if wait else finish)
