@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -224,3 +225,22 @@ def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: Fires
     assert (fast["generation"], fast["size"], fast["content_hash"]) == (3, 10, "h-fast")
     assert fast["event_id"] == "ev-fast-3" and fast["time"] == "2026-11-21T00:00:00Z"
     assert fast["arrived_at"] < tx["arrived_at"]  # the server's commit time, as in the transaction
+
+
+def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
+    monkeypatch: pytest.MonkeyPatch, project: str
+) -> None:
+    # The hot path's own stub follows the client's Commit retry (ServiceUnavailable, 60 s); shortened here.
+    from google.api_core.exceptions import ServiceUnavailable
+
+    from retrain.adapters import ledger as ledger_module
+    from retrain.local.emulators import free_port
+
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setattr(ledger_module, "COMMIT_DEADLINE_S", 1.5)
+    unreachable = FirestoreLedger(project)
+    unreachable._known_datasets.add("ds")  # straight to the hot path's commit
+    started = time.monotonic()
+    with pytest.raises(ServiceUnavailable):
+        unreachable.record_arrival(arrival("a"), "ds", "h-a")
+    assert 1.0 < time.monotonic() - started < 5.0  # retried with backoff, then gave up at the deadline
