@@ -75,7 +75,8 @@ def format_run(run: Run) -> str:
         ("nodes", run.nodes),
         ("gpu node-seconds", f"{run.gpu_node_seconds:.1f}"),
         ("gpu-hours", f"{run.gpu_hours:.3f}"),
-        ("est. cost", f"${run.cost_usd:.2f}"),
+        ("cost", f"${run.cost_usd:.2f} of node time"),
+        ("priced at start", None if run.estimated_cost_usd is None else f"${run.estimated_cost_usd:.2f}"),
         ("nodes at end", run.nodes_at_end),
         ("checkpoint", run.checkpoint),
         ("reason", run.reason),
@@ -197,6 +198,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         _say("nothing pending: no run started")
     for o in outcomes:
         _say(f"{o.action}: {o.run_id or ''} {o.detail}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """What sealing now would train and cost, without sealing (the same Ingest the functions run)."""
+    from retrain import composition
+    from retrain.domain.errors import Rejected
+    from retrain.local.stack import ledger_access
+
+    settings = stack_settings()
+    with ledger_access(settings):
+        try:
+            forecasts = composition.ingest(settings).forecast(args.dataset)
+        except Rejected as e:
+            _say(f"error: {e.reason}")
+            return 2
+    if args.json:
+        print(json.dumps([f.to_dict() for f in forecasts], indent=2))
+        return 0
+    if not forecasts:
+        print("nothing has arrived since the last seal: sealing now would train nothing")
+    for f in forecasts:
+        pending = (
+            f" (joining pending run {f.pending_run}, {f.pending_objects} object(s) in it)"
+            if f.pending_run
+            else ""
+        )
+        cap = f" of a ${f.max_cost_usd:.2f} cap" if f.max_cost_usd else ""
+        print(
+            f"{f.dataset}: {f.objects} new object(s), {f.bytes} bytes{pending}; {f.skipped} skipped\n"
+            f"  ~{f.estimated_tokens} tokens of data; trains {f.training_tokens} tokens, "
+            f"~{f.estimated_node_hours:.2f} node-hours, ~${f.estimated_cost_usd:.2f}{cap} ({f.basis})\n"
+            f"  {'would run' if f.would_run else 'would not run'}: {f.reason}"
+        )
     return 0
 
 
@@ -457,6 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--dataset", default=None, help="only this dataset (default: every dataset with data)")
     rn.add_argument("--retry", metavar="RUN", help="run a failed or cancelled run's objects again")
     rn.set_defaults(fn=cmd_run)
+
+    pl = sub.add_parser("plan", help="what sealing now would train and cost (changes nothing)")
+    pl.add_argument("--dataset", default=None, help="only this dataset (default: every dataset with data)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("cancel", help="stop a run; its GPUs are released and it ends as cancelled")
     c.add_argument("run_id")

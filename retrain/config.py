@@ -83,6 +83,19 @@ class Settings:
     """Nodes a run trains on."""
     price_per_node_hour: float = 88.49
     """Estimated on-demand price of one node-hour, for the run record's cost estimate (USD)."""
+    max_run_cost_usd: float = 0.0
+    """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for
+    capacity; its training wait and DWS ``maxRunDurationSeconds`` end where the cap's node time ends,
+    so a run still training then is cancelled and releases every node."""
+    node_tokens_per_s: float = 20000.0
+    """Training throughput of one node in tokens per second, for estimates until the dataset's
+    champion run has measured its own (its tokens over its busy node-seconds replace this)."""
+    node_overhead_s: float = 900.0
+    """Node time a run spends besides training, per node: start-up (image pull, checkpoint restore)
+    and release (the cluster autoscaler removes an unneeded node after 10 minutes by default)."""
+    tokens_per_byte: float = 0.28
+    """Tokens per byte of new data, for estimates before tokenizing: GPT-2 BPE gives 0.278 on the
+    sample corpus (../shared/corpus, English books)."""
     image: str = "nvcr.io/nvidia/nemo:24.12"
     """Container image of the training job (the local stack plays it with a stand-in image)."""
     profile: str = "nemo-24.12"

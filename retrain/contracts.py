@@ -489,3 +489,42 @@ class Results:
     """Whether the checkpoint became its dataset's champion (the next run continues from it)."""
     reason: str
     """What is missing, if anything."""
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """``retrain plan``'s answer for one dataset (``--json`` prints these fields): what sealing it now
+    would train and what that run would cost.  Nothing is written to find out."""
+
+    dataset: str
+    """The dataset."""
+    objects: int
+    """Objects whose content is new since the last seal: they would join the pending run."""
+    bytes: int
+    """Their size."""
+    skipped: int
+    """Arrivals since the last seal that would add nothing (content trained before, or in the live
+    or pending run)."""
+    pending_run: str | None
+    """The pending run they would join (None: sealing would make one)."""
+    pending_objects: int
+    """Objects that pending run holds already (they train in the same run)."""
+    estimated_tokens: int
+    """Tokens in the run's new data (its bytes at ``tokens_per_byte``), before tokenizing."""
+    training_tokens: int
+    """Tokens the run trains on: steps x global batch x sequence length."""
+    estimated_node_hours: float
+    """GPU node time the run would take (see ``basis``)."""
+    estimated_cost_usd: float
+    """That node time at the price of a node-hour."""
+    max_cost_usd: float
+    """The per-run cost cap (0: none)."""
+    basis: str
+    """Where the throughput behind the estimate came from."""
+    would_run: bool
+    """Whether sealing now would make a run that starts (now or after the dataset's live run)."""
+    reason: str
+    """Why, in a sentence."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -21,12 +21,19 @@ from functools import partial
 from typing import Any
 
 from retrain.config import DATASET_RE, Settings
-from retrain.contracts import CallbackPayload, JobSetCompletion, RunManifest, SchedulerJob, SchedulerTick
+from retrain.contracts import (
+    CallbackPayload,
+    Forecast,
+    JobSetCompletion,
+    RunManifest,
+    SchedulerJob,
+    SchedulerTick,
+)
 from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
-from retrain.plan import manifest_object, workflow_argument
+from retrain.plan import estimate, manifest_object, over_budget, workflow_argument
 from retrain.ports import (
     ArrivalStatus,
     Cluster,
@@ -66,7 +73,8 @@ class Action(StrEnum):
     ALREADY_TRAINED = "already-trained"
     """Nothing new: every object's content trained before or is in the live or pending run."""
     REFUSED = "refused"
-    """The trainer would refuse the run as planned (its record says why): no capacity was requested."""
+    """The trainer would refuse the run as planned, or it is over the cost cap (its record says why):
+    no capacity was requested."""
     ERROR = "error"
     """Handling this item failed (logged); the round went on, and the next one retries it."""
     RECORDED_FAILURE = "recorded-failure"
@@ -316,33 +324,20 @@ class Ingest:
         run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         champion = self.ledger.champion(run.dataset)
+        cost = estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
+        if (too_dear := over_budget(self.settings, cost)) is not None:
+            return self._refuse(run, too_dear)
         try:
             argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
         except PlanError as e:
-            reason = f"the trainer would refuse this run: {e}"
-            self.ledger.update_run(
-                run.run_id,
-                {
-                    "status": str(RunStatus.FAILED),
-                    "reason": reason,
-                    "nodes_at_end": 0,
-                    "finished_at": now_iso(),
-                },
-            )
-            returned = self.ledger.give_back(run)  # eligible again: `run --retry`, or dropped again
-            log.warning(
-                "run %s refused before any capacity was requested (%d objects given back): %s",
-                run.run_id,
-                returned,
-                reason,
-            )
-            return Outcome(Action.REFUSED, reason, run.run_id)
+            return self._refuse(run, f"the trainer would refuse this run: {e}")
         self.ledger.update_run(
             run.run_id,
             {
                 "profile": self.settings.profile,
                 "base_checkpoint": champion.checkpoint if champion else None,
                 "base_step": champion.step if champion else 0,
+                "estimated_cost_usd": round(cost.cost_usd, 2),
             },
         )
         self.store.write_bytes(
@@ -354,6 +349,22 @@ class Ingest:
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome(Action.STARTED, execution, run.run_id)
+
+    def _refuse(self, run: Run, reason: str) -> Outcome:
+        """End a run before it asks for any capacity, its content given back (eligible again: dropped
+        again, or ``run --retry`` once whatever refused it is fixed)."""
+        self.ledger.update_run(
+            run.run_id,
+            {"status": str(RunStatus.FAILED), "reason": reason, "nodes_at_end": 0, "finished_at": now_iso()},
+        )
+        returned = self.ledger.give_back(run)
+        log.warning(
+            "run %s refused before any capacity was requested (%d objects given back): %s",
+            run.run_id,
+            returned,
+            reason,
+        )
+        return Outcome(Action.REFUSED, reason, run.run_id)
 
     def on_scheduler_tick(self, message: Mapping[str, Any]) -> list[Outcome]:
         """A Cloud Scheduler job's tick (:class:`SchedulerTick`): seal, sweeper or reaper."""
@@ -392,6 +403,48 @@ class Ingest:
         returned = self.ledger.requeue(run)
         log.info("retrying run %s: its %d object(s) arrive again", run_id, returned)
         return self.seal(run.dataset, f"retry of {run_id}")
+
+    def forecast(self, dataset: Any = None) -> list[Forecast]:
+        """What sealing every dataset with new data (or only ``dataset``) would train, and its cost;
+        nothing is written."""
+        if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
+            raise Rejected("dataset must be a valid dataset name")
+        names = [dataset] if dataset else [p.dataset for p in self.ledger.pending()]
+        return [self._forecast(name) for name in names]
+
+    def _forecast(self, dataset: str) -> Forecast:
+        preview = self.ledger.preview(dataset)
+        new_bytes = sum(v.size for v in preview.objects)
+        held_bytes = sum(v.size for v in preview.pending_objects)
+        champion = self.ledger.champion(dataset)
+        cost = estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
+        too_dear = over_budget(self.settings, cost)
+        trains = len(preview.objects) + len(preview.pending_objects)
+        if not trains:
+            reason = (
+                f"nothing new: {preview.skipped} object(s) skipped, their content trained before or is "
+                "in the live run"
+            )
+        elif too_dear:
+            reason = f"a run would be refused: {too_dear}"
+        else:
+            reason = f"a run would train {trains} object(s)"
+        return Forecast(
+            dataset=dataset,
+            objects=len(preview.objects),
+            bytes=new_bytes,
+            skipped=preview.skipped,
+            pending_run=preview.pending_run.run_id if preview.pending_run else None,
+            pending_objects=len(preview.pending_objects),
+            estimated_tokens=int((new_bytes + held_bytes) * self.settings.tokens_per_byte),
+            training_tokens=cost.training_tokens,
+            estimated_node_hours=round(cost.node_hours, 4),
+            estimated_cost_usd=round(cost.cost_usd, 2),
+            max_cost_usd=self.settings.max_run_cost_usd,
+            basis=cost.basis,
+            would_run=bool(trains) and too_dear is None,
+            reason=reason,
+        )
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""

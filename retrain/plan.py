@@ -10,6 +10,7 @@ Not part of the domain: the plan renders Kubernetes objects and names the traine
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from retrain.config import Settings
@@ -109,6 +110,55 @@ def check_before_capacity(settings: Settings, plan: TrainingPlan) -> None:
     render_training(settings, stand_in)
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """What one run would cost, priced before it starts (``retrain plan`` and the budget check)."""
+
+    training_tokens: int
+    """Tokens it trains on: steps x global batch x sequence length, whatever its data's size."""
+    node_hours: float
+    """GPU node time: those tokens at the node throughput, plus each node's start-up and release."""
+    cost_usd: float
+    """``node_hours`` at the price of a node-hour."""
+    basis: str
+    """Where the throughput came from: the settings, or a run of the dataset that measured it."""
+
+
+def estimate(settings: Settings, measured: Run | None = None) -> Estimate:
+    """The next run's cost; from ``measured`` (the dataset's champion run) when its record has the
+    tokens it trained and the node time it took (start-up and release included), else the settings."""
+    tokens = settings.steps_per_run * settings.global_batch_size * settings.seq_length
+    seen = int((measured.metrics or {}).get("tokens_seen") or 0) if measured else 0
+    if measured is not None and seen > 0 and measured.gpu_node_seconds > 0:
+        node_s = measured.gpu_node_seconds * tokens / seen
+        basis = f"run {measured.run_id}: {measured.gpu_node_seconds:.0f} node-seconds for {seen} tokens"
+    else:
+        node_s = tokens / settings.node_tokens_per_s + settings.nodes * settings.node_overhead_s
+        basis = (
+            f"settings: {settings.node_tokens_per_s:g} tokens/s per node, "
+            f"{settings.node_overhead_s:g} s start-up and release per node"
+        )
+    hours = node_s / 3600
+    return Estimate(tokens, hours, hours * settings.price_per_node_hour, basis)
+
+
+def over_budget(settings: Settings, cost: Estimate) -> str | None:
+    """Why a run estimated at ``cost`` must not start (None: within the cap, or no cap)."""
+    cap = settings.max_run_cost_usd
+    if cap <= 0 or cost.cost_usd <= cap:
+        return None
+    return f"estimated ${cost.cost_usd:.2f} is over the per-run cap of ${cap:.2f} ({cost.basis})"
+
+
+def training_deadline_s(settings: Settings) -> int:
+    """How long a run may train: the training timeout, cut to where the cost cap's node time ends (the
+    training wait cancels the run there, and DWS's ``maxRunDurationSeconds`` ends its nodes)."""
+    if settings.max_run_cost_usd <= 0:
+        return settings.train_timeout_s
+    cap_node_s = settings.max_run_cost_usd / settings.price_per_node_hour * 3600
+    return max(1, min(settings.train_timeout_s, int(cap_node_s / settings.nodes)))
+
+
 def tokenize_deadline_s(settings: Settings, batch_bytes: int) -> int:
     """How long the tokenize job may take: the fixed allowance (start-up, workers) plus the batch read
     at the slowest rate a healthy job keeps."""
@@ -129,7 +179,7 @@ def workflow_argument(
         gpus_per_node=settings.gpus_per_node,
         namespace=settings.namespace,
         node_pool=settings.node_pool,
-        max_run_duration_s=settings.train_timeout_s,
+        max_run_duration_s=training_deadline_s(settings),
     )
     return WorkflowArgument(
         run_id=run.run_id,
@@ -158,7 +208,7 @@ def workflow_argument(
         provisioning_request=provreq,
         tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes),
         provision_timeout_s=settings.provision_timeout_s,
-        train_timeout_s=settings.train_timeout_s,
+        train_timeout_s=training_deadline_s(settings),
         release_timeout_s=settings.release_timeout_s,
         poll_interval_s=settings.poll_interval_s,
         completion_check_s=settings.completion_check_s,

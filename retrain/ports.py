@@ -55,6 +55,21 @@ class SealOutcome:
     """Objects of the batch that add nothing (their content is held by a run already)."""
 
 
+@dataclass(frozen=True)
+class SealPreview:
+    """What sealing a dataset now would do, read without writing anything (``retrain plan``)."""
+
+    dataset: str
+    objects: tuple[ObjectVersion, ...]
+    """Objects whose content is new: they would join the pending run (one per content hash)."""
+    skipped: int
+    """Arrivals since the last seal that would add nothing (content trained, live or pending)."""
+    pending_run: Run | None
+    """The dataset's pending run, which they would join (None: sealing would create one)."""
+    pending_objects: tuple[ObjectVersion, ...]
+    """What that pending run holds already."""
+
+
 class StartVerdict(StrEnum):
     CLAIMED = "claimed"
     """The run holds its dataset's live slot now; its object list is fixed."""
@@ -96,6 +111,8 @@ class Ledger(Protocol):
     def pending(self, dataset: str | None = None) -> list[Pending]: ...
 
     def seal(self, dataset: str, trigger: str) -> SealOutcome: ...
+
+    def preview(self, dataset: str) -> SealPreview: ...
 
     def materialize(self, batch_id: str) -> SealOutcome: ...
 

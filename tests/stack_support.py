@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -24,8 +25,9 @@ from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 
 
-def module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps."""
+def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Iterator[LocalStack]:
+    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps (and
+    any other settings in ``overrides``)."""
     for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
         if reason:
             pytest.skip(reason)
@@ -36,6 +38,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
         provision_timeout_s=8,
         provision_delay_s=0.5,
         state_dir=str(tmp_path_factory.mktemp("stack")),
+        **overrides,
     )
     with LocalStack(settings, fresh=True) as s:
         yield s

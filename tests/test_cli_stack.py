@@ -89,9 +89,24 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert "trainer.max_steps=8" in second["command"]  # type: ignore[operator]
         assert second["metrics"]["steps"] == 8 and second["metrics"]["run_steps"] == 4  # type: ignore[index]
 
-        # manual trigger: data dropped without the marker, sealed by `retrain run`
+        # manual trigger: data dropped without the marker, sealed by `retrain run`; `retrain plan`
+        # says beforehand what that would train (and writes nothing)
+        def plan() -> dict[str, Any]:
+            answer = retrain(["plan", "--dataset", "manual", "--json"], state)
+            assert answer.returncode == 0, answer.stderr
+            (forecast,) = json.loads(answer.stdout)
+            return forecast  # type: ignore[no-any-return]
+
+        assert (plan()["objects"], plan()["would_run"]) == (0, False)
         data.write_text(json.dumps({"text": "a manual batch"}) + "\n")
         assert retrain(["drop", str(data), "--dataset", "manual", "--no-seal"], state).returncode == 0
+        forecast = plan()
+        assert (forecast["objects"], forecast["bytes"], forecast["would_run"]) == (
+            1,
+            data.stat().st_size,
+            True,
+        )
+        assert forecast["estimated_cost_usd"] > 0 and forecast["training_tokens"] > 0
         started = retrain(["run", "--dataset", "manual"], state)
         assert started.returncode == 0 and "started" in started.stderr, started.stderr
         assert wait_for_run(state, "manual")["trigger"] == "manual"

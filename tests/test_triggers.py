@@ -1,5 +1,6 @@
-"""Seals other than the marker, one run at a time per dataset, and the sweeper's crash recovery:
-the real Firestore emulator, retrain's executions service, and functions-framework's own app."""
+"""Seals other than the marker, one run at a time per dataset, the sweeper's crash recovery, and what
+a seal would do before it is made (``retrain plan``, the cost cap): the real Firestore emulator,
+retrain's executions service, and functions-framework's own app."""
 
 from __future__ import annotations
 
@@ -347,3 +348,76 @@ def test_a_failed_run_is_retried_on_request_with_its_own_objects(ingest: Ingest)
         ingest.retry(retried.run_id)
     with pytest.raises(Rejected, match="no run"):
         ingest.retry("nope-1")
+
+
+def arrive_content(ingest: Ingest, dataset: str, name: str, content: str, size: int = 10) -> None:
+    arrival = ObjectArrival(f"ev-{uuid.uuid4()}", "land", f"incoming/{dataset}/{name}", 1, size, "", "t")
+    ingest.ledger.record_arrival(arrival, dataset, f"md5:{content}")
+
+
+#: The defaults' estimate, by hand: 60 steps x 8 sequences x 2048 tokens = 983,040 tokens at 20,000
+#: tokens/s = 49.15 node-seconds, plus 900 s start-up and release for the one node = 949.15 node-seconds
+#: = 0.2637 node-hours, at $88.49 = $23.33.
+DEFAULT_COST_USD = 23.33
+
+
+def test_a_forecast_says_what_sealing_would_train_and_writes_nothing(ingest: Ingest) -> None:
+    (empty,) = ingest.forecast("f")
+    assert (empty.objects, empty.would_run, empty.reason) == (
+        0,
+        False,
+        "nothing new: 0 object(s) skipped, their content trained before or is in the live run",
+    )
+    arrive_content(ingest, "f", "1.txt", "one", size=1000)
+    arrive_content(ingest, "f", "2.txt", "two", size=3000)
+    arrive_content(ingest, "f", "2-copy.txt", "two", size=3000)  # identical bytes under another name
+    (before,) = ingest.forecast("f")
+    assert (before.objects, before.bytes, before.skipped, before.pending_run) == (2, 4000, 1, None)
+    assert before.estimated_tokens == 1120  # 4000 bytes at 0.28 tokens per byte
+    assert (before.training_tokens, before.estimated_cost_usd) == (983_040, DEFAULT_COST_USD)
+    assert before.would_run and before.reason == "a run would train 2 object(s)"
+    assert ingest.forecast("f") == [before]  # asking twice changes nothing: still pending, still new
+    assert [p.dataset for p in ingest.ledger.pending("f")] == ["f"]
+
+    started = ingest.seal("f", "manual")
+    assert started.action == "started"
+    run = ingest.ledger.get_run(started.run_id)
+    assert run is not None and run.objects == 2 and run.estimated_cost_usd == DEFAULT_COST_USD
+    arrive_content(ingest, "f", "1-again.txt", "one")  # in the live run already
+    arrive_content(ingest, "f", "3.txt", "three")
+    (during,) = ingest.forecast("f")
+    assert (during.objects, during.skipped, during.pending_run, during.would_run) == (1, 1, None, True)
+    queued = ingest.seal("f", "manual")
+    assert queued.action == "queued"
+    arrive_content(ingest, "f", "4.txt", "four")
+    (behind,) = ingest.forecast()  # every dataset with new data: only f
+    assert (behind.dataset, behind.objects, behind.pending_run, behind.pending_objects) == (
+        "f",
+        1,
+        queued.run_id,
+        1,
+    )
+
+
+def test_a_run_over_the_cost_cap_is_refused_and_its_training_deadline_follows_the_cap(ingest: Ingest) -> None:
+    ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=10.0)
+    arrive(ingest, "dear", "1.txt")
+    (forecast,) = ingest.forecast("dear")
+    reason = (
+        f"estimated ${DEFAULT_COST_USD} is over the per-run cap of $10.00 "
+        "(settings: 20000 tokens/s per node, 900 s start-up and release per node)"
+    )
+    assert not forecast.would_run and forecast.reason == f"a run would be refused: {reason}"
+    refused = ingest.seal("dear", "manual")
+    assert refused.action == "refused"
+    run = ingest.ledger.get_run(refused.run_id)
+    assert run is not None and run.status == RunStatus.FAILED and run.reason == reason
+    assert run.execution is None and run.content_returned  # no capacity asked for; its data is free again
+
+    # Under a $50 cap the same objects run, and may train for 50 / 88.49 node-hours = 2034 s on one node.
+    ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=50.0)
+    retried = ingest.retry(refused.run_id)
+    assert retried.action == "started"
+    argument = json.loads(ingest.orchestrator.get(retried.detail)["argument"])
+    assert argument["train_timeout_s"] == 2034
+    assert argument["provisioning_request"]["spec"]["parameters"] == {"maxRunDurationSeconds": "2034"}

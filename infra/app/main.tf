@@ -47,6 +47,10 @@ locals {
     RETRAIN_GPUS_PER_NODE            = tostring(local.platform.gpus_per_node)
     RETRAIN_NODES                    = tostring(var.nodes_per_run)
     RETRAIN_PRICE_PER_NODE_HOUR      = tostring(var.price_per_node_hour)
+    RETRAIN_MAX_RUN_COST_USD         = tostring(var.max_run_cost_usd)
+    RETRAIN_NODE_TOKENS_PER_S        = tostring(var.node_tokens_per_s)
+    RETRAIN_NODE_OVERHEAD_S          = tostring(var.node_overhead_s)
+    RETRAIN_TOKENS_PER_BYTE          = tostring(var.tokens_per_byte)
     RETRAIN_IMAGE                    = var.training_image
     RETRAIN_PROFILE                  = var.trainer_profile
     RETRAIN_STEPS_PER_RUN            = tostring(var.steps_per_run)

@@ -292,6 +292,34 @@ variable "price_per_node_hour" {
   default     = 88.49
 }
 
+variable "max_run_cost_usd" {
+  type        = number
+  description = "Per-run cost cap in USD, 0 for none (RETRAIN_MAX_RUN_COST_USD): a run estimated over it is refused; a run reaching it is cancelled."
+  default     = 0
+  validation {
+    condition     = var.max_run_cost_usd >= 0
+    error_message = "max_run_cost_usd is a cap in USD: 0 (none) or more."
+  }
+}
+
+variable "node_tokens_per_s" {
+  type        = number
+  description = "Training tokens per second of one node, for estimates until a dataset's run measured its own (RETRAIN_NODE_TOKENS_PER_S)."
+  default     = 20000
+}
+
+variable "node_overhead_s" {
+  type        = number
+  description = "Node time a run spends besides training, per node: start-up and release (RETRAIN_NODE_OVERHEAD_S)."
+  default     = 900
+}
+
+variable "tokens_per_byte" {
+  type        = number
+  description = "Tokens per byte of new data, for estimates before tokenizing (RETRAIN_TOKENS_PER_BYTE)."
+  default     = 0.28
+}
+
 variable "training_image" {
   type        = string
   description = "Container image of the training JobSet (RETRAIN_IMAGE)."

@@ -67,7 +67,15 @@ from retrain.domain.runs import (
     now_iso,
     snapshot_id,
 )
-from retrain.ports import ArrivalOutcome, ArrivalStatus, SealOutcome, SealVerdict, StartClaim, StartVerdict
+from retrain.ports import (
+    ArrivalOutcome,
+    ArrivalStatus,
+    SealOutcome,
+    SealPreview,
+    SealVerdict,
+    StartClaim,
+    StartVerdict,
+)
 
 ARRIVED_AT = "arrived_at"
 THROUGH = "through"
@@ -104,6 +112,14 @@ def _arrival_fields(arrival: ObjectArrival, content_hash: str) -> dict[str, str 
         "time": arrival.time,
         "event_id": arrival.event_id,
     }
+
+
+def _first_by_content(arrivals: list[dict[str, Any]]) -> dict[str, ObjectVersion]:
+    """Content hash -> the first object (by name) that has it: identical bytes train once."""
+    first: dict[str, ObjectVersion] = {}
+    for a in sorted(arrivals, key=lambda a: str(a["uri"])):
+        first.setdefault(str(a["content_hash"]), ObjectVersion.parse(a))
+    return first
 
 
 def _parse_iso(text: str) -> datetime:
@@ -303,10 +319,8 @@ class FirestoreLedger:
             done = self.get_run(str(batch["run_id"])) if batch.get("run_id") else None
             verdict = SealVerdict.ALREADY_SEALED if done else SealVerdict.NOTHING_NEW
             return SealOutcome(done, verdict, "already sealed", skipped=int(batch.get("skipped", 0)))
-        first: dict[str, ObjectVersion] = {}  # content hash -> the first object (by name) that has it
-        arrivals = sorted(self._batch_arrivals(batch), key=lambda a: str(a["uri"]))
-        for a in arrivals:
-            first.setdefault(str(a["content_hash"]), ObjectVersion.parse(a))
+        arrivals = list(self._batch_arrivals(batch))
+        first = _first_by_content(arrivals)
         if not arrivals:  # a concurrent seal cut the same window first
             batch_ref.update({"state": str(BatchState.DUPLICATE), "new_objects": 0, "skipped": 0})
             return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
@@ -339,6 +353,24 @@ class FirestoreLedger:
             )
         return SealOutcome(
             self.get_run(run.run_id) if run else None, SealVerdict.SEALED, "sealed", tuple(added), skipped
+        )
+
+    def preview(self, dataset: str) -> SealPreview:
+        """What :meth:`seal` would do now, read-only: the arrivals since the last cut, less the content
+        some run holds already, and the pending run they would join."""
+        arrivals = [
+            d.to_dict() or {} for w in self._window(dataset, self._last_cut(dataset)) for d in w.stream()
+        ]
+        first = _first_by_content(arrivals)
+        held = self._held(dataset, list(first))
+        new = tuple(version for h, version in first.items() if h not in held)
+        pending = self.pending_run(dataset)
+        return SealPreview(
+            dataset,
+            new,
+            skipped=len(arrivals) - len(new),
+            pending_run=pending,
+            pending_objects=self.run_objects(pending) if pending else (),
         )
 
     def _slot(self, dataset: str) -> firestore.DocumentReference:

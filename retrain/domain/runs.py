@@ -156,6 +156,8 @@ class Run:
     """``gpu_node_seconds`` x GPUs per node, in hours."""
     cost_usd: float = 0.0
     """Estimated cost of its node time."""
+    estimated_cost_usd: float | None = None
+    """Its cost as priced when it started (``retrain.plan.estimate``), against the per-run cap."""
     nodes_at_end: int | None = None
     """GPU nodes still up when it ended (0 when every GPU went back)."""
     profile: str | None = None
