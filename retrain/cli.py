@@ -79,6 +79,7 @@ def format_run(run: Run) -> str:
         ("priced at start", None if run.estimated_cost_usd is None else f"${run.estimated_cost_usd:.2f}"),
         ("nodes at end", run.nodes_at_end),
         ("checkpoint", run.checkpoint),
+        ("eval", _eval_line(run.eval)),
         ("reason", run.reason),
         ("execution", run.execution),
         ("created", run.created_at),
@@ -87,6 +88,12 @@ def format_run(run: Run) -> str:
         if value not in (None, ""):
             lines.append(f"  {label:<17} {value}")
     return "\n".join(lines)
+
+
+def _eval_line(verdict: dict[str, Any] | None) -> str | None:
+    if not verdict:
+        return None
+    return f"{'promoted' if verdict.get('promoted') else 'not promoted'}: {verdict.get('reason')}"
 
 
 def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -> Run:

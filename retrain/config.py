@@ -83,6 +83,9 @@ class Settings:
     """Nodes a run trains on."""
     price_per_node_hour: float = 88.49
     """Estimated on-demand price of one node-hour, for the run record's cost estimate (USD)."""
+    promotion_margin: float = 0.0
+    """The eval gate: a run's checkpoint becomes the champion (the next run continues from it) only
+    when its validation loss is at most the champion's x (1 + this); 0.0: not worse."""
     max_run_cost_usd: float = 0.0
     """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for
     capacity; its training wait and DWS ``maxRunDurationSeconds`` end where the cap's node time ends,

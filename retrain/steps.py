@@ -8,7 +8,9 @@
   it trains in a later run (content counts as trained only when its run succeeded).
 - :meth:`Steps.results`, once the JobSet completed: what the trainer wrote -- TensorBoard events and
   checkpoint folders under the profile's run folder -- becomes the record's ``metrics`` and
-  ``checkpoint``, and the checkpoint becomes the dataset's champion, which the next run continues from.
+  ``checkpoint``, and the eval gate (:func:`retrain.domain.runs.evaluate`) decides whether the checkpoint
+  becomes the dataset's champion, which the next run continues from: only when its validation loss is
+  not worse than the champion's by more than ``promotion_margin``; the verdict is the record's ``eval``.
   Missing metrics are recorded as missing: a run whose JobSet completed has succeeded.
 
 Workflows calls a function for work its expressions cannot do ("Invoke Cloud Run functions or Cloud
@@ -35,7 +37,7 @@ from retrain.contracts import (
     field_names,
 )
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import Champion, RunStatus, TrainingMetrics
+from retrain.domain.runs import Champion, RunStatus, TrainingMetrics, evaluate
 from retrain.plan import render_training, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
@@ -164,12 +166,20 @@ class Steps:
         }
         if reason:
             fields["reason"] = reason
-        self.ledger.update_run(plan.run_id, fields)
         promoted = False
-        if checkpoint is not None:
+        run = self.ledger.get_run(plan.run_id)
+        if checkpoint is not None and run is not None:
             step = metrics.steps if metrics else plan.final_step
             val_loss = metrics.val_loss if metrics else None
-            run = self.ledger.get_run(plan.run_id)
-            if run is not None:
-                promoted = self.ledger.promote(run.dataset, Champion(plan.run_id, checkpoint, step, val_loss))
+            champion = self.ledger.champion(run.dataset)
+            if champion is not None and champion.run_id == plan.run_id:  # a retried step
+                promoted = True
+            else:
+                verdict = evaluate(val_loss, champion, self.settings.promotion_margin)
+                fields["eval"] = verdict.to_dict()
+                if verdict.promoted:
+                    promoted = self.ledger.promote(
+                        run.dataset, Champion(plan.run_id, checkpoint, step, val_loss)
+                    )
+        self.ledger.update_run(plan.run_id, fields)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

@@ -75,6 +75,15 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     assert run["image"] == "retrain.local/nemo-24.12-standin" and run["profile"] == "nemo-24.12"
     assert run["base_checkpoint"] is None and run["base_step"] == 0  # the dataset's first run
     assert run["metrics"]["steps"] == 10 and run["metrics"]["final_loss"] > 0, run
+    # the eval gate: a dataset's first checkpoint is promoted with nothing to compare it with (two books
+    # are two documents, and Megatron's 900/50/50 split of two documents leaves validation none)
+    assert run["eval"] == {
+        "val_loss": None,
+        "champion_val_loss": None,
+        "champion_run": None,
+        "promoted": True,
+        "reason": "the dataset's first checkpoint",
+    }, run["eval"]
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown
 

@@ -125,7 +125,7 @@ def test_handover_without_a_report_says_so(steps: Steps) -> None:
         steps.handle(request(StepName.HANDOVER, plan))
 
 
-def upload_outputs(plan: dict[str, Any], tmp_path: Path, *, events: bool) -> str:
+def upload_outputs(plan: dict[str, Any], tmp_path: Path, *, events: bool, val_loss: float = 3.1) -> str:
     """What NeMo leaves under <exp_dir>/megatron_gpt: checkpoint folders and (optionally) events."""
     run_dir = f"{plan['output_dir']}/megatron_gpt"
     for name in (
@@ -137,7 +137,7 @@ def upload_outputs(plan: dict[str, Any], tmp_path: Path, *, events: bool) -> str
         writer = EventWriter(tmp_path / "events.out.tfevents.1.host.1.0")
         for step in (10, 60):
             writer.scalars(step, {"reduced_train_loss": 9.0 - step / 10, "consumed_samples": step * 8.0})
-        writer.scalars(60, {"val_loss": 3.1})
+        writer.scalars(60, {"val_loss": val_loss})
         objects.upload_file(writer.path, f"{run_dir}/{writer.path.name}")
     return f"{run_dir}/checkpoints/megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0-last"
 
@@ -168,6 +168,40 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
         60,
         60 + steps.settings.steps_per_run,
     )
+
+
+def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_champion(
+    steps: Steps, tmp_path: Path
+) -> None:
+    def result(val_loss: float, margin: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
+        steps.settings = dataclasses.replace(steps.settings, promotion_margin=margin)
+        plan = new_run(steps, "gated", steps.ledger.champion("gated"))
+        upload_outputs(plan, tmp_path, events=True, val_loss=val_loss)
+        answer = steps.handle(request(StepName.RESULTS, plan))
+        record = steps.ledger.get_run(plan["run_id"])
+        assert record is not None and record.eval is not None
+        return answer, record.eval
+
+    first, first_eval = result(3.1)
+    assert first["promoted"] and first_eval["reason"] == "the dataset's first checkpoint"
+    champion = steps.ledger.champion("gated")
+    assert champion is not None
+
+    worse, worse_eval = result(3.5)
+    assert not worse["promoted"] and steps.ledger.champion("gated") == champion  # the next run starts there
+    assert worse_eval == {
+        "val_loss": pytest.approx(3.5),
+        "champion_val_loss": pytest.approx(3.1),
+        "champion_run": champion.run_id,
+        "promoted": False,
+        "reason": "val_loss 3.5000 is worse than the champion's 3.1000 by more than the margin of 0 "
+        "(bound 3.1000)",
+    }
+    # 2% worse, inside a 5% margin: promoted, and the champion moves
+    _, within = result(3.162, margin=0.05)
+    assert within["promoted"] and within["reason"].endswith("within the margin of the champion's 3.1000")
+    moved = steps.ledger.champion("gated")
+    assert moved is not None and moved.run_id != champion.run_id and moved.val_loss == pytest.approx(3.162)
 
 
 def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ locals {
     RETRAIN_NODES                    = tostring(var.nodes_per_run)
     RETRAIN_PRICE_PER_NODE_HOUR      = tostring(var.price_per_node_hour)
     RETRAIN_MAX_RUN_COST_USD         = tostring(var.max_run_cost_usd)
+    RETRAIN_PROMOTION_MARGIN         = tostring(var.promotion_margin)
     RETRAIN_NODE_TOKENS_PER_S        = tostring(var.node_tokens_per_s)
     RETRAIN_NODE_OVERHEAD_S          = tostring(var.node_overhead_s)
     RETRAIN_TOKENS_PER_BYTE          = tostring(var.tokens_per_byte)

@@ -302,6 +302,16 @@ variable "max_run_cost_usd" {
   }
 }
 
+variable "promotion_margin" {
+  type        = number
+  description = "Eval gate (RETRAIN_PROMOTION_MARGIN): a checkpoint is promoted only when its val_loss is at most the champion's x (1 + this)."
+  default     = 0
+  validation {
+    condition     = var.promotion_margin >= 0
+    error_message = "promotion_margin is a relative margin: 0 (not worse) or more."
+  }
+}
+
 variable "node_tokens_per_s" {
   type        = number
   description = "Training tokens per second of one node, for estimates until a dataset's run measured its own (RETRAIN_NODE_TOKENS_PER_S)."

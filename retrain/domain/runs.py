@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -97,6 +97,49 @@ class Champion:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """The eval gate's verdict on a run's checkpoint (the run record's ``eval``)."""
+
+    val_loss: float | None
+    """The run's last validation loss (None: no validation ran)."""
+    champion_val_loss: float | None
+    """The dataset's champion's, when the run started from one (None: the dataset's first run)."""
+    champion_run: str | None
+    """The run that trained that champion."""
+    promoted: bool
+    """Whether the checkpoint became the champion (the next run continues from it)."""
+    reason: str
+    """Why, in a sentence."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def evaluate(val_loss: float | None, champion: Champion | None, margin: float) -> Evaluation:
+    """Promote a checkpoint only when its validation loss is not worse than the champion's by more than
+    ``margin`` (relative: 0.02 lets it be 2% worse); a dataset's first checkpoint is promoted as is."""
+    if champion is None:
+        return Evaluation(val_loss, None, None, True, "the dataset's first checkpoint")
+    if champion.val_loss is None:
+        return Evaluation(val_loss, None, champion.run_id, True, "the champion has no validation loss")
+    base = Evaluation(val_loss, champion.val_loss, champion.run_id, False, "")
+    if val_loss is None:
+        return replace(base, reason="no validation loss to compare with the champion's")
+    bound = champion.val_loss * (1 + margin)
+    if val_loss > bound:
+        return replace(
+            base,
+            reason=f"val_loss {val_loss:.4f} is worse than the champion's {champion.val_loss:.4f} "
+            f"by more than the margin of {margin:g} (bound {bound:.4f})",
+        )
+    return replace(
+        base,
+        promoted=True,
+        reason=f"val_loss {val_loss:.4f} is within the margin of the champion's {champion.val_loss:.4f}",
+    )
+
+
+@dataclass(frozen=True)
 class TrainingMetrics:
     """What the trainer reported, read from its TensorBoard events and checkpoint names."""
 
@@ -176,6 +219,8 @@ class Run:
     """The checkpoint it produced."""
     metrics: dict[str, Any] | None = None
     """:class:`TrainingMetrics` as the trainer reported them (null: none were found)."""
+    eval: dict[str, Any] | None = None
+    """:class:`Evaluation`: its validation loss against the champion's, and whether it was promoted."""
     reason: str | None = None
     """Why it ended as it did (failures, cancels, missing metrics)."""
     content_returned: bool = False
