@@ -274,8 +274,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         executions = _executions(settings)
         run = follow(ledger, new[-1].run_id, args.timeout, executions)
+        page = _report(settings, run, None)
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
+    _say(f"the run's report: {page}")
     return 0 if run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 else 1
+
+
+def _report(settings: config.Settings, run: Run, output: str | None) -> Path:
+    """Write the run's page (``retrain.report``): to ``output``, or under the state folder's reports/."""
+    from retrain.adapters import objects
+    from retrain.report import write_report
+
+    path = Path(output) if output else Path(settings.state_dir).resolve() / "reports" / f"{run.run_id}.html"
+    return write_report(settings, objects, run, path)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """One run's whole life on one self-contained HTML page, from the running local stack."""
+    from retrain.local.stack import attach, stack_file
+
+    settings = stack_settings()
+    if not stack_file(settings).exists():
+        _say("no local stack runs: `retrain up` first (the report reads the run's TensorBoard events)")
+        return 1
+    attach(settings)
+    run = _ledger(settings).get_run(args.run_id)
+    if run is None:
+        _say(f"no run {args.run_id}")
+        return 1
+    print(_report(settings, run, args.output))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -504,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dataset", default=None, help="only this dataset (default: every dataset with data)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
+
+    rp = sub.add_parser("report", help="one run's timeline, loss curve, cost and lineage as one HTML page")
+    rp.add_argument("run_id")
+    rp.add_argument("--output", default=None, help="file to write (default: .retrain/reports/RUN.html)")
+    rp.set_defaults(fn=cmd_report)
 
     c = sub.add_parser("cancel", help="stop a run; its GPUs are released and it ends as cancelled")
     c.add_argument("run_id")

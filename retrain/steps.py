@@ -82,6 +82,22 @@ def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics |
     )
 
 
+def trainer_outputs(store: ObjectStore, run_dir: str) -> tuple[list[Scalar], set[str]]:
+    """What a trainer left in its run folder: its TensorBoard scalars, and its checkpoint folders' names."""
+    scalars: list[Scalar] = []
+    checkpoints = set()
+    for info in store.list_objects(run_dir + "/"):
+        rel = info.uri[len(run_dir) + 1 :]
+        if rel.rsplit("/", 1)[-1].startswith(EVENTS):
+            try:
+                scalars += read_scalars(store.read_bytes(info.uri))
+            except ValueError:
+                continue  # a corrupt event file says nothing; the others still count
+        elif rel.startswith("checkpoints/") and rel.count("/") >= 2:
+            checkpoints.add(rel.split("/")[1])
+    return scalars, checkpoints
+
+
 class Steps:
     """The handlers, over the ports alone."""
 
@@ -139,18 +155,7 @@ class Steps:
     def results(self, plan: TrainingPlan) -> Results:
         trainer = profile(self.settings.profile)
         run_dir = trainer.run_dir(plan)
-        infos = list(self.store.list_objects(run_dir + "/"))
-        scalars: list[Scalar] = []
-        checkpoints = set()
-        for info in infos:
-            rel = info.uri[len(run_dir) + 1 :]
-            if rel.rsplit("/", 1)[-1].startswith(EVENTS):
-                try:
-                    scalars += read_scalars(self.store.read_bytes(info.uri))
-                except ValueError:
-                    continue  # a corrupt event file says nothing; the others still count
-            elif rel.startswith("checkpoints/") and rel.count("/") >= 2:
-                checkpoints.add(rel.split("/")[1])
+        scalars, checkpoints = trainer_outputs(self.store, run_dir)
         metrics = metrics_from(scalars, plan)
         name = last_checkpoint(checkpoints)
         checkpoint = f"{run_dir}/checkpoints/{name}" if name else None

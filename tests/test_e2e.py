@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,13 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     }, run["eval"]
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown
+    # the run's page (retrain report): its timeline has every stage this run went through, and its loss
+    # curve the trainer's scalars (tests/test_report.py looks at such a page in Chromium)
+    (page,) = re.findall(r"the run's report: (\S+)", demo.stderr)
+    html = Path(page).read_text()
+    assert f"Run {run['run_id']}" in html and "<polyline" in html, html[:2000]
+    for stage in ("queued", "tokenizing", "waiting for capacity", "training", "releasing"):
+        assert f"<title>{stage}: " in html, stage
 
     # the record outlives the stack
     runs = retrain(["runs", "--json"], state)

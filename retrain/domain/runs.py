@@ -231,8 +231,18 @@ class Run:
     callback_url: str | None = None
     """Its execution's callback endpoint (completions and cancels arrive there)."""
     created_at: str = field(default_factory=now_iso)
+    """When it was made: sealed data became a pending run (it queues until it starts)."""
+    tokenizing_at: str | None = None
+    """When its workflow started tokenizing."""
+    provisioning_at: str | None = None
+    """When it asked DWS for capacity."""
+    training_at: str | None = None
+    """When the capacity came and its JobSet was submitted."""
+    work_ended_at: str | None = None
+    """When training ended (or, for a run that never trained, when its release began)."""
     updated_at: str = field(default_factory=now_iso)
     finished_at: str | None = None
+    """When it ended: every node released (or given up on after the release timeout)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,0 +1,129 @@
+"""``retrain report``: one run's page, rendered by headless Chromium and looked at as a person would
+(a screenshot, its colours counted), and hostile record values shown as text, never as markup."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrain.domain.runs import Run, RunStatus
+from retrain.report import STAGE_COLOURS, TRAIN_LOSS_COLOUR, VAL_LOSS_COLOUR, render, stages
+from retrain.tensorboard import Scalar
+
+
+def a_run(**override: object) -> Run:
+    fields: dict[str, object] = {
+        "run_id": "news-20261124-0001",
+        "dataset": "news",
+        "trigger": "gcs-marker",
+        "status": RunStatus.SUCCEEDED,
+        "objects": 3,
+        "tokens": 120_000,
+        "gpu_node_seconds": 1500.0,
+        "idle_node_seconds": 600.0,
+        "cost_usd": 36.87,
+        "estimated_cost_usd": 23.33,
+        "metrics": {"steps": 120, "run_steps": 60, "tokens_seen": 983_040},
+        "eval": {
+            "val_loss": 3.02,
+            "champion_val_loss": 3.10,
+            "champion_run": "news-20261123-0001",
+            "promoted": True,
+            "reason": "val_loss 3.0200 is within the margin of the champion's 3.1000",
+        },
+        "created_at": "2026-11-24T10:00:00+00:00",
+        "tokenizing_at": "2026-11-24T10:00:20+00:00",
+        "provisioning_at": "2026-11-24T10:02:20+00:00",
+        "training_at": "2026-11-24T10:07:20+00:00",
+        "work_ended_at": "2026-11-24T10:22:20+00:00",
+        "finished_at": "2026-11-24T10:32:20+00:00",
+    }
+    fields.update(override)
+    return Run(**fields)  # type: ignore[arg-type]
+
+
+SCALARS = [Scalar("reduced_train_loss", step, 9.0 - step / 20, 0.0) for step in range(60, 121, 5)] + [
+    Scalar("val_loss", 90, 5.1, 0.0),
+    Scalar("val_loss", 120, 3.02, 0.0),
+]
+
+
+def test_each_stage_lasts_until_the_next_known_one() -> None:
+    assert [(s.name, s.seconds) for s in stages(a_run())] == [
+        ("queued", 20.0),
+        ("tokenizing", 120.0),
+        ("waiting for capacity", 300.0),
+        ("training", 900.0),
+        ("releasing", 600.0),
+    ]
+    # failed while tokenizing: no capacity was asked for, so tokenizing runs until the release began
+    failed = a_run(provisioning_at=None, training_at=None, work_ended_at="2026-11-24T10:01:20+00:00")
+    assert [(s.name, s.seconds) for s in stages(failed)] == [
+        ("queued", 20.0),
+        ("tokenizing", 60.0),
+        ("releasing", 1860.0),
+    ]
+
+
+def test_record_values_are_text_never_markup() -> None:
+    hostile = a_run(
+        reason='<script>alert(1)</script>"', command=["bash", "-c", "<img src=x onerror=alert(1)>"]
+    )
+    page = render(hostile, SCALARS)
+    assert "<script" not in page and "<img" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;" in page
+    assert re.search(r"<[^>]*\s(src|href)=", page) is None  # self-contained: no tag fetches anything
+
+
+def hex_rgb(colour: str) -> tuple[int, int, int]:
+    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/test installs it)"
+)
+def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    page.write_text(render(a_run(), SCALARS, max_cost_usd=50.0), encoding="utf-8")
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--hide-scrollbars",
+            "--window-size=900,1400",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    from PIL import Image
+
+    with Image.open(shot) as image:
+        rgb = np.asarray(image.convert("RGB"))
+
+    def count(colour: str) -> int:
+        return int((rgb == hex_rgb(colour)).all(axis=2).sum())
+
+    # the timeline: every stage's bar is on screen (the shortest, queued for 20 s of 1940, is ~7 px wide
+    # by 28 high, plus its legend swatch)
+    for name, colour in STAGE_COLOURS.items():
+        assert count(colour) >= 150, (name, count(colour))
+    # the loss curve: a 3 px line across the plot (its legend swatch alone is 144 px), two validation dots
+    assert count(TRAIN_LOSS_COLOUR) >= 1000, count(TRAIN_LOSS_COLOUR)
+    assert count(VAL_LOSS_COLOUR) >= 150, count(VAL_LOSS_COLOUR)
