@@ -64,7 +64,12 @@ def last_checkpoint(names: Iterable[str]) -> str | None:
 def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics | None:
     """The run's metrics from its TensorBoard scalars (NeMo's tags), None when there are none."""
     latest: dict[str, Scalar] = {}
+    base_val: float | None = None
     for s in scalars:
+        if s.tag == "val_loss" and s.step <= plan.base_step:
+            # the base checkpoint, validated on this run's data before training (the local trainer does)
+            base_val = s.value if plan.base_checkpoint and s.step == plan.base_step else base_val
+            continue
         if s.tag not in latest or s.step >= latest[s.tag].step:
             latest[s.tag] = s
     if not latest:
@@ -79,6 +84,7 @@ def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics |
         val_loss=latest["val_loss"].value if "val_loss" in latest else None,
         consumed_samples=consumed,
         tokens_seen=consumed * plan.seq_length if consumed is not None else None,
+        base_val_loss=base_val,
     )
 
 
@@ -180,7 +186,8 @@ class Steps:
             if champion is not None and champion.run_id == plan.run_id:  # a retried step
                 promoted = True
             else:
-                verdict = evaluate(val_loss, champion, self.settings.promotion_margin)
+                base_val = metrics.base_val_loss if metrics else None
+                verdict = evaluate(val_loss, champion, self.settings.promotion_margin, base_val)
                 fields["eval"] = verdict.to_dict()
                 if verdict.promoted:
                     promoted = self.ledger.promote(

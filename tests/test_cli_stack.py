@@ -88,6 +88,11 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert f"model.restore_from_ckpt={hydra_string(mounted)}" in second["command"]
         assert "trainer.max_steps=8" in second["command"]  # type: ignore[operator]
         assert second["metrics"]["steps"] == 8 and second["metrics"]["run_steps"] == 4  # type: ignore[index]
+        # the eval gate compared it with the champion on its own validation data: the stand-in validated
+        # the base checkpoint before training, as NeMo's script does not (there the champion's own val_loss)
+        verdict = second["eval"]
+        assert verdict["compared_on"] == "this run's validation data", verdict  # type: ignore[index]
+        assert verdict["champion_run"] == run["run_id"] and verdict["champion_val_loss"] > 0, verdict  # type: ignore[index]
 
         # manual trigger: data dropped without the marker, sealed by `retrain run`; `retrain plan`
         # says beforehand what that would train (and writes nothing)
@@ -111,7 +116,9 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert started.returncode == 0 and "started" in started.stderr, started.stderr
         assert wait_for_run(state, "manual")["trigger"] == "manual"
 
-        # no marker, no manual seal: the Scheduler twin's sweep ticks seal it once it has been quiet
+        # no marker, no manual seal: the Scheduler twin's sweep ticks seal it once it has been quiet (5 s;
+        # the sweeper ticks every 5 s), dropped where the hourly seal tick (every 60 s here) is 20 s away
+        wait_between_seal_ticks(state)
         data.write_text(json.dumps({"text": "a quiet batch"}) + "\n")
         assert retrain(["drop", str(data), "--dataset", "quiet", "--no-seal"], state).returncode == 0
         assert wait_for_run(state, "quiet")["trigger"] == "quiet-period"
@@ -140,6 +147,14 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert run["run_id"] in kept and after_restart["run_id"] in kept  # the ledger outlived the stack
     finally:
         assert retrain(["down"], state).returncode == 0
+
+
+def wait_between_seal_ticks(state: Path) -> None:
+    """Until the Scheduler twin's next seal tick is at least 20 s away: it ticks every 60 s from the
+    stack's start (retrain.local.stack.scheduler_twin), and stack.json is written within a second of it."""
+    started = (state / "stack.json").stat().st_mtime
+    while not 2 <= (time.time() - started) % 60 <= 40:
+        time.sleep(0.5)
 
 
 def duration(run: dict[str, Any]) -> float:

@@ -82,6 +82,7 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
         "val_loss": None,
         "champion_val_loss": None,
         "champion_run": None,
+        "compared_on": None,
         "promoted": True,
         "reason": "the dataset's first checkpoint",
     }, run["eval"]

@@ -125,21 +125,31 @@ def test_handover_without_a_report_says_so(steps: Steps) -> None:
         steps.handle(request(StepName.HANDOVER, plan))
 
 
-def upload_outputs(plan: dict[str, Any], tmp_path: Path, *, events: bool, val_loss: float = 3.1) -> str:
-    """What NeMo leaves under <exp_dir>/megatron_gpt: checkpoint folders and (optionally) events."""
+def upload_outputs(
+    plan: dict[str, Any],
+    tmp_path: Path,
+    *,
+    events: bool,
+    val_loss: float = 3.1,
+    base_val: float | None = None,
+) -> str:
+    """What NeMo leaves under <exp_dir>/megatron_gpt for a run of 60 steps from the plan's base step:
+    checkpoint folders and (optionally) events; ``base_val`` is the base checkpoint validated on the
+    run's data before training (as the local trainer logs it)."""
     run_dir = f"{plan['output_dir']}/megatron_gpt"
-    for name in (
-        "megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0",
-        "megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0-last",
-    ):
-        objects.write_bytes(f"{run_dir}/checkpoints/{name}/common.pt", b"weights")
+    end = plan["base_step"] + 60
+    name = f"megatron_gpt--val_loss={val_loss:.2f}-step={end}-consumed_samples={end * 8}.0"
+    for folder in (name, f"{name}-last"):
+        objects.write_bytes(f"{run_dir}/checkpoints/{folder}/common.pt", b"weights")
     if events:
-        writer = EventWriter(tmp_path / "events.out.tfevents.1.host.1.0")
-        for step in (10, 60):
+        writer = EventWriter(tmp_path / f"events.out.tfevents.{uuid.uuid4().hex[:6]}.host.1.0")
+        if base_val is not None:
+            writer.scalars(plan["base_step"], {"val_loss": base_val})
+        for step in (plan["base_step"] + 10, end):
             writer.scalars(step, {"reduced_train_loss": 9.0 - step / 10, "consumed_samples": step * 8.0})
-        writer.scalars(60, {"val_loss": val_loss})
+        writer.scalars(end, {"val_loss": val_loss})
         objects.upload_file(writer.path, f"{run_dir}/{writer.path.name}")
-    return f"{run_dir}/checkpoints/megatron_gpt--val_loss=3.10-step=60-consumed_samples=480.0-last"
+    return f"{run_dir}/checkpoints/{name}-last"
 
 
 def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: Steps, tmp_path: Path) -> None:
@@ -155,6 +165,7 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
         "val_loss": pytest.approx(3.1),
         "consumed_samples": 480,
         "tokens_seen": 480 * steps.settings.seq_length,
+        "base_val_loss": None,  # a first run: no base checkpoint to validate
     }
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.checkpoint == last and record.metrics == answer["metrics"]
@@ -173,10 +184,12 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
 def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_champion(
     steps: Steps, tmp_path: Path
 ) -> None:
-    def result(val_loss: float, margin: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    def result(
+        val_loss: float, margin: float = 0.0, base_val: float | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         steps.settings = dataclasses.replace(steps.settings, promotion_margin=margin)
         plan = new_run(steps, "gated", steps.ledger.champion("gated"))
-        upload_outputs(plan, tmp_path, events=True, val_loss=val_loss)
+        upload_outputs(plan, tmp_path, events=True, val_loss=val_loss, base_val=base_val)
         answer = steps.handle(request(StepName.RESULTS, plan))
         record = steps.ledger.get_run(plan["run_id"])
         assert record is not None and record.eval is not None
@@ -193,15 +206,26 @@ def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_
         "val_loss": pytest.approx(3.5),
         "champion_val_loss": pytest.approx(3.1),
         "champion_run": champion.run_id,
+        "compared_on": "the champion's own validation data",
         "promoted": False,
-        "reason": "val_loss 3.5000 is worse than the champion's 3.1000 by more than the margin of 0 "
-        "(bound 3.1000)",
+        "reason": "val_loss 3.5000 is worse than the champion's 3.1000 on the champion's own validation data "
+        "by more than the margin of 0 (bound 3.1000)",
     }
     # 2% worse, inside a 5% margin: promoted, and the champion moves
     _, within = result(3.162, margin=0.05)
-    assert within["promoted"] and within["reason"].endswith("within the margin of the champion's 3.1000")
+    assert within["promoted"] and within["reason"].endswith(
+        "within the margin of the champion's 3.1000 on the champion's own validation data"
+    )
     moved = steps.ledger.champion("gated")
     assert moved is not None and moved.run_id != champion.run_id and moved.val_loss == pytest.approx(3.162)
+
+    # The trainer validated the champion on this run's data before training (the local trainer does):
+    # that is what the new checkpoint is compared with, not the champion's own (3.162).
+    beats_it_here, here = result(3.3, base_val=3.4)
+    assert beats_it_here["promoted"] and here["compared_on"] == "this run's validation data"
+    assert here["champion_val_loss"] == pytest.approx(3.4) and beats_it_here["metrics"][
+        "val_loss"
+    ] == pytest.approx(3.3)
 
 
 def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, tmp_path: Path) -> None:

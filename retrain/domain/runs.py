@@ -106,6 +106,9 @@ class Evaluation:
     """The dataset's champion's, when the run started from one (None: the dataset's first run)."""
     champion_run: str | None
     """The run that trained that champion."""
+    compared_on: str | None
+    """``this run's validation data`` when the trainer validated the champion on it before training,
+    else ``the champion's own validation data`` (its run's val_loss); None without a comparison."""
     promoted: bool
     """Whether the checkpoint became the champion (the next run continues from it)."""
     reason: str
@@ -115,27 +118,39 @@ class Evaluation:
         return asdict(self)
 
 
-def evaluate(val_loss: float | None, champion: Champion | None, margin: float) -> Evaluation:
+SAME_DATA = "this run's validation data"
+CHAMPIONS_DATA = "the champion's own validation data"
+
+
+def evaluate(
+    val_loss: float | None, champion: Champion | None, margin: float, champion_here: float | None = None
+) -> Evaluation:
     """Promote a checkpoint only when its validation loss is not worse than the champion's by more than
-    ``margin`` (relative: 0.02 lets it be 2% worse); a dataset's first checkpoint is promoted as is."""
+    ``margin`` (relative: 0.02 lets it be 2% worse); a dataset's first checkpoint is promoted as is.
+
+    The champion's loss is ``champion_here`` when the trainer measured it on this run's validation data
+    (the same data as ``val_loss``), else the one its own run recorded."""
     if champion is None:
-        return Evaluation(val_loss, None, None, True, "the dataset's first checkpoint")
-    if champion.val_loss is None:
-        return Evaluation(val_loss, None, champion.run_id, True, "the champion has no validation loss")
-    base = Evaluation(val_loss, champion.val_loss, champion.run_id, False, "")
+        return Evaluation(val_loss, None, None, None, True, "the dataset's first checkpoint")
+    theirs, on = (
+        (champion_here, SAME_DATA) if champion_here is not None else (champion.val_loss, CHAMPIONS_DATA)
+    )
+    if theirs is None:
+        return Evaluation(val_loss, None, champion.run_id, None, True, "the champion has no validation loss")
+    base = Evaluation(val_loss, theirs, champion.run_id, on, False, "")
     if val_loss is None:
         return replace(base, reason="no validation loss to compare with the champion's")
-    bound = champion.val_loss * (1 + margin)
+    bound = theirs * (1 + margin)
     if val_loss > bound:
         return replace(
             base,
-            reason=f"val_loss {val_loss:.4f} is worse than the champion's {champion.val_loss:.4f} "
+            reason=f"val_loss {val_loss:.4f} is worse than the champion's {theirs:.4f} on {on} "
             f"by more than the margin of {margin:g} (bound {bound:.4f})",
         )
     return replace(
         base,
         promoted=True,
-        reason=f"val_loss {val_loss:.4f} is within the margin of the champion's {champion.val_loss:.4f}",
+        reason=f"val_loss {val_loss:.4f} is within the margin of the champion's {theirs:.4f} on {on}",
     )
 
 
@@ -155,6 +170,9 @@ class TrainingMetrics:
     """Sequences consumed, counting the base checkpoint's."""
     tokens_seen: int | None
     """Tokens this run trained on (its samples x the sequence length)."""
+    base_val_loss: float | None = None
+    """The base checkpoint's validation loss on this run's validation data, measured before training
+    (None: the trainer did not measure it, as NeMo's script does not)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

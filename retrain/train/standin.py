@@ -209,6 +209,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     )
     if not validator:
         say("warning: the validation split holds no document: no val_loss")
+    continuing = bool(cfg.model.get("restore_from_ckpt")) and step < max_steps
 
     def reduce(value: Any) -> float:
         value = value.detach().clone()
@@ -256,6 +257,15 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     metrics: dict[str, float] = {}
     log_every = max(1, int(cfg.trainer.log_every_n_steps))
     clip = float(cfg.trainer.gradient_clip_val or 0)
+    if continuing and validator is not None:
+        # The base checkpoint on this run's validation data, before any training: the eval gate compares
+        # the new checkpoint with the champion on the same data (retrain.steps.metrics_from reads it as
+        # the val_loss at the base step; NeMo's script validates only during fit, so its runs are
+        # compared with the champion's own val_loss instead).
+        base_val = validate()
+        if events and base_val is not None:
+            events.scalars(step, {"val_loss": base_val})
+            say(f"step {step} (base checkpoint) val_loss {base_val:.4f}")
     model.train()
     start_step = step
     while step < max_steps:
