@@ -86,6 +86,11 @@ class Settings:
     promotion_margin: float = 0.0
     """The eval gate: a run's checkpoint becomes the champion (the next run continues from it) only
     when its validation loss is at most the champion's x (1 + this); 0.0: not worse."""
+    eval_sets: str = ""
+    """Fixed evaluation sets, comma-separated ``DATASET=gs://ARTIFACTS/eval/NAME_text_document``: a
+    Megatron dataset (``retrain tokenize ... --output-prefix``, the runs' tokenizer) that validates
+    every run of that dataset instead of the validation split of its blend, so that every checkpoint,
+    the champion's too, is judged on the same documents."""
     max_run_cost_usd: float = 0.0
     """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for
     capacity; its training wait and DWS ``maxRunDurationSeconds`` end where the cap's node time ends,
@@ -169,6 +174,19 @@ class Settings:
             if not TABLE_RE.match(table) or (dataset and not DATASET_RE.match(dataset)):
                 raise ValueError(f"RETRAIN_BIGQUERY_TABLES: {item!r} is not project.dataset.table[=dataset]")
             out[table] = dataset or self.dataset
+        return out
+
+    @property
+    def eval_set_of(self) -> dict[str, str]:
+        """``eval_sets`` parsed: dataset -> the Megatron prefix that validates its runs (under the
+        artifacts bucket's ``eval/``, which the training pods mount read-only)."""
+        out = {}
+        root = f"{self.artifacts_uri}/eval/"
+        for item in filter(None, (part.strip() for part in self.eval_sets.split(","))):
+            dataset, _, prefix = item.partition("=")
+            if not DATASET_RE.match(dataset) or not prefix.startswith(root) or len(prefix) == len(root):
+                raise ValueError(f"RETRAIN_EVAL_SETS: {item!r} is not DATASET={root}NAME_text_document")
+            out[dataset] = prefix
         return out
 
     @property

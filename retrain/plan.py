@@ -15,6 +15,7 @@ from typing import Any
 
 from retrain.config import Settings
 from retrain.contracts import WorkflowArgument
+from retrain.domain.errors import PlanError
 from retrain.domain.runs import Champion, Run
 from retrain.k8s.render import (
     GcsMounts,
@@ -49,8 +50,15 @@ def shard_root(settings: Settings) -> str:
     return f"{settings.artifacts_uri}/shards"
 
 
-def training_plan(settings: Settings, run_id: str, champion: Champion | None) -> TrainingPlan:
-    """The run's training, continuing from the dataset's champion (no data yet)."""
+def training_plan(
+    settings: Settings, run_id: str, champion: Champion | None, dataset: str | None = None
+) -> TrainingPlan:
+    """The run's training, continuing from the dataset's champion and validated on the dataset's eval
+    set if it has one (no data yet); PlanError for a malformed eval set setting."""
+    try:
+        eval_set = settings.eval_set_of.get(dataset) if dataset else None
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     return TrainingPlan(
         run_id=run_id,
         shape=BatchShape(
@@ -66,6 +74,7 @@ def training_plan(settings: Settings, run_id: str, champion: Champion | None) ->
         output_dir=run_root(settings, run_id),
         base_checkpoint=champion.checkpoint if champion else None,
         base_step=champion.step if champion else 0,
+        eval_set=eval_set,
     )
 
 
@@ -171,7 +180,7 @@ def workflow_argument(
     """The argument of one execution of workflows/retrain.yaml (its objects are in the manifest);
     PlanError when the trainer would refuse the run."""
     root = run_root(settings, run.run_id)
-    plan = training_plan(settings, run.run_id, champion)
+    plan = training_plan(settings, run.run_id, champion, run.dataset)
     check_before_capacity(settings, plan)
     podtemplate, provreq = render_provisioning_request(
         run.run_id,

@@ -37,7 +37,7 @@ from retrain.contracts import (
     field_names,
 )
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import Champion, RunStatus, TrainingMetrics, evaluate
+from retrain.domain.runs import EVAL_SET, SAME_DATA, Champion, RunStatus, TrainingMetrics, evaluate
 from retrain.plan import render_training, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
@@ -186,12 +186,21 @@ class Steps:
             if champion is not None and champion.run_id == plan.run_id:  # a retried step
                 promoted = True
             else:
-                base_val = metrics.base_val_loss if metrics else None
-                verdict = evaluate(val_loss, champion, self.settings.promotion_margin, base_val)
+                # the champion on the data this run was validated on: measured by the trainer before
+                # training, or the champion's own loss when it was validated on the same eval set
+                here = metrics.base_val_loss if metrics else None
+                if (
+                    here is None
+                    and champion is not None
+                    and plan.eval_set
+                    and champion.eval_set == plan.eval_set
+                ):
+                    here = champion.val_loss
+                on = EVAL_SET if plan.eval_set else SAME_DATA
+                verdict = evaluate(val_loss, champion, self.settings.promotion_margin, here, on)
                 fields["eval"] = verdict.to_dict()
                 if verdict.promoted:
-                    promoted = self.ledger.promote(
-                        run.dataset, Champion(plan.run_id, checkpoint, step, val_loss)
-                    )
+                    new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set)
+                    promoted = self.ledger.promote(run.dataset, new)
         self.ledger.update_run(plan.run_id, fields)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

@@ -37,7 +37,7 @@ def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = Non
     """A run record in the ledger, and its training plan as the workflow argument carries it."""
     run = Run(run_id=f"{dataset}-{uuid.uuid4().hex[:8]}", dataset=dataset, trigger="manual")
     steps.ledger.db.collection("runs").document(run.run_id).set(run.to_dict())  # type: ignore[attr-defined]
-    return training_plan(steps.settings, run.run_id, champion).to_dict()
+    return training_plan(steps.settings, run.run_id, champion, dataset).to_dict()
 
 
 def request(step: StepName, plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -228,6 +228,30 @@ def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_
     ] == pytest.approx(3.3)
 
 
+def test_with_an_eval_set_the_champion_is_judged_on_the_same_documents(steps: Steps, tmp_path: Path) -> None:
+    def result(val_loss: float) -> dict[str, Any]:
+        plan = new_run(steps, "judged", steps.ledger.champion("judged"))
+        upload_outputs(plan, tmp_path, events=True, val_loss=val_loss)
+        steps.handle(request(StepName.RESULTS, plan))
+        record = steps.ledger.get_run(plan["run_id"])
+        assert record is not None and record.eval is not None
+        return record.eval
+
+    result(3.4)  # before the dataset had an eval set: validated on its own split
+    eval_set = f"gs://{steps.settings.artifacts_bucket}/eval/judged_text_document"
+    steps.settings = dataclasses.replace(steps.settings, eval_sets=f"judged={eval_set}")
+    # the champion's loss was on other documents: compared all the same, and the record says so
+    assert result(3.3)["compared_on"] == "the champion's own validation data"
+    champion = steps.ledger.champion("judged")
+    assert champion is not None and champion.eval_set == eval_set  # promoted, judged on the eval set
+    on_it = result(3.25)
+    assert (on_it["compared_on"], on_it["champion_val_loss"]) == (
+        "the dataset's eval set",
+        pytest.approx(3.3),
+    )
+    assert on_it["promoted"] is True
+
+
 def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, tmp_path: Path) -> None:
     plan = new_run(steps, "quiet")
     last = upload_outputs(plan, tmp_path, events=False)
@@ -286,3 +310,20 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     good_plan = training_plan(steps.settings, good.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "judged=gs://elsewhere/eval/x_text_document",  # not the artifacts bucket the pods mount
+        "judged=gs://retrain-artifacts/shards/x_text_document",  # not under eval/
+        "Bad_Name=gs://retrain-artifacts/eval/x_text_document",  # not a dataset name
+        "judged=gs://retrain-artifacts/eval/",  # no dataset named
+    ],
+)
+def test_an_eval_set_outside_the_artifacts_buckets_eval_folder_is_refused(value: str) -> None:
+    settings = config.load({"RETRAIN_EVAL_SETS": value})
+    with pytest.raises(
+        ValueError, match=r"RETRAIN_EVAL_SETS: .* is not DATASET=gs://retrain-artifacts/eval/"
+    ):
+        _ = settings.eval_set_of

@@ -90,6 +90,7 @@ def nemo_args(
     base: str | None = None,
     base_step: int = 0,
     run_id: str = "r1",
+    eval_set: str | None = None,
 ) -> list[str]:
     """The NeMo 24.12 profile's arguments for a run whose gs://b/... paths are the folders under
     ``root`` (as the pod's Cloud Storage FUSE mount would show them), checked like a run's."""
@@ -106,6 +107,7 @@ def nemo_args(
         base_step=base_step,
         blend=tuple(blend),
         tokenizer=TokenizerFiles("GPT2BPETokenizer", "gs://b/tok/vocab.json", "gs://b/tok/merges.txt"),
+        eval_set=eval_set,
     )
     command = NEMO_24_12.render(plan, lambda uri, write=False: uri.replace("gs://", f"{root}/"))
     NEMO_24_12.validate(command)

@@ -49,6 +49,7 @@ locals {
     RETRAIN_PRICE_PER_NODE_HOUR      = tostring(var.price_per_node_hour)
     RETRAIN_MAX_RUN_COST_USD         = tostring(var.max_run_cost_usd)
     RETRAIN_PROMOTION_MARGIN         = tostring(var.promotion_margin)
+    RETRAIN_EVAL_SETS                = join(",", [for dataset, prefix in var.eval_sets : "${dataset}=${prefix}"])
     RETRAIN_NODE_TOKENS_PER_S        = tostring(var.node_tokens_per_s)
     RETRAIN_NODE_OVERHEAD_S          = tostring(var.node_overhead_s)
     RETRAIN_TOKENS_PER_BYTE          = tostring(var.tokens_per_byte)

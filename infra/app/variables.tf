@@ -312,6 +312,12 @@ variable "promotion_margin" {
   }
 }
 
+variable "eval_sets" {
+  type        = map(string)
+  description = "Fixed evaluation sets (RETRAIN_EVAL_SETS): dataset -> gs://ARTIFACTS/eval/NAME_text_document, a Megatron dataset that validates every run of that dataset."
+  default     = {}
+}
+
 variable "node_tokens_per_s" {
   type        = number
   description = "Training tokens per second of one node, for estimates until a dataset's run measured its own (RETRAIN_NODE_TOKENS_PER_S)."

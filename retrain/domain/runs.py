@@ -87,13 +87,17 @@ class Champion:
     """Its optimizer step (the next run trains on from there)."""
     val_loss: float | None = None
     """Its validation loss, when its run validated."""
+    eval_set: str | None = None
+    """The dataset's eval set that loss was measured on (None: its run's own validation split)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Champion:
-        return cls(str(d["run_id"]), str(d["checkpoint"]), int(d["step"]), d.get("val_loss"))
+        return cls(
+            str(d["run_id"]), str(d["checkpoint"]), int(d["step"]), d.get("val_loss"), d.get("eval_set")
+        )
 
 
 @dataclass(frozen=True)
@@ -119,22 +123,26 @@ class Evaluation:
 
 
 SAME_DATA = "this run's validation data"
+EVAL_SET = "the dataset's eval set"
 CHAMPIONS_DATA = "the champion's own validation data"
 
 
 def evaluate(
-    val_loss: float | None, champion: Champion | None, margin: float, champion_here: float | None = None
+    val_loss: float | None,
+    champion: Champion | None,
+    margin: float,
+    champion_here: float | None = None,
+    here: str = SAME_DATA,
 ) -> Evaluation:
     """Promote a checkpoint only when its validation loss is not worse than the champion's by more than
     ``margin`` (relative: 0.02 lets it be 2% worse); a dataset's first checkpoint is promoted as is.
 
-    The champion's loss is ``champion_here`` when the trainer measured it on this run's validation data
-    (the same data as ``val_loss``), else the one its own run recorded."""
+    The champion's loss is ``champion_here`` when it is known on the data ``val_loss`` was measured on
+    (``here``: this run's validation split, or the dataset's eval set), else the one its own run
+    recorded."""
     if champion is None:
         return Evaluation(val_loss, None, None, None, True, "the dataset's first checkpoint")
-    theirs, on = (
-        (champion_here, SAME_DATA) if champion_here is not None else (champion.val_loss, CHAMPIONS_DATA)
-    )
+    theirs, on = (champion_here, here) if champion_here is not None else (champion.val_loss, CHAMPIONS_DATA)
     if theirs is None:
         return Evaluation(val_loss, None, champion.run_id, None, True, "the champion has no validation loss")
     base = Evaluation(val_loss, theirs, champion.run_id, on, False, "")

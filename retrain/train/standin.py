@@ -9,7 +9,8 @@ contract:
   refuse is refused here with Hydra's message; the world torchrun started must be
   ``trainer.num_nodes x trainer.devices`` and Megatron's batch arithmetic must hold;
 - ``model.data.data_prefix`` names local paths (the Cloud Storage FUSE mounts), each dataset's documents
-  split by ``model.data.splits_string`` as Megatron splits them; the index-mapping files go to
+  split by ``model.data.splits_string`` as Megatron splits them (or, in NeMo's dictionary form
+  ``{train, validation, test}``, each split its own blend, whole); the index-mapping files go to
   ``model.data.index_mapping_dir``; ``model.tokenizer.vocab_file`` gives the vocabulary size;
 - ``exp_manager``: a ``*-last`` checkpoint under ``<exp_dir>/<name>/checkpoints/`` is resumed when
   ``resume_if_exists``; ``model.restore_from_ckpt`` is applied after that, as NeMo's script applies it
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from retrain.tensorboard import EventWriter, event_file_name
 from retrain.train.data import DataError, WindowSampler, load_blend, split_streams
@@ -109,6 +111,10 @@ def vocab_size(vocab_file: str) -> int:
     return max(int(i) for i in vocab.values()) + 1
 
 
+#: A split string that puts every document in the first split (a per-split blend is used whole).
+WHOLE = "1,0,0"
+
+
 def write_index_mapping(cfg: Any, blend: Any, into: Path) -> None:
     """Megatron's index-mapping files: each dataset's shuffled train document order, one ``.npy``."""
     into.mkdir(parents=True, exist_ok=True)
@@ -122,7 +128,8 @@ def data_check(cfg: Any) -> int:
     """Without PyTorch: read and check every dataset of the blend, train nothing."""
     from retrain.train.datacheck import check
 
-    metrics = check(list(cfg.model.data.data_prefix))
+    prefix = cfg.model.data.data_prefix
+    metrics = check([*prefix.train, *prefix.validation] if OmegaConf.is_dict(prefix) else list(prefix))
     say(f"PyTorch is not installed: checked the data instead of training: {json.dumps(metrics)}")
     return 0
 
@@ -158,9 +165,14 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
             return fail(f"model.restore_from_ckpt {ckpt_path} is not a checkpoint")
 
     data = cfg.model.data
-    blend = load_blend(list(data.data_prefix))
-    train_streams = split_streams(blend, data.splits_string, 0)
-    valid_streams = split_streams(blend, data.splits_string, 1)
+    if OmegaConf.is_dict(data.data_prefix):  # NeMo's per-split form: each split is its own blend, whole
+        blend = load_blend(list(data.data_prefix.train))
+        train_streams = split_streams(blend, WHOLE, 0)
+        valid_streams = split_streams(load_blend(list(data.data_prefix.validation)), WHOLE, 0)
+    else:
+        blend = load_blend(list(data.data_prefix))
+        train_streams = split_streams(blend, data.splits_string, 0)
+        valid_streams = split_streams(blend, data.splits_string, 1)
     vocab = vocab_size(str(cfg.model.tokenizer.vocab_file))
     if blend.max_token_id() >= vocab:
         raise DataError(f"the data holds token id {blend.max_token_id()}, beyond the vocabulary of {vocab}")

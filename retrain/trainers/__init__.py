@@ -128,6 +128,9 @@ class TrainingPlan:
     """The tokenizer's files (None until handover)."""
     seed: int = 1234
     """Random seed of the trainer."""
+    eval_set: str | None = None
+    """``gs://`` Megatron prefix that validates the run instead of its blend's validation split (the
+    dataset's fixed evaluation set; null: the split)."""
 
     @property
     def final_step(self) -> int:

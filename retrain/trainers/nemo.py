@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from retrain.trainers import Command, MountPath, PlanError, TrainingPlan
 from retrain.trainers.hydra import compose
 
@@ -127,7 +129,7 @@ class NemoProfile:
             f"model.encoder_seq_length={plan.seq_length}",
             f"model.seed={plan.seed}",
             f"model.optim.sched.warmup_steps={warmup_steps(plan.steps)}",
-            f"model.data.data_prefix=[{blend}]",
+            f"model.data.data_prefix={data_prefix(plan, blend, mount)}",
             f"model.data.index_mapping_dir={hydra_string(exp_dir + '/index_mapping')}",
             f"model.tokenizer.vocab_file={hydra_string(mount(tok.vocab_file))}",
             f"model.tokenizer.merge_file={hydra_string(mount(tok.merge_file))}",
@@ -148,6 +150,35 @@ class NemoProfile:
         check_config(cfg)
 
 
+def data_prefix(plan: TrainingPlan, blend: str, mount: MountPath) -> str:
+    """``model.data.data_prefix``: the blend, or with the dataset's eval set NeMo's dictionary form
+    ``{train: [blend], validation: [eval set], test: [eval set]}``, which NeMo turns into megatron-core's
+    ``blend_per_split`` and ``splits_string`` no longer applies (megatron_gpt_config.yaml's own comment on
+    data_prefix; NVIDIA/NeMo nemo/collections/nlp/models/language_modeling/megatron_gpt_model.py,
+    ``build_train_valid_test_datasets``)."""
+    if not plan.eval_set:
+        return f"[{blend}]"
+    held_out = f"[1.0,{hydra_string(mount(plan.eval_set))}]"
+    return f"{{train:[{blend}],validation:{held_out},test:{held_out}}}"
+
+
+def _blend_problems(name: str, blend: list[Any]) -> list[str]:
+    if not blend:
+        return [f"{name} is empty"]
+    if not (
+        all(isinstance(p, str) for p in blend)
+        or (
+            len(blend) % 2 == 0
+            and all(isinstance(w, int | float) and not isinstance(w, bool) for w in blend[0::2])
+            and all(isinstance(p, str) for p in blend[1::2])
+        )
+    ):
+        return [f"{name} {blend!r} is not [prefix, ...] or [weight, prefix, ...]"]
+    if any(isinstance(p, str) and p.startswith("@") for p in blend):
+        return [f"{name} names a file with @: NeMo has no indirection through a file"]
+    return []
+
+
 def check_config(cfg: Any) -> None:
     """What NeMo and Megatron would refuse at start-up in a composed config (PlanError)."""
     from retrain.trainers import BatchShape
@@ -161,20 +192,15 @@ def check_config(cfg: Any) -> None:
         pipeline_parallel=int(cfg.model.pipeline_model_parallel_size),
     )
     problems = shape.problems()
-    blend = list(cfg.model.data.data_prefix)
-    if not blend:
-        problems.append("model.data.data_prefix is empty")
-    elif not (
-        all(isinstance(p, str) for p in blend)
-        or (
-            len(blend) % 2 == 0
-            and all(isinstance(w, int | float) and not isinstance(w, bool) for w in blend[0::2])
-            and all(isinstance(p, str) for p in blend[1::2])
-        )
-    ):
-        problems.append(f"model.data.data_prefix {blend!r} is not [prefix, ...] or [weight, prefix, ...]")
-    elif any(isinstance(p, str) and p.startswith("@") for p in blend):
-        problems.append("model.data.data_prefix names a file with @: NeMo has no indirection through a file")
+    prefix = cfg.model.data.data_prefix
+    if OmegaConf.is_dict(prefix):  # NeMo asserts all three keys (gpt_dataset.build_train_valid_test_datasets)
+        if sorted(prefix) != ["test", "train", "validation"]:
+            problems.append(f"model.data.data_prefix has keys {sorted(prefix)}, not train, validation, test")
+        else:
+            for split in ("train", "validation", "test"):
+                problems += _blend_problems(f"model.data.data_prefix.{split}", list(prefix[split]))
+    else:
+        problems += _blend_problems("model.data.data_prefix", list(prefix))
     if cfg.model.tokenizer.vocab_file is None or cfg.model.tokenizer.merge_file is None:
         problems.append("model.tokenizer.vocab_file/merge_file are null: NeMo would download GPT-2's files")
     if cfg.model.data.index_mapping_dir is None:

@@ -3,13 +3,22 @@ profile's Hydra overrides, under PyTorch's real torchrun (or the stand-in launch
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from training_support import REPO, child_env, nemo_args, pattern_documents, tiny_tokenizer, write_dataset
+from training_support import (
+    REPO,
+    child_env,
+    nemo_args,
+    pattern_documents,
+    random_documents,
+    tiny_tokenizer,
+    write_dataset,
+)
 
 from retrain.local.emulators import free_port
 from retrain.tensorboard import read_scalars
@@ -77,6 +86,30 @@ def test_continual_training_restores_the_base_and_trains_on_to_base_plus_steps(m
     assert "steps 10->20" in second.stdout
     assert any("-step=20-consumed_samples=160.0-last" in n for n in checkpoints(mount, "next"))
     assert min(s for s, _ in scalars(mount, "next")["reduced_train_loss"]) == 11
+    # the base checkpoint was validated on this run's data before training: the eval gate's comparison
+    (at_base,) = [v for s, v in scalars(mount, "next")["val_loss"] if s == 10]
+    assert f"step 10 (base checkpoint) val_loss {at_base:.4f}" in second.stdout
+
+
+def test_a_datasets_eval_set_validates_instead_of_the_split(mount: Path) -> None:
+    """NeMo's per-split data_prefix: train on the blend whole, validate on the eval set.  The eval set here
+    is noise no model can learn, the training data a pattern it learns: the val_loss tells which was used."""
+    write_dataset(mount / "b" / "eval" / "noise_text_document", random_documents(20, 16))
+    args = nemo_args(mount, BLEND, steps=20, run_id="evalset", eval_set="gs://b/eval/noise_text_document")
+    prefix = f"{mount}/b/shards/p/data_text_document"
+    noise = f"{mount}/b/eval/noise_text_document"
+    assert (
+        f"model.data.data_prefix={{train:[1.0,{prefix}],validation:[1.0,{noise}],test:[1.0,{noise}]}}" in args
+    )
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    split = torchrun(nemo_args(mount, BLEND, steps=20, run_id="split"))  # the same, validated on its split
+    assert split.returncode == 0, split.stdout + split.stderr
+    ((_, on_noise),) = scalars(mount, "evalset")["val_loss"]
+    ((_, on_split),) = scalars(mount, "split")["val_loss"]
+    # uniform noise over 16 ids cannot be predicted below its entropy, ln 16 = 2.77; the pattern's own
+    # validation documents are predicted better after 20 steps
+    assert on_noise > math.log(16) - 0.1 and on_split < on_noise - 0.4, (on_noise, on_split)
 
 
 def test_an_override_nemo_would_refuse_is_refused_with_hydras_message(mount: Path) -> None:
