@@ -93,8 +93,9 @@ class Settings:
     the champion's too, is judged on the same documents."""
     max_run_cost_usd: float = 0.0
     """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for
-    capacity; its training wait and DWS ``maxRunDurationSeconds`` end where the cap's node time ends,
-    so a run still training then is cancelled and releases every node."""
+    capacity; a run may train only until the cap's node time, less each node's start-up and release,
+    runs out: one still training then is stopped (it ends failed, its reason naming the cap) and
+    releases every node."""
     node_tokens_per_s: float = 20000.0
     """Training throughput of one node in tokens per second, for estimates until the dataset's
     champion run has measured its own (its tokens over its busy node-seconds replace this)."""
@@ -156,6 +157,11 @@ class Settings:
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
     """Local stack: where emulator data, logs and the stack's endpoints file live."""
+
+    def __post_init__(self) -> None:
+        # the estimates divide by these
+        if self.nodes < 1 or self.node_tokens_per_s <= 0 or self.price_per_node_hour < 0:
+            raise ValueError("nodes must be >= 1, node_tokens_per_s > 0 and price_per_node_hour >= 0")
 
     @property
     def template_uri(self) -> str:

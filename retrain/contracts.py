@@ -176,6 +176,9 @@ class WorkflowArgument:
     """How long the run waits for DWS capacity."""
     train_timeout_s: int
     """How long the run waits for the JobSet to finish."""
+    train_deadline_reason: str
+    """What sets ``train_timeout_s`` (the training timeout, or the per-run cost cap): the reason a run
+    stopped there records."""
     release_timeout_s: int
     """How long the release waits for the pool's nodes to be gone."""
     poll_interval_s: float
@@ -522,7 +525,8 @@ class Forecast:
     basis: str
     """Where the throughput behind the estimate came from."""
     would_run: bool
-    """Whether sealing now would make a run that starts (now or after the dataset's live run)."""
+    """Whether the dataset has a run to start (sealing now would make or extend it; it starts now or
+    after the dataset's live run) that would not be refused (the cost cap, the trainer's checks)."""
     reason: str
     """Why, in a sentence."""
 

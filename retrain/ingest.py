@@ -33,7 +33,14 @@ from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWri
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
-from retrain.plan import estimate, manifest_object, over_budget, workflow_argument
+from retrain.plan import (
+    check_before_capacity,
+    estimate,
+    manifest_object,
+    over_budget,
+    training_plan,
+    workflow_argument,
+)
 from retrain.ports import (
     ArrivalStatus,
     Cluster,
@@ -338,6 +345,7 @@ class Ingest:
                 "base_checkpoint": champion.checkpoint if champion else None,
                 "base_step": champion.step if champion else 0,
                 "estimated_cost_usd": round(cost.cost_usd, 2),
+                "cost_cap_usd": self.settings.max_run_cost_usd or None,
             },
         )
         self.store.write_bytes(
@@ -405,11 +413,15 @@ class Ingest:
         return self.seal(run.dataset, f"retry of {run_id}")
 
     def forecast(self, dataset: Any = None) -> list[Forecast]:
-        """What sealing every dataset with new data (or only ``dataset``) would train, and its cost;
-        nothing is written."""
+        """What sealing every dataset with new data or a pending run (or only ``dataset``) would train,
+        and its cost; nothing is written."""
         if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
             raise Rejected("dataset must be a valid dataset name")
-        names = [dataset] if dataset else [p.dataset for p in self.ledger.pending()]
+        if dataset:
+            names = [dataset]
+        else:
+            waiting = {p.dataset for p in self.ledger.pending()}
+            names = sorted(waiting | {r.dataset for r in self.ledger.runs_in(RunStatus.PENDING)})
         return [self._forecast(name) for name in names]
 
     def _forecast(self, dataset: str) -> Forecast:
@@ -418,15 +430,24 @@ class Ingest:
         held_bytes = sum(v.size for v in preview.pending_objects)
         champion = self.ledger.champion(dataset)
         cost = estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
-        too_dear = over_budget(self.settings, cost)
+        refused = over_budget(self.settings, cost)
+        try:  # what start would check before asking for capacity
+            check_before_capacity(self.settings, training_plan(self.settings, "plan", champion, dataset))
+        except PlanError as e:
+            refused = refused or f"the trainer would refuse this run: {e}"
         trains = len(preview.objects) + len(preview.pending_objects)
         if not trains:
             reason = (
                 f"nothing new: {preview.skipped} object(s) skipped, their content trained before or is "
                 "in the live run"
             )
-        elif too_dear:
-            reason = f"a run would be refused: {too_dear}"
+        elif refused:
+            reason = f"a run would be refused: {refused}"
+        elif not preview.objects and preview.pending_run is not None:
+            reason = (
+                f"nothing new to seal; pending run {preview.pending_run.run_id} holds "
+                f"{len(preview.pending_objects)} object(s) and starts when the dataset's live run ends"
+            )
         else:
             reason = f"a run would train {trains} object(s)"
         return Forecast(
@@ -442,7 +463,7 @@ class Ingest:
             estimated_cost_usd=round(cost.cost_usd, 2),
             max_cost_usd=self.settings.max_run_cost_usd,
             basis=cost.basis,
-            would_run=bool(trains) and too_dear is None,
+            would_run=bool(trains) and refused is None,
             reason=reason,
         )
 

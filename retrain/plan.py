@@ -134,13 +134,14 @@ class Estimate:
 
 
 def estimate(settings: Settings, measured: Run | None = None) -> Estimate:
-    """The next run's cost; from ``measured`` (the dataset's champion run) when its record has the
-    tokens it trained and the node time it took (start-up and release included), else the settings."""
+    """The next run's cost; from ``measured`` (the dataset's champion run) when its record has the steps
+    it trained and the node time it took (start-up and release included), scaled to this run's steps
+    (the batch shape is the settings', as it was then), else from the settings."""
     tokens = settings.steps_per_run * settings.global_batch_size * settings.seq_length
-    seen = int((measured.metrics or {}).get("tokens_seen") or 0) if measured else 0
-    if measured is not None and seen > 0 and measured.gpu_node_seconds > 0:
-        node_s = measured.gpu_node_seconds * tokens / seen
-        basis = f"run {measured.run_id}: {measured.gpu_node_seconds:.0f} node-seconds for {seen} tokens"
+    steps = int((measured.metrics or {}).get("run_steps") or 0) if measured else 0
+    if measured is not None and steps > 0 and measured.gpu_node_seconds > 0:
+        node_s = measured.gpu_node_seconds * settings.steps_per_run / steps
+        basis = f"run {measured.run_id}: {measured.gpu_node_seconds:.0f} node-seconds for {steps} steps"
     else:
         node_s = tokens / settings.node_tokens_per_s + settings.nodes * settings.node_overhead_s
         basis = (
@@ -159,13 +160,30 @@ def over_budget(settings: Settings, cost: Estimate) -> str | None:
     return f"estimated ${cost.cost_usd:.2f} is over the per-run cap of ${cap:.2f} ({cost.basis})"
 
 
-def training_deadline_s(settings: Settings) -> int:
-    """How long a run may train: the training timeout, cut to where the cost cap's node time ends (the
-    training wait cancels the run there, and DWS's ``maxRunDurationSeconds`` ends its nodes)."""
-    if settings.max_run_cost_usd <= 0:
-        return settings.train_timeout_s
-    cap_node_s = settings.max_run_cost_usd / settings.price_per_node_hour * 3600
-    return max(1, min(settings.train_timeout_s, int(cap_node_s / settings.nodes)))
+def _cap_node_s_per_node(settings: Settings) -> float | None:
+    """The cost cap as node time per node (None: no cap, or node time costs nothing)."""
+    if settings.max_run_cost_usd <= 0 or settings.price_per_node_hour <= 0:
+        return None
+    return settings.max_run_cost_usd / settings.price_per_node_hour * 3600 / settings.nodes
+
+
+def training_deadline(settings: Settings) -> tuple[int, str]:
+    """How long a run may train, and what sets that: the training timeout, or the cost cap's node time
+    less each node's start-up and release (``node_overhead_s``: the nodes bill until they are gone), so
+    that a run stopped there still ends near the cap."""
+    cap_s = _cap_node_s_per_node(settings)
+    if cap_s is None or cap_s - settings.node_overhead_s >= settings.train_timeout_s:
+        return settings.train_timeout_s, "the training timeout"
+    return max(
+        1, int(cap_s - settings.node_overhead_s)
+    ), f"the per-run cost cap of ${settings.max_run_cost_usd:.2f}"
+
+
+def max_run_duration_s(settings: Settings) -> int:
+    """DWS's ``maxRunDurationSeconds`` (counted from provisioning): the training timeout, or the cap's
+    whole node time per node, a backstop just after the workflow's own training deadline."""
+    cap_s = _cap_node_s_per_node(settings)
+    return settings.train_timeout_s if cap_s is None else max(1, min(settings.train_timeout_s, int(cap_s)))
 
 
 def tokenize_deadline_s(settings: Settings, batch_bytes: int) -> int:
@@ -181,6 +199,7 @@ def workflow_argument(
     PlanError when the trainer would refuse the run."""
     root = run_root(settings, run.run_id)
     plan = training_plan(settings, run.run_id, champion, run.dataset)
+    deadline, deadline_reason = training_deadline(settings)
     check_before_capacity(settings, plan)
     podtemplate, provreq = render_provisioning_request(
         run.run_id,
@@ -188,7 +207,7 @@ def workflow_argument(
         gpus_per_node=settings.gpus_per_node,
         namespace=settings.namespace,
         node_pool=settings.node_pool,
-        max_run_duration_s=training_deadline_s(settings),
+        max_run_duration_s=max_run_duration_s(settings),
     )
     return WorkflowArgument(
         run_id=run.run_id,
@@ -217,7 +236,8 @@ def workflow_argument(
         provisioning_request=provreq,
         tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes),
         provision_timeout_s=settings.provision_timeout_s,
-        train_timeout_s=training_deadline_s(settings),
+        train_timeout_s=deadline,
+        train_deadline_reason=deadline_reason,
         release_timeout_s=settings.release_timeout_s,
         poll_interval_s=settings.poll_interval_s,
         completion_check_s=settings.completion_check_s,

@@ -11,9 +11,10 @@ from the record is escaped: object names and reasons are data, never markup.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
@@ -34,7 +35,7 @@ STAGE_COLOURS = {
     "releasing": "#6a4c93",
 }
 TRAIN_LOSS_COLOUR = "#1b998b"
-VAL_LOSS_COLOUR = "#d1495b"
+VAL_LOSS_COLOUR = "#ff6f00"
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def stages(run: Run) -> list[Stage]:
         ("", run.finished_at),
     ]
     known = [(name, t) for name, text in marks if (t := _when(text)) is not None]
+    if not run.status.terminal and known and known[-1][0]:  # a live run: its stage goes on until now
+        known.append(("", datetime.now(UTC)))
     return [Stage(name, start, end) for (name, start), (_, end) in pairwise(known) if name]
 
 
@@ -98,8 +101,8 @@ def timeline_svg(parts: Sequence[Stage], width: int = 720) -> str:
 
 def loss_svg(scalars: Sequence[Scalar], width: int = 720, height: int = 280) -> str:
     """Training loss as a line and validation loss as dots, over the optimizer step."""
-    series = {
-        tag: sorted((s.step, s.value) for s in scalars if s.tag == tag)
+    series = {  # a diverged run logs nan or inf: those points cannot be drawn
+        tag: sorted((s.step, s.value) for s in scalars if s.tag == tag and math.isfinite(s.value))
         for tag in ("reduced_train_loss", "val_loss")
     }
     points = [p for values in series.values() for p in values]
@@ -137,6 +140,10 @@ def loss_svg(scalars: Sequence[Scalar], width: int = 720, height: int = 280) -> 
     return f'<svg class="loss" width="{width}" height="{height}">{"".join(parts)}</svg>'
 
 
+def _or_none(value: object) -> object:
+    return "none" if value is None else value
+
+
 def _rows(rows: Sequence[tuple[str, object]]) -> str:
     return "".join(
         f"<tr><th>{html.escape(label)}</th><td>{html.escape(str(value))}</td></tr>"
@@ -160,7 +167,7 @@ code { font: 12px/1.4 ui-monospace, monospace; white-space: pre-wrap; word-break
 """
 
 
-def render(run: Run, scalars: Sequence[Scalar], max_cost_usd: float = 0.0) -> str:
+def render(run: Run, scalars: Sequence[Scalar]) -> str:
     """The run's page, as one HTML document."""
     e = html.escape
     parts = stages(run)
@@ -172,7 +179,7 @@ def render(run: Run, scalars: Sequence[Scalar], max_cost_usd: float = 0.0) -> st
     busy = run.gpu_node_seconds - run.idle_node_seconds
     verdict = run.eval or {}
     status_class = str(run.status) if str(run.status) in ("succeeded", "failed", "cancelled") else "other"
-    cap = f"${max_cost_usd:.2f}" if max_cost_usd > 0 else "none"
+    cap = f"${run.cost_cap_usd:.2f}" if run.cost_cap_usd else "none"  # the cap it started under
     promoted = verdict.get("promoted")
     numbers = _rows(
         [
@@ -180,7 +187,7 @@ def render(run: Run, scalars: Sequence[Scalar], max_cost_usd: float = 0.0) -> st
             ("documents written", run.documents),
             ("tokens written", run.tokens),
             ("records quarantined", run.quarantined),
-            ("tokens trained", metrics.get("tokens_seen")),
+            ("tokens trained (with the base's)", metrics.get("tokens_seen")),
             ("steps (this run)", f"{metrics.get('steps')} ({metrics.get('run_steps')})" if metrics else None),
             ("GPU node-seconds busy", f"{busy:.1f}"),
             ("GPU node-seconds idle", f"{run.idle_node_seconds:.1f}"),
@@ -201,8 +208,9 @@ def render(run: Run, scalars: Sequence[Scalar], max_cost_usd: float = 0.0) -> st
     )
     evaluation = _rows(
         [
-            ("val_loss", verdict.get("val_loss", "none")),
-            ("champion's val_loss", verdict.get("champion_val_loss", "none")),
+            ("val_loss", _or_none(verdict.get("val_loss"))),
+            ("champion's val_loss", _or_none(verdict.get("champion_val_loss"))),
+            ("measured on", verdict.get("compared_on")),
             ("champion run", verdict.get("champion_run")),
             ("verdict", verdict.get("reason")),
         ]
@@ -242,5 +250,5 @@ def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -
     run_dir = profile(run.profile or settings.profile).run_dir(plan)
     scalars, _ = trainer_outputs(store, run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(run, scalars, settings.max_run_cost_usd), encoding="utf-8")
+    path.write_text(render(run, scalars), encoding="utf-8")
     return path

@@ -199,8 +199,11 @@ class Steps:
                 on = EVAL_SET if plan.eval_set else SAME_DATA
                 verdict = evaluate(val_loss, champion, self.settings.promotion_margin, here, on)
                 fields["eval"] = verdict.to_dict()
+                # the record first: a step retried after the promotion finds the verdict written
+                self.ledger.update_run(plan.run_id, fields)
                 if verdict.promoted:
                     new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set)
                     promoted = self.ledger.promote(run.dataset, new)
+                return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)
         self.ledger.update_run(plan.run_id, fields)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

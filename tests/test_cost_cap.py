@@ -33,7 +33,8 @@ def test_a_run_still_training_at_the_cost_cap_is_stopped_and_releases_every_node
     stack: LocalStack, tmp_path: Path
 ) -> None:
     run = run_with(stack, tmp_path, Faults(hold_training_s=600))
-    assert_released(stack, run)
-    assert run.estimated_cost_usd == 0.0  # under the cap when it started
-    assert run.reason and "training did not finish within 20 s" in run.reason, run.reason
-    assert run.gpu_node_seconds >= 20  # it trained (held) until the cap's node time ran out
+    assert_released(stack, run, "failed")  # stopped: zero nodes, no JobSet, no ProvisioningRequest
+    assert (run.estimated_cost_usd, run.cost_cap_usd) == (0.0, 20.0)  # under the cap when it started
+    assert run.reason and "training did not finish within 20 s, the per-run cost cap of $20.00" in run.reason
+    # it trained (held) until the cap's node time ran out: 20 s, plus what capacity and release add
+    assert run.gpu_node_seconds >= 20

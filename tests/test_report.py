@@ -28,6 +28,7 @@ def a_run(**override: object) -> Run:
         "idle_node_seconds": 600.0,
         "cost_usd": 36.87,
         "estimated_cost_usd": 23.33,
+        "cost_cap_usd": 50.0,
         "metrics": {"steps": 120, "run_steps": 60, "tokens_seen": 983_040},
         "eval": {
             "val_loss": 3.02,
@@ -70,6 +71,14 @@ def test_each_stage_lasts_until_the_next_known_one() -> None:
     ]
 
 
+def test_a_live_runs_stage_goes_on_until_now_and_a_diverged_loss_is_left_out() -> None:
+    live = a_run(status=RunStatus.TRAINING, work_ended_at=None, finished_at=None)
+    assert [s.name for s in stages(live)][-1] == "training"
+    page = render(live, [Scalar("reduced_train_loss", 1, float("nan"), 0.0), *SCALARS])
+    assert "nan" not in page.split('<svg class="loss"', 1)[1].split("</svg>", 1)[0]
+    assert "<td>$50.00</td>" in page  # the cap it started under
+
+
 def test_record_values_are_text_never_markup() -> None:
     hostile = a_run(
         reason='<script>alert(1)</script>"', command=["bash", "-c", "<img src=x onerror=alert(1)>"]
@@ -89,7 +98,7 @@ def hex_rgb(colour: str) -> tuple[int, int, int]:
 )
 def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
-    page.write_text(render(a_run(), SCALARS, max_cost_usd=50.0), encoding="utf-8")
+    page.write_text(render(a_run(), SCALARS), encoding="utf-8")
     shot = tmp_path / "report.png"
     subprocess.run(
         [

@@ -414,10 +414,45 @@ def test_a_run_over_the_cost_cap_is_refused_and_its_training_deadline_follows_th
     assert run is not None and run.status == RunStatus.FAILED and run.reason == reason
     assert run.execution is None and run.content_returned  # no capacity asked for; its data is free again
 
-    # Under a $50 cap the same objects run, and may train for 50 / 88.49 node-hours = 2034 s on one node.
+    # Under a $50 cap the same objects run: 50 / 88.49 node-hours = 2034 s of node time on one node, of
+    # which start-up and release take 900 s, so it may train 1134 s; DWS ends the nodes at 2034 s.
     ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=50.0)
     retried = ingest.retry(refused.run_id)
     assert retried.action == "started"
     argument = json.loads(ingest.orchestrator.get(retried.detail)["argument"])
-    assert argument["train_timeout_s"] == 2034
+    assert (argument["train_timeout_s"], argument["train_deadline_reason"]) == (
+        1134,
+        "the per-run cost cap of $50.00",
+    )
     assert argument["provisioning_request"]["spec"]["parameters"] == {"maxRunDurationSeconds": "2034"}
+    started = ingest.ledger.get_run(retried.run_id)
+    assert started is not None and (started.estimated_cost_usd, started.cost_cap_usd) == (
+        DEFAULT_COST_USD,
+        50.0,
+    )
+
+
+def test_a_forecast_says_when_the_trainer_would_refuse_the_run(ingest: Ingest) -> None:
+    ingest.settings = dataclasses.replace(ingest.settings, global_batch_size=12)  # 12 over 8 GPUs
+    arrive(ingest, "odd", "1.txt")
+    (forecast,) = ingest.forecast("odd")
+    assert not forecast.would_run
+    assert forecast.reason.startswith(
+        "a run would be refused: the trainer would refuse this run: global batch"
+    )
+
+
+def test_a_datasets_own_runs_price_the_next_one() -> None:
+    """The champion's record (node time for the steps it trained) prices the next run, scaled to its
+    steps: a continued run's consumed samples count its base's too, its steps do not."""
+    from retrain.domain.runs import Run
+    from retrain.plan import estimate
+
+    settings = config.load({})  # 60 steps a run, $88.49 a node-hour
+    champion = Run(
+        "d-1", "d", "manual", metrics={"run_steps": 30, "tokens_seen": 10**9}, gpu_node_seconds=1800
+    )
+    cost = estimate(settings, champion)
+    # 1800 node-seconds for 30 steps -> 3600 for 60 = 1 node-hour
+    assert (cost.node_hours, round(cost.cost_usd, 2)) == (1.0, 88.49)
+    assert cost.basis == "run d-1: 1800 node-seconds for 30 steps"

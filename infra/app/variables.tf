@@ -290,11 +290,15 @@ variable "price_per_node_hour" {
   type        = number
   description = "Estimated price of one GPU node-hour in USD, for the run record's cost estimate (RETRAIN_PRICE_PER_NODE_HOUR)."
   default     = 88.49
+  validation {
+    condition     = var.price_per_node_hour >= 0
+    error_message = "price_per_node_hour is a price in USD: 0 or more."
+  }
 }
 
 variable "max_run_cost_usd" {
   type        = number
-  description = "Per-run cost cap in USD, 0 for none (RETRAIN_MAX_RUN_COST_USD): a run estimated over it is refused; a run reaching it is cancelled."
+  description = "Per-run cost cap in USD, 0 for none (RETRAIN_MAX_RUN_COST_USD): a run estimated over it is refused; a run still training when the cap's node time runs out is stopped and releases every node."
   default     = 0
   validation {
     condition     = var.max_run_cost_usd >= 0
@@ -322,6 +326,10 @@ variable "node_tokens_per_s" {
   type        = number
   description = "Training tokens per second of one node, for estimates until a dataset's run measured its own (RETRAIN_NODE_TOKENS_PER_S)."
   default     = 20000
+  validation {
+    condition     = var.node_tokens_per_s > 0
+    error_message = "node_tokens_per_s is a throughput: more than 0."
+  }
 }
 
 variable "node_overhead_s" {

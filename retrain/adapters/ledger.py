@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -186,7 +187,8 @@ class FirestoreLedger:
         through the client's proto-plus wrappers and api_core's call stack a create costs the function
         about 1.2 ms of CPU, this way about 0.4 ms (single-threaded against the emulator).  Retries
         follow the client's default for Commit (google/cloud/firestore_v1/services/firestore/
-        transports/base.py: ResourceExhausted and ServiceUnavailable, 0.1 s doubling by 1.3, 60 s);
+        transports/base.py: ResourceExhausted and ServiceUnavailable, 0.1 s growing by 1.3 with jitter,
+        60 s in all);
         a retried create that had landed answers ALREADY_EXISTS, which is the outcome it had."""
         database = self.db._database_string
         create = _Write(
@@ -207,13 +209,16 @@ class FirestoreLedger:
         delay, deadline = 0.1, time.monotonic() + COMMIT_DEADLINE_S
         while True:
             try:
-                self._commit(request, timeout=COMMIT_DEADLINE_S, metadata=metadata)
+                self._commit(request, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata)
                 return
             except grpc.RpcError as e:
                 error = exceptions.from_grpc_error(e)
-                if not isinstance(error, RETRIED_COMMIT_ERRORS) or time.monotonic() + delay > deadline:
+                # api_core's backoff: a random sleep up to twice the delay (instances must not retry
+                # in step), within the deadline
+                sleep = min(random.uniform(0.0, 2 * delay), 60.0)
+                if not isinstance(error, RETRIED_COMMIT_ERRORS) or time.monotonic() + sleep > deadline:
                     raise error from None
-            time.sleep(delay)
+            time.sleep(sleep)
             delay = min(delay * 1.3, 60.0)
 
     def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:

@@ -111,8 +111,10 @@ class Evaluation:
     champion_run: str | None
     """The run that trained that champion."""
     compared_on: str | None
-    """``this run's validation data`` when the trainer validated the champion on it before training,
-    else ``the champion's own validation data`` (its run's val_loss); None without a comparison."""
+    """What the champion's loss was measured on: ``this run's validation data`` (the trainer validated
+    the champion on it before training), ``the dataset's eval set`` (this run's and the champion's
+    fixed eval set), or ``the champion's own validation data`` (its run's val_loss); None without a
+    comparison."""
     promoted: bool
     """Whether the checkpoint became the champion (the next run continues from it)."""
     reason: str
@@ -177,7 +179,7 @@ class TrainingMetrics:
     consumed_samples: int | None
     """Sequences consumed, counting the base checkpoint's."""
     tokens_seen: int | None
-    """Tokens this run trained on (its samples x the sequence length)."""
+    """Tokens trained on, the base checkpoint's included (consumed samples x the sequence length)."""
     base_val_loss: float | None = None
     """The base checkpoint's validation loss on this run's validation data, measured before training
     (None: the trainer did not measure it, as NeMo's script does not)."""
@@ -227,6 +229,8 @@ class Run:
     """Estimated cost of its node time."""
     estimated_cost_usd: float | None = None
     """Its cost as priced when it started (``retrain.plan.estimate``), against the per-run cap."""
+    cost_cap_usd: float | None = None
+    """The per-run cost cap it started under (None: none)."""
     nodes_at_end: int | None = None
     """GPU nodes still up when it ended (0 when every GPU went back)."""
     profile: str | None = None
