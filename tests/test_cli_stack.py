@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
 
 
-def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
+def retrain(args: list[str], state: Path, **settings: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "RETRAIN_STATE_DIR": str(state),
@@ -28,6 +28,7 @@ def retrain(args: list[str], state: Path) -> subprocess.CompletedProcess[str]:
         "RETRAIN_STEPS_PER_RUN": "4",
         "RETRAIN_PROVISION_DELAY_S": "0.5",
         "RETRAIN_QUIET_PERIOD_S": "5",
+        **settings,
     }
     return subprocess.run(
         [sys.executable, "-m", "retrain.cli", *args],
@@ -94,24 +95,9 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert verdict["compared_on"] == "this run's validation data", verdict  # type: ignore[index]
         assert verdict["champion_run"] == run["run_id"] and verdict["champion_val_loss"] > 0, verdict  # type: ignore[index]
 
-        # manual trigger: data dropped without the marker, sealed by `retrain run`; `retrain plan`
-        # says beforehand what that would train (and writes nothing)
-        def plan() -> dict[str, Any]:
-            answer = retrain(["plan", "--dataset", "manual", "--json"], state)
-            assert answer.returncode == 0, answer.stderr
-            (forecast,) = json.loads(answer.stdout)
-            return forecast  # type: ignore[no-any-return]
-
-        assert (plan()["objects"], plan()["would_run"]) == (0, False)
+        # manual trigger: data dropped without the marker, sealed by `retrain run`
         data.write_text(json.dumps({"text": "a manual batch"}) + "\n")
         assert retrain(["drop", str(data), "--dataset", "manual", "--no-seal"], state).returncode == 0
-        forecast = plan()
-        assert (forecast["objects"], forecast["bytes"], forecast["would_run"]) == (
-            1,
-            data.stat().st_size,
-            True,
-        )
-        assert forecast["estimated_cost_usd"] > 0 and forecast["training_tokens"] > 0
         started = retrain(["run", "--dataset", "manual"], state)
         assert started.returncode == 0 and "started" in started.stderr, started.stderr
         assert wait_for_run(state, "manual")["trigger"] == "manual"
@@ -136,11 +122,30 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
 
     # up again on the same state: the kept ledger, a fresh control plane; the next run is not slowed by
     # anything the last stack left (a stale notifier resourceVersion once cost a run its completion)
-    assert retrain(["up"], state).returncode == 0
+    # (this stack seals only on request or the hourly tick: `retrain plan` is asked before and after a
+    # drop without the marker, and the sweeper must not seal it meanwhile)
+    assert retrain(["up"], state, RETRAIN_QUIET_PERIOD_S="3600").returncode == 0
     try:
+
+        def plan() -> dict[str, Any]:
+            answer = retrain(["plan", "--dataset", "again", "--json"], state)
+            assert answer.returncode == 0, answer.stderr
+            (forecast,) = json.loads(answer.stdout)
+            return forecast  # type: ignore[no-any-return]
+
+        assert (plan()["objects"], plan()["would_run"]) == (0, False)
         again = tmp_path / "again.jsonl"
         again.write_text("\n".join(json.dumps({"text": f"again {i}: after a restart"}) for i in range(20)))
-        assert retrain(["drop", str(again), "--dataset", "again"], state).returncode == 0
+        wait_between_seal_ticks(state)  # drop, plan and run well before the hourly tick
+        assert retrain(["drop", str(again), "--dataset", "again", "--no-seal"], state).returncode == 0
+        forecast = plan()  # writes nothing: the data is still pending afterwards
+        assert (forecast["objects"], forecast["bytes"], forecast["would_run"]) == (
+            1,
+            again.stat().st_size,
+            True,
+        )
+        assert forecast["estimated_cost_usd"] > 0 and forecast["training_tokens"] > 0
+        assert "started" in retrain(["run", "--dataset", "again"], state).stderr
         after_restart = wait_for_run(state, "again")
         assert duration(after_restart) <= 2 * duration(run) + 30, (duration(run), duration(after_restart))
         kept = [r["run_id"] for r in json.loads(retrain(["runs", "--json"], state).stdout)]

@@ -86,6 +86,8 @@ ARRIVAL_SHARDS = 16
 CONTENT_CHUNK = 400
 #: Attempts of the transactions every seal of a dataset makes on its document (they contend by design).
 CONTENDED_ATTEMPTS = 20
+#: Rounds of CONTENDED_ATTEMPTS a seal's join makes, with random backoff between them.
+CONTENDED_ROUNDS = 5
 
 # Raw protobuf classes behind the client's proto-plus types (see FirestoreLedger._create_stamped).
 _Write, _Document, _Value = write.Write.pb(), document.Document.pb(), document.Value.pb()
@@ -439,12 +441,21 @@ class FirestoreLedger:
                     added.append(content[h])
             return added, False
 
+        rounds = 0
         while True:
             held = {snap.id for snap in self.db.get_all(list(refs.values())) if snap.exists}
             try:
                 return join(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS), held)
             except (AlreadyExists, Conflict):
                 continue  # a concurrent seal gave some of this content to the run first
+            except ValueError as e:
+                # The client retries an aborted transaction at once, CONTENDED_ATTEMPTS times (its
+                # base_transaction._EXCEED_ATTEMPTS_TEMPLATE); when as many seals still hold the slot's
+                # lock, back off at random and go again rather than fail the seal.
+                rounds += 1
+                if not str(e).startswith("Failed to commit transaction") or rounds >= CONTENDED_ROUNDS:
+                    raise
+                time.sleep(random.uniform(0.0, 0.2 * 2**rounds))
 
     def _held(self, dataset: str, hashes: list[str]) -> set[str]:
         """The content hashes some run of ``dataset`` holds already (trained, live or pending)."""
