@@ -98,7 +98,7 @@ class Settings:
     releases every node."""
     node_tokens_per_s: float = 20000.0
     """Training throughput of one node in tokens per second, for estimates until the dataset's
-    champion run has measured its own (its tokens over its busy node-seconds replace this)."""
+    champion run has measured its own (its node-seconds for the steps it trained replace this)."""
     node_overhead_s: float = 900.0
     """Node time a run spends besides training, per node: start-up (image pull, checkpoint restore)
     and release (the cluster autoscaler removes an unneeded node after 10 minutes by default)."""

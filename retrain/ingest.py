@@ -32,8 +32,9 @@ from retrain.contracts import (
 from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
-from retrain.domain.runs import BatchState, Run, RunStatus, iso, now_iso
+from retrain.domain.runs import BatchState, Champion, Run, RunStatus, iso, now_iso
 from retrain.plan import (
+    Estimate,
     check_before_capacity,
     estimate,
     manifest_object,
@@ -331,7 +332,7 @@ class Ingest:
         run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         champion = self.ledger.champion(run.dataset)
-        cost = estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
+        cost = self._price(champion)
         if (too_dear := over_budget(self.settings, cost)) is not None:
             return self._refuse(run, too_dear)
         try:
@@ -357,6 +358,10 @@ class Ingest:
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome(Action.STARTED, execution, run.run_id)
+
+    def _price(self, champion: Champion | None) -> Estimate:
+        """The next run's estimate, from the champion run's record when the dataset has one."""
+        return estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
 
     def _refuse(self, run: Run, reason: str) -> Outcome:
         """End a run before it asks for any capacity, its content given back (eligible again: dropped
@@ -429,7 +434,7 @@ class Ingest:
         new_bytes = sum(v.size for v in preview.objects)
         held_bytes = sum(v.size for v in preview.pending_objects)
         champion = self.ledger.champion(dataset)
-        cost = estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
+        cost = self._price(champion)
         refused = over_budget(self.settings, cost)
         try:  # what start would check before asking for capacity
             check_before_capacity(self.settings, training_plan(self.settings, "plan", champion, dataset))

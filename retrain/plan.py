@@ -174,9 +174,8 @@ def training_deadline(settings: Settings) -> tuple[int, str]:
     cap_s = _cap_node_s_per_node(settings)
     if cap_s is None or cap_s - settings.node_overhead_s >= settings.train_timeout_s:
         return settings.train_timeout_s, "the training timeout"
-    return max(
-        1, int(cap_s - settings.node_overhead_s)
-    ), f"the per-run cost cap of ${settings.max_run_cost_usd:.2f}"
+    reason = f"the per-run cost cap of ${settings.max_run_cost_usd:.2f}"
+    return max(1, int(cap_s - settings.node_overhead_s)), reason
 
 
 def max_run_duration_s(settings: Settings) -> int:

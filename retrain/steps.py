@@ -37,7 +37,7 @@ from retrain.contracts import (
     field_names,
 )
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import EVAL_SET, SAME_DATA, Champion, RunStatus, TrainingMetrics, evaluate
+from retrain.domain.runs import Champion, RunStatus, TrainingMetrics, evaluate
 from retrain.plan import render_training, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
@@ -177,33 +177,21 @@ class Steps:
         }
         if reason:
             fields["reason"] = reason
-        promoted = False
         run = self.ledger.get_run(plan.run_id)
-        if checkpoint is not None and run is not None:
+        champion = self.ledger.champion(run.dataset) if checkpoint and run else None
+        retried = champion is not None and champion.run_id == plan.run_id  # promoted the first time
+        val_loss = metrics.val_loss if metrics else None
+        verdict = None
+        if checkpoint is not None and run is not None and not retried:
+            base_val = metrics.base_val_loss if metrics else None
+            verdict = evaluate(val_loss, champion, self.settings.promotion_margin, base_val, plan.eval_set)
+            fields["eval"] = verdict.to_dict()
+        self.ledger.update_run(plan.run_id, fields)  # before promoting: a retried step finds the verdict
+        promoted = retried
+        if verdict is not None and verdict.promoted and checkpoint is not None and run is not None:
             step = metrics.steps if metrics else plan.final_step
-            val_loss = metrics.val_loss if metrics else None
-            champion = self.ledger.champion(run.dataset)
-            if champion is not None and champion.run_id == plan.run_id:  # a retried step
-                promoted = True
-            else:
-                # the champion on the data this run was validated on: measured by the trainer before
-                # training, or the champion's own loss when it was validated on the same eval set
-                here = metrics.base_val_loss if metrics else None
-                if (
-                    here is None
-                    and champion is not None
-                    and plan.eval_set
-                    and champion.eval_set == plan.eval_set
-                ):
-                    here = champion.val_loss
-                on = EVAL_SET if plan.eval_set else SAME_DATA
-                verdict = evaluate(val_loss, champion, self.settings.promotion_margin, here, on)
-                fields["eval"] = verdict.to_dict()
-                # the record first: a step retried after the promotion finds the verdict written
-                self.ledger.update_run(plan.run_id, fields)
-                if verdict.promoted:
-                    new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set)
-                    promoted = self.ledger.promote(run.dataset, new)
-                return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)
+            new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set)
+            promoted = self.ledger.promote(run.dataset, new)
+        return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)
         self.ledger.update_run(plan.run_id, fields)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

@@ -148,6 +148,7 @@ class FirestoreLedger:
         self.db = client
         self._known_datasets: set[str] = set()
         self._commit: Callable[..., Any] | None = None
+        self._commit_metadata: tuple[tuple[str, str], ...] = ()
 
     # --- arrivals ---
 
@@ -207,7 +208,11 @@ class FirestoreLedger:
             self._commit = channel.unary_unary(
                 "/google.firestore.v1.Firestore/Commit", request_serializer=_CommitRequest.SerializeToString
             )
-        metadata = (*self.db._rpc_metadata, routing_header.to_grpc_metadata((("database", database),)))
+            self._commit_metadata = (
+                *self.db._rpc_metadata,
+                routing_header.to_grpc_metadata((("database", database),)),
+            )
+        metadata = self._commit_metadata
         delay, deadline = 0.1, time.monotonic() + COMMIT_DEADLINE_S
         while True:
             try:

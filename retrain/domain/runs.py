@@ -133,18 +133,25 @@ def evaluate(
     val_loss: float | None,
     champion: Champion | None,
     margin: float,
-    champion_here: float | None = None,
-    here: str = SAME_DATA,
+    base_val_loss: float | None = None,
+    eval_set: str | None = None,
 ) -> Evaluation:
     """Promote a checkpoint only when its validation loss is not worse than the champion's by more than
     ``margin`` (relative: 0.02 lets it be 2% worse); a dataset's first checkpoint is promoted as is.
 
-    The champion's loss is ``champion_here`` when it is known on the data ``val_loss`` was measured on
-    (``here``: this run's validation split, or the dataset's eval set), else the one its own run
-    recorded."""
+    The champion's loss is taken on the data ``val_loss`` was measured on when it is known there:
+    ``base_val_loss`` (the trainer validated the champion before training, on this run's validation
+    split or ``eval_set``), or the champion's own loss when it was measured on the same ``eval_set``;
+    else the one its own run recorded, on its own data."""
     if champion is None:
         return Evaluation(val_loss, None, None, None, True, "the dataset's first checkpoint")
-    theirs, on = (champion_here, here) if champion_here is not None else (champion.val_loss, CHAMPIONS_DATA)
+    theirs: float | None
+    if base_val_loss is not None:
+        theirs, on = base_val_loss, EVAL_SET if eval_set else SAME_DATA
+    elif eval_set and champion.eval_set == eval_set:
+        theirs, on = champion.val_loss, EVAL_SET
+    else:
+        theirs, on = champion.val_loss, CHAMPIONS_DATA
     if theirs is None:
         return Evaluation(val_loss, None, champion.run_id, None, True, "the champion has no validation loss")
     base = Evaluation(val_loss, theirs, champion.run_id, on, False, "")
