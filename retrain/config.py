@@ -106,9 +106,17 @@ class Settings:
     """Tokens per byte of new data, for estimates before tokenizing: GPT-2 BPE gives 0.278 on the
     sample corpus (../shared/corpus, English books)."""
     image: str = "nvcr.io/nvidia/nemo:24.12"
-    """Container image of the training job (the local stack plays it with a stand-in image)."""
+    """Container image of the ``nemo-24.12`` profile's training job (the local stack plays it with a
+    stand-in image)."""
+    bridge_image: str = "nvcr.io/nvidia/nemo:26.08"
+    """Container image of the ``megatron-bridge`` profile: a NeMo Framework release carrying
+    Megatron-Bridge 0.6 (its docs pair 0.6 with NeMo Framework 26.08)."""
     profile: str = "nemo-24.12"
-    """The trainer profile that renders the training command (``retrain.trainers``)."""
+    """The trainer profile that renders the training command (``retrain.trainers``): ``nemo-24.12``
+    or ``megatron-bridge``."""
+    profiles: str = ""
+    """Per-dataset trainer profiles, comma-separated ``DATASET=PROFILE`` (the others use ``profile``).
+    A dataset keeps the profile its champion checkpoint was written by: a switch is refused."""
     steps_per_run: int = 60
     """Optimizer steps each run trains beyond its base checkpoint (over 100: a multiple of 100)."""
     micro_batch_size: int = 1
@@ -181,6 +189,20 @@ class Settings:
                 raise ValueError(f"RETRAIN_BIGQUERY_TABLES: {item!r} is not project.dataset.table[=dataset]")
             out[table] = dataset or self.dataset
         return out
+
+    def profile_of(self, dataset: str) -> str:
+        """The trainer profile of ``dataset``'s runs (``profiles``, else ``profile``)."""
+        for item in filter(None, (part.strip() for part in self.profiles.split(","))):
+            name, _, chosen = item.partition("=")
+            if not DATASET_RE.match(name) or not chosen:
+                raise ValueError(f"RETRAIN_PROFILES: {item!r} is not DATASET=PROFILE")
+            if name == dataset:
+                return chosen
+        return self.profile
+
+    def image_of(self, profile: str) -> str:
+        """The training image of ``profile``."""
+        return self.bridge_image if profile == "megatron-bridge" else self.image
 
     @property
     def eval_set_of(self) -> dict[str, str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from retrain import config
 from retrain.hcl import HclError, Stage
-from retrain.local.images import NEMO_STANDIN
+from retrain.local.images import BRIDGE_STANDIN, NEMO_STANDIN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INFRA = REPO_ROOT / "infra"
@@ -51,10 +51,14 @@ SCALED_PERIODS = (
     "poll_interval_s",
     "completion_check_s",
 )
-#: What the local stack plays differently, and why: the training image is its stand-in (the same
+#: What the local stack plays differently, and why: each training image is its stand-in (the same
 #: command, run by the cluster twin as local processes; ``retrain.local.images``), and sequences are
 #: short enough for two CPU cores to train in seconds.
-LOCAL_STAND_INS = {"RETRAIN_IMAGE": NEMO_STANDIN, "RETRAIN_SEQ_LENGTH": "128"}
+LOCAL_STAND_INS = {
+    "RETRAIN_IMAGE": NEMO_STANDIN,
+    "RETRAIN_BRIDGE_IMAGE": BRIDGE_STANDIN,
+    "RETRAIN_SEQ_LENGTH": "128",
+}
 
 
 @dataclass(frozen=True)

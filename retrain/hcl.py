@@ -65,6 +65,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "merge": lambda *ms: {k: v for m in ms for k, v in m.items()},
     "lookup": lambda m, k, *default: m[k] if k in m or not default else default[0],
     "contains": lambda items, v: v in items,
+    "alltrue": lambda items: all(items),
     "concat": lambda *ls: [x for seq in ls for x in seq],
     "toset": lambda items: sorted(set(items), key=str),
     "tolist": list,

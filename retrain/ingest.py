@@ -342,7 +342,7 @@ class Ingest:
         self.ledger.update_run(
             run.run_id,
             {
-                "profile": self.settings.profile,
+                "profile": argument.training["profile"],
                 "base_checkpoint": champion.checkpoint if champion else None,
                 "base_step": champion.step if champion else 0,
                 "estimated_cost_usd": round(cost.cost_usd, 2),

@@ -54,11 +54,20 @@ def training_plan(
     settings: Settings, run_id: str, champion: Champion | None, dataset: str | None = None
 ) -> TrainingPlan:
     """The run's training, continuing from the dataset's champion and validated on the dataset's eval
-    set if it has one (no data yet); PlanError for a malformed eval set setting."""
+    set if it has one (no data yet); PlanError for a malformed eval set or profile setting, or for a
+    profile other than the one that wrote the champion (its checkpoint is that trainer's format)."""
     try:
         eval_set = settings.eval_set_of.get(dataset) if dataset else None
+        trainer = profile(settings.profile_of(dataset) if dataset else settings.profile).name
     except ValueError as e:
         raise PlanError(str(e)) from None
+    if champion is not None and champion.profile != trainer:
+        raise PlanError(
+            f"dataset {dataset}'s champion {champion.checkpoint} was written by the {champion.profile} "
+            f"profile, and {trainer} cannot continue from it (their checkpoint formats differ; retrain "
+            f"has no conversion step): keep {champion.profile} for this dataset, or train {trainer} "
+            f"under a new dataset name"
+        )
     return TrainingPlan(
         run_id=run_id,
         shape=BatchShape(
@@ -75,6 +84,7 @@ def training_plan(
         base_checkpoint=champion.checkpoint if champion else None,
         base_step=champion.step if champion else 0,
         eval_set=eval_set,
+        profile=trainer,
     )
 
 
@@ -83,7 +93,7 @@ def render_training(
 ) -> tuple[dict[str, Any], Command]:
     """The JobSet that trains ``plan`` (its data handed over) and the command it runs, checked against
     the trainer's own configuration; PlanError naming what the trainer would refuse."""
-    trainer = profile(settings.profile)
+    trainer = profile(plan.profile)
     mounts = GcsMounts()
     command = trainer.render(plan, mounts.path)
     trainer.validate(command)
@@ -91,7 +101,7 @@ def render_training(
         plan.run_id,
         nodes=plan.shape.nodes,
         gpus_per_node=plan.shape.gpus_per_node,
-        image=settings.image,
+        image=settings.image_of(plan.profile),
         command=command,
         mounts=mounts,
         queue=settings.local_queue,

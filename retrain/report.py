@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
@@ -246,9 +246,12 @@ def render(run: Run, scalars: Sequence[Scalar]) -> str:
 
 def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -> Path:
     """Render ``run``'s page with the loss curve its trainer left (read through ``store``) to ``path``."""
-    plan = training_plan(settings, run.run_id, None)
-    run_dir = profile(run.profile or settings.profile).run_dir(plan)
-    scalars, _ = trainer_outputs(store, run_dir)
+    trainer = profile(run.profile or settings.profile)
+    plan = replace(
+        training_plan(settings, run.run_id, None), base_step=run.base_step or 0, profile=trainer.name
+    )
+    scalars, _ = trainer_outputs(store, trainer.run_dir(plan))
+    scalars = trainer.lineage_scalars(scalars, plan)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(run, scalars), encoding="utf-8")
     return path

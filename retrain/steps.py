@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from collections.abc import Iterable
 from typing import Any
 
 from retrain.config import Settings
@@ -44,21 +42,6 @@ from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
 
 EVENTS = "events.out.tfevents."
-_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
-
-
-def last_checkpoint(names: Iterable[str]) -> str | None:
-    """The run's final checkpoint among the folders of ``checkpoints/``: the ``-last`` one, else the one
-    of the highest step (names carry ``step=N``, as NeMo's checkpoint callback writes them)."""
-
-    def step(name: str) -> int:
-        m = _STEP.search(name)
-        return int(m.group(1)) if m else -1
-
-    folders = sorted(set(names), key=lambda n: (step(n), n))
-    lasts = [n for n in folders if n.endswith("-last") or "-last." in n]
-    chosen = lasts or folders
-    return chosen[-1] if chosen else None
 
 
 def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics | None:
@@ -141,8 +124,8 @@ class Steps:
         self.ledger.update_run(
             plan.run_id,
             {
-                "profile": self.settings.profile,
-                "image": self.settings.image,
+                "profile": plan.profile,
+                "image": self.settings.image_of(plan.profile),
                 "command": command.argv,
                 "blend": list(plan.blend),
             },
@@ -159,11 +142,11 @@ class Steps:
         return Finished(self.ledger.give_back(run))
 
     def results(self, plan: TrainingPlan) -> Results:
-        trainer = profile(self.settings.profile)
+        trainer = profile(plan.profile)
         run_dir = trainer.run_dir(plan)
         scalars, checkpoints = trainer_outputs(self.store, run_dir)
-        metrics = metrics_from(scalars, plan)
-        name = last_checkpoint(checkpoints)
+        metrics = metrics_from(trainer.lineage_scalars(scalars, plan), plan)
+        name = trainer.final_checkpoint(checkpoints)
         checkpoint = f"{run_dir}/checkpoints/{name}" if name else None
         missing = []
         if metrics is None:
@@ -190,8 +173,6 @@ class Steps:
         promoted = retried
         if verdict is not None and verdict.promoted and checkpoint is not None and run is not None:
             step = metrics.steps if metrics else plan.final_step
-            new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set)
+            new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set, plan.profile)
             promoted = self.ledger.promote(run.dataset, new)
-        return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)
-        self.ledger.update_run(plan.run_id, fields)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

@@ -14,7 +14,7 @@ import pytest
 
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
-from retrain.trainers.nemo import hydra_string
+from retrain.trainers.hydra import hydra_string
 
 pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +28,7 @@ def retrain(args: list[str], state: Path, **settings: str) -> subprocess.Complet
         "RETRAIN_STEPS_PER_RUN": "4",
         "RETRAIN_PROVISION_DELAY_S": "0.5",
         "RETRAIN_QUIET_PERIOD_S": "5",
+        "RETRAIN_PROFILES": "bridged=megatron-bridge",
         **settings,
     }
     return subprocess.run(
@@ -94,6 +95,19 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         verdict = second["eval"]
         assert verdict["compared_on"] == "this run's validation data", verdict  # type: ignore[index]
         assert verdict["champion_run"] == run["run_id"] and verdict["champion_val_loss"] > 0, verdict  # type: ignore[index]
+
+        # the same under Megatron-Bridge (the dataset's profile): Bridge's weights-only pretrained checkpoint
+        assert retrain(["drop", str(data), "--dataset", "bridged"], state).returncode == 0
+        first = wait_for_run(state, "bridged")
+        assert first["profile"] == "megatron-bridge" and first["checkpoint"].endswith("/iter_0000004"), first
+        assert retrain(["drop", str(more), "--dataset", "bridged"], state).returncode == 0
+        after = wait_for_run(state, "bridged", after=str(first["run_id"]))
+        assert after["base_checkpoint"] == first["checkpoint"] and after["base_step"] == 4, after
+        mounted = str(first["checkpoint"]).replace("gs://", "/gcs/")
+        assert f"checkpoint.pretrained_checkpoint={hydra_string(mounted)}" in after["command"]
+        assert "train.train_iters=4" in after["command"]  # Bridge counts from 0 after a pretrained load
+        assert after["metrics"]["steps"] == 8 and after["metrics"]["run_steps"] == 4, after  # type: ignore[index]
+        assert after["eval"]["compared_on"] == "this run's validation data", after  # type: ignore[index]
 
         # manual trigger: data dropped without the marker, sealed by `retrain run`
         data.write_text(json.dumps({"text": "a manual batch"}) + "\n")

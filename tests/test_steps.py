@@ -17,7 +17,7 @@ from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.contracts import StepName, StepRequest
-from retrain.domain.errors import Rejected
+from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.runs import Champion, Run
 from retrain.plan import training_plan
 from retrain.steps import Steps
@@ -327,3 +327,56 @@ def test_an_eval_set_outside_the_artifacts_buckets_eval_folder_is_refused(value:
         ValueError, match=r"RETRAIN_EVAL_SETS: .* is not DATASET=gs://retrain-artifacts/eval/"
     ):
         _ = settings.eval_set_of
+
+
+def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms(
+    steps: Steps, tmp_path: Path
+) -> None:
+    """The dataset's profile renders the handover (Bridge's run_recipe.py in the bridge image); its
+    results are read from Bridge's layout (iter_NNNNNNN checkpoints, ``lm loss`` tags) at lineage steps,
+    and the champion remembers its profile, so the next run continues in Bridge's terms."""
+    steps.settings = dataclasses.replace(steps.settings, profiles="other=nemo-24.12,bridged=megatron-bridge")
+    base = Champion("old", "gs://x/runs/old/checkpoints/iter_0000040", 40, 3.5, None, "megatron-bridge")
+    plan = new_run(steps, "bridged", base)
+    assert plan["profile"] == "megatron-bridge"
+    write_report(plan)
+    answer = steps.handle(request(StepName.HANDOVER, plan))
+    assert "/opt/Megatron-Bridge/scripts/training/run_recipe.py" in answer["command"]
+    assert "checkpoint.pretrained_checkpoint=/gcs/x/runs/old/checkpoints/iter_0000040" in answer["command"]
+    record = steps.ledger.get_run(plan["run_id"])
+    assert record is not None and record.image == steps.settings.bridge_image == "nvcr.io/nvidia/nemo:26.08"
+    assert record.profile == "megatron-bridge"
+
+    out = plan["output_dir"]
+    for folder in ("iter_0000030", "iter_0000060"):
+        objects.write_bytes(f"{out}/checkpoints/{folder}/common.pt", b"weights")
+    objects.write_bytes(f"{out}/checkpoints/latest_checkpointed_iteration.txt", b"60")
+    writer = EventWriter(tmp_path / f"events.out.tfevents.{uuid.uuid4().hex[:6]}.host.1.0")
+    writer.scalars(0, {"lm loss validation": 3.4})  # the base, validated on this run's data
+    for step in (30, 60):
+        writer.scalars(step, {"lm loss": 4.0 - step / 60})
+        writer.scalars(step * 8, {"lm loss vs samples": 4.0 - step / 60})
+    writer.scalars(60, {"lm loss validation": 3.0})
+    objects.upload_file(writer.path, f"{out}/tb_logs/{writer.path.name}")
+    steps.ledger.promote("bridged", base)
+    answer = steps.handle(request(StepName.RESULTS, plan))
+    assert answer["checkpoint"] == f"{out}/checkpoints/iter_0000060" and answer["promoted"] is True
+    assert answer["metrics"] == {
+        "steps": 100,  # Bridge counted 60 from 0; the base was at 40
+        "run_steps": 60,
+        "final_loss": 3.0,
+        "val_loss": 3.0,
+        "consumed_samples": 480,
+        "tokens_seen": 480 * steps.settings.seq_length,
+        "base_val_loss": pytest.approx(3.4),
+    }
+    champion = steps.ledger.champion("bridged")
+    assert champion == Champion(
+        plan["run_id"], f"{out}/checkpoints/iter_0000060", 100, 3.0, None, "megatron-bridge"
+    )
+    # the same dataset under NeMo's profile cannot continue from a Bridge checkpoint
+    steps.settings = dataclasses.replace(steps.settings, profiles="")
+    with pytest.raises(
+        PlanError, match=r"written by the megatron-bridge profile, and nemo-24.12 cannot continue"
+    ):
+        training_plan(steps.settings, "bridged-next", champion, "bridged")

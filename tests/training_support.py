@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,8 @@ def tiny_tokenizer(folder: Path, vocab: int = 16) -> tuple[Path, Path]:
     return folder / "vocab.json", folder / "merges.txt"
 
 
-def nemo_args(
+def profile_command(
+    name: str,
     root: Path,
     blend: Sequence[object],
     *,
@@ -91,11 +93,10 @@ def nemo_args(
     base_step: int = 0,
     run_id: str = "r1",
     eval_set: str | None = None,
-) -> list[str]:
-    """The NeMo 24.12 profile's arguments for a run whose gs://b/... paths are the folders under
-    ``root`` (as the pod's Cloud Storage FUSE mount would show them), checked like a run's."""
-    from retrain.trainers import BatchShape, TokenizerFiles, TrainingPlan
-    from retrain.trainers.nemo import NEMO_24_12
+) -> Any:
+    """Profile ``name``'s command for a run whose gs://b/... paths are the folders under ``root`` (as the
+    pod's Cloud Storage FUSE mount would show them), checked like a run's."""
+    from retrain.trainers import BatchShape, TokenizerFiles, TrainingPlan, profile
 
     plan = TrainingPlan(
         run_id,
@@ -108,7 +109,44 @@ def nemo_args(
         blend=tuple(blend),
         tokenizer=TokenizerFiles("GPT2BPETokenizer", "gs://b/tok/vocab.json", "gs://b/tok/merges.txt"),
         eval_set=eval_set,
+        profile=name,
     )
-    command = NEMO_24_12.render(plan, lambda uri, write=False: uri.replace("gs://", f"{root}/"))
-    NEMO_24_12.validate(command)
-    return command.args
+    trainer = profile(name)
+    command = trainer.render(plan, lambda uri, write=False: uri.replace("gs://", f"{root}/"))
+    trainer.validate(command)
+    return command
+
+
+def nemo_args(root: Path, blend: Sequence[object], **plan: Any) -> list[str]:
+    """The NeMo 24.12 profile's arguments (:func:`profile_command`)."""
+    return list(profile_command("nemo-24.12", root, blend, **plan).args)
+
+
+def bridge_args(root: Path, blend: Sequence[object], **plan: Any) -> list[str]:
+    """The megatron-bridge profile's run_recipe.py arguments: what follows the script's path."""
+    from retrain.trainers.megatron_bridge import RUN_RECIPE
+
+    args = list(profile_command("megatron-bridge", root, blend, **plan).args)
+    return args[args.index(RUN_RECIPE) + 1 :]
+
+
+def torchrun(
+    script: Path, args: list[str], nproc: int = 1, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nnodes 1 --nproc-per-node N SCRIPT ARGS``, as the JobSet's launcher runs it."""
+    from retrain.local.emulators import free_port
+
+    launcher = Path(sys.executable).with_name("torchrun")
+    argv = [str(launcher), "--nnodes=1", f"--nproc-per-node={nproc}", "--node-rank=0"]
+    argv += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *args]
+    return subprocess.run(
+        argv, cwd=REPO, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def pattern_bucket(root: Path) -> Path:
+    """The bucket "b" as a pod sees it under ``root``: a counting pattern (60 documents) at
+    ``gs://b/shards/p/data_text_document`` and a 16-id tokenizer at ``gs://b/tok``."""
+    write_dataset(root / "b" / "shards" / "p" / "data_text_document", pattern_documents(60, 120))
+    tiny_tokenizer(root / "b" / "tok")
+    return root

@@ -55,6 +55,8 @@ locals {
     RETRAIN_TOKENS_PER_BYTE          = tostring(var.tokens_per_byte)
     RETRAIN_IMAGE                    = var.training_image
     RETRAIN_PROFILE                  = var.trainer_profile
+    RETRAIN_PROFILES                 = join(",", [for dataset, name in var.trainer_profiles : "${dataset}=${name}"])
+    RETRAIN_BRIDGE_IMAGE             = var.bridge_training_image
     RETRAIN_STEPS_PER_RUN            = tostring(var.steps_per_run)
     RETRAIN_MICRO_BATCH_SIZE         = tostring(var.micro_batch_size)
     RETRAIN_GLOBAL_BATCH_SIZE        = tostring(var.global_batch_size)

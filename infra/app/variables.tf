@@ -352,8 +352,28 @@ variable "training_image" {
 
 variable "trainer_profile" {
   type        = string
-  description = "Trainer profile rendering the training command (RETRAIN_PROFILE): nemo-24.12 runs NeMo 1.0's Megatron GPT script of the training image."
+  description = "Trainer profile rendering the training command (RETRAIN_PROFILE): nemo-24.12 runs NeMo 1.0's Megatron GPT script of training_image; megatron-bridge runs Megatron-Bridge's run_recipe.py of bridge_training_image."
   default     = "nemo-24.12"
+  validation {
+    condition     = contains(["nemo-24.12", "megatron-bridge"], var.trainer_profile)
+    error_message = "trainer_profile is nemo-24.12 or megatron-bridge."
+  }
+}
+
+variable "trainer_profiles" {
+  type        = map(string)
+  description = "Per-dataset trainer profiles (RETRAIN_PROFILES): dataset -> nemo-24.12 or megatron-bridge. A dataset keeps the profile its champion checkpoint was written by."
+  default     = {}
+  validation {
+    condition     = alltrue([for name in values(var.trainer_profiles) : contains(["nemo-24.12", "megatron-bridge"], name)])
+    error_message = "Each trainer profile is nemo-24.12 or megatron-bridge."
+  }
+}
+
+variable "bridge_training_image" {
+  type        = string
+  description = "Container image of the megatron-bridge profile (RETRAIN_BRIDGE_IMAGE): a NeMo Framework release carrying Megatron-Bridge 0.6 (NeMo Framework 26.08)."
+  default     = "nvcr.io/nvidia/nemo:26.08"
 }
 
 variable "steps_per_run" {

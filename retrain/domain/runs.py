@@ -89,6 +89,9 @@ class Champion:
     """Its validation loss, when its run validated."""
     eval_set: str | None = None
     """The dataset's eval set that loss was measured on (None: its run's own validation split)."""
+    profile: str = "nemo-24.12"
+    """The trainer profile that wrote it: its checkpoint format is that trainer's (a champion recorded
+    before profiles were recorded was NeMo 24.12's, the only one then)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,7 +99,12 @@ class Champion:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Champion:
         return cls(
-            str(d["run_id"]), str(d["checkpoint"]), int(d["step"]), d.get("val_loss"), d.get("eval_set")
+            str(d["run_id"]),
+            str(d["checkpoint"]),
+            int(d["step"]),
+            d.get("val_loss"),
+            d.get("eval_set"),
+            str(d.get("profile") or "nemo-24.12"),
         )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from retrain import config
 from retrain.k8s.render import render_provisioning_request, to_yaml
-from retrain.trainers import PlanError, TokenizerFiles
+from retrain.trainers import PlanError, TokenizerFiles, profiles
 
 
 def _blend(groups: list[list[str]]) -> list[Any]:
@@ -61,11 +61,17 @@ def render_jobset_command(args: argparse.Namespace, settings: config.Settings) -
         pipeline_parallel=args.pipeline_parallel,
         steps_per_run=args.steps,
         seq_length=args.seq_length,
-        image=args.image,
         profile=args.profile,
+        profiles="",
         gpudirect_tcpx=not args.no_tcpx,
     )
-    base = Champion("base", args.base_checkpoint, args.base_step) if args.base_checkpoint else None
+    if args.image:  # the image of the profile rendered
+        settings = dataclasses.replace(settings, image=args.image, bridge_image=args.image)
+    base = (
+        Champion("base", args.base_checkpoint, args.base_step, profile=args.profile)
+        if args.base_checkpoint
+        else None
+    )
     if bool(args.vocab_file) != bool(args.merge_file):
         raise PlanError("--vocab-file and --merge-file go together")
     tokenizer = (
@@ -105,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     js.add_argument("--base-step", type=int, default=0, help="the base checkpoint's step")
     js.add_argument("--vocab-file", help="default: GPT-2's, where the tokenize job keeps it")
     js.add_argument("--merge-file")
-    js.add_argument("--image", default=settings.image)
-    js.add_argument("--profile", default=settings.profile)
+    js.add_argument("--profile", default=settings.profile, choices=sorted(profiles()))
+    js.add_argument("--image", help="default: the profile's image setting")
     js.add_argument("--no-tcpx", action="store_true", help="multi-node without GPUDirect-TCPX")
     js.add_argument("--json", action="store_true", help="JSON instead of YAML")
 

@@ -7,8 +7,9 @@ it provides -- files at container paths (:attr:`LocalImage.files`) and executabl
 environment names is translated to the host path standing for it: an image file, a pod's emptyDir
 folder, or the folder standing for a Cloud Storage FUSE mount (:mod:`retrain.local.gcsfuse`).
 
-The local stack plays the deployment's training image with :data:`NEMO_STANDIN`: NeMo's pre-training
-script is :mod:`retrain.train.standin` and ``torchrun`` is PyTorch's own (or, without PyTorch, the
+The local stack plays the deployment's training images with :data:`NEMO_STANDIN` (NeMo's pre-training
+script is :mod:`retrain.train.standin`) and :data:`BRIDGE_STANDIN` (Megatron-Bridge's run_recipe.py is
+:mod:`retrain.train.bridge_standin`); in both ``torchrun`` is PyTorch's own (or, without PyTorch, the
 stand-in launcher :mod:`retrain.local.torchrun`).  :data:`HOST` runs commands as they are (tests).
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrain.trainers import nemo
+from retrain.trainers import megatron_bridge, nemo
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 HOST = "local"
 #: The local stand-in of the NeMo 24.12 image (``nvcr.io/nvidia/nemo:24.12`` in the deployment).
 NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
+#: The local stand-in of a NeMo Framework image with Megatron-Bridge (``nvcr.io/nvidia/nemo:26.08``).
+BRIDGE_STANDIN = "retrain.local/megatron-bridge-standin"
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,13 @@ def _launcher_dir(workdir: Path) -> str:
 
 def local_images(workdir: Path) -> dict[str, LocalImage]:
     """The images the twin can run, by name."""
-    standin = LocalImage(
-        files={nemo.SCRIPT: str(REPO / "retrain" / "train" / "standin.py")},
-        path=(_launcher_dir(workdir),),
+    launcher = (_launcher_dir(workdir),)
+    train = REPO / "retrain" / "train"
+    nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher)
+    bridge_image = LocalImage(
+        files={megatron_bridge.RUN_RECIPE: str(train / "bridge_standin.py")}, path=launcher
     )
-    return {HOST: LocalImage(), NEMO_STANDIN: standin}
+    return {HOST: LocalImage(), NEMO_STANDIN: nemo_image, BRIDGE_STANDIN: bridge_image}
 
 
 def translate(text: str, mapping: Mapping[str, str]) -> str:

@@ -29,8 +29,6 @@ the stand-in checks the data and writes no checkpoint.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
 import os
@@ -38,32 +36,30 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from omegaconf import OmegaConf
 
 from retrain.tensorboard import EventWriter, event_file_name
-from retrain.train.data import DataError, WindowSampler, load_blend, split_streams
+from retrain.train.data import DataError, load_blend, split_streams
+from retrain.train.loop import (
+    WHOLE,
+    Loop,
+    Schedule,
+    Shape,
+    fail,
+    finish,
+    run_distributed,
+    say,
+    vocab_size,
+    write_index_mapping,
+)
 from retrain.trainers import PlanError
 from retrain.trainers.hydra import compose
 from retrain.trainers.nemo import CONFIG_DIR, CONFIG_NAME, check_config
 
-#: The stand-in's model, whatever the config's architecture says (two CPU cores must train it).
-D_MODEL, LAYERS, HEADS = 64, 2, 4
 LAST = "-last"
-
-
-def say(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(msg, flush=True)
-
-
-def fail(msg: str) -> int:
-    print(f"Error executing job: {msg}", file=sys.stderr, flush=True)
-    return 1
 
 
 def checkpoint_name(template: str, metrics: dict[str, float]) -> str:
@@ -84,46 +80,6 @@ def latest_last(checkpoints: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-@dataclass
-class Schedule:
-    """NeMo's ``CosineAnnealing`` with warm-up: linear to ``lr`` over ``warmup`` steps, then cosine down to
-    ``min_lr`` at ``max_steps``."""
-
-    lr: float
-    min_lr: float
-    warmup: int
-    max_steps: int
-
-    def at(self, step: int) -> float:
-        if self.warmup and step <= self.warmup:
-            return self.lr * step / self.warmup
-        span = max(1, self.max_steps - self.warmup)
-        progress = min(1.0, (step - self.warmup) / span)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def vocab_size(vocab_file: str) -> int:
-    """Rows of the embedding: the vocabulary file's ids (GPT-2's ``encoder.json``: 50257)."""
-    try:
-        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"model.tokenizer.vocab_file {vocab_file}: {e}") from None
-    return max(int(i) for i in vocab.values()) + 1
-
-
-#: A split string that puts every document in the first split (a per-split blend is used whole).
-WHOLE = "1,0,0"
-
-
-def write_index_mapping(cfg: Any, blend: Any, into: Path) -> None:
-    """Megatron's index-mapping files: each dataset's shuffled train document order, one ``.npy``."""
-    into.mkdir(parents=True, exist_ok=True)
-    for d in blend.datasets:
-        key = hashlib.md5(f"{d.prefix}|{cfg.model.data.splits_string}|{cfg.model.seed}".encode()).hexdigest()
-        rng = np.random.default_rng(int(cfg.model.seed))
-        np.save(into / f"{key}_train_doc_idx.npy", rng.permutation(d.data.documents).astype(np.int32))
-
-
 def data_check(cfg: Any) -> int:
     """Without PyTorch: read and check every dataset of the blend, train nothing."""
     from retrain.train.datacheck import check
@@ -135,17 +91,7 @@ def data_check(cfg: Any) -> int:
 
 
 def train(cfg: Any) -> int:
-    import torch
-
-    from retrain.train import gpt
-
-    dist = gpt.init_distributed()
-    gpt.configure_threads(None, dist)
-    try:
-        return _train(cfg, dist, torch, gpt)
-    finally:
-        if dist.active and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    return run_distributed(lambda dist, torch, gpt: _train(cfg, dist, torch, gpt))
 
 
 def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
@@ -177,83 +123,51 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     if blend.max_token_id() >= vocab:
         raise DataError(f"the data holds token id {blend.max_token_id()}, beyond the vocabulary of {vocab}")
     if dist.main:
-        write_index_mapping(cfg, blend, Path(str(data.index_mapping_dir)))
+        write_index_mapping(
+            blend, str(data.splits_string), int(cfg.model.seed), Path(str(data.index_mapping_dir))
+        )
 
-    seq = int(cfg.model.encoder_seq_length)
-    micro, global_batch = int(cfg.model.micro_batch_size), int(cfg.model.global_batch_size)
-    model_parallel = int(cfg.model.tensor_model_parallel_size) * int(cfg.model.pipeline_model_parallel_size)
-    data_parallel = dist.world // model_parallel
-    accumulation = global_batch // (micro * data_parallel)
+    optim = cfg.model.optim
     max_steps = int(cfg.trainer.max_steps)
     interval = int(cfg.trainer.val_check_interval)
-    optim = cfg.model.optim
     schedule = Schedule(float(optim.lr), float(optim.sched.min_lr), int(optim.sched.warmup_steps), max_steps)
-    torch.manual_seed(int(cfg.model.seed))
-    model = gpt.GPT(gpt.GPTConfig(vocab_size=vocab, seq_len=seq, d_model=D_MODEL, layers=LAYERS, heads=HEADS))
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=schedule.at(1),
+    shape = Shape(
+        vocab=vocab,
+        seq_length=int(cfg.model.encoder_seq_length),
+        micro_batch_size=int(cfg.model.micro_batch_size),
+        global_batch_size=int(cfg.model.global_batch_size),
+        model_parallel=int(cfg.model.tensor_model_parallel_size)
+        * int(cfg.model.pipeline_model_parallel_size),
+        seed=int(cfg.model.seed),
         weight_decay=float(optim.weight_decay),
-        betas=tuple(optim.betas),
+        betas=(float(optim.betas[0]), float(optim.betas[1])),
+        val_batches=int(cfg.trainer.limit_val_batches),
+        clip=float(cfg.trainer.gradient_clip_val or 0),
     )
+    loop = Loop(torch, gpt, dist, shape, train_streams, valid_streams)
     step, consumed = 0, 0
     best: list[tuple[float, Path]] = []
     if ckpt_path is not None:
         state = gpt.load_checkpoint(ckpt_path / "model.pt")
-        if dict(state["config"]) != asdict(model.cfg):
-            return fail(f"{ckpt_path} holds a model of another shape: {state['config']}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if (why := loop.restore(state, optimizer=True)) is not None:
+            return fail(f"{ckpt_path}: {why}")
         step, consumed = int(state["step"]), int(state["consumed_samples"])
         best = [(float(v), checkpoints / n) for v, n in state.get("best", []) if (checkpoints / n).exists()]
         say(f"restored {ckpt_path} at step {step}")
     if dist.main:
         for stale in checkpoints.glob("*") if checkpoints.exists() else []:
             gpt.discard_partial_saves(stale / "model.pt")
-    net = torch.nn.parallel.DistributedDataParallel(model) if dist.active else model
-    sampler = WindowSampler(train_streams, seq, int(cfg.model.seed))
-    validator = WindowSampler(valid_streams, seq, int(cfg.model.seed) + 1) if valid_streams else None
     events = EventWriter(exp / event_file_name()) if dist.main else None
-    say(
-        f"stand-in GPT ({gpt.parameter_count(model):,} parameters) on {dist.world} rank(s): steps "
-        f"{step}->{max_steps}, global batch {global_batch} = micro {micro} x DP {data_parallel} x "
-        f"{accumulation} accumulation, sequence {seq}"
-    )
-    if not validator:
+    say(loop.describe(step, max_steps))
+    if not loop.validator:
         say("warning: the validation split holds no document: no val_loss")
     continuing = bool(cfg.model.get("restore_from_ckpt")) and step < max_steps
 
-    def reduce(value: Any) -> float:
-        value = value.detach().clone()
-        if dist.active:
-            torch.distributed.all_reduce(value)
-            value /= dist.world
-        return float(value)
-
-    def validate() -> float | None:
-        if validator is None:
-            return None
-        model.eval()
-        total = torch.zeros(())
-        batches = max(1, int(cfg.trainer.limit_val_batches))
-        with torch.no_grad():
-            for b in range(batches):
-                batch = torch.from_numpy(validator.batch(micro, b, dist.rank))
-                total += model(batch[:, :-1], batch[:, 1:])
-        model.train()
-        return reduce(total / batches)
-
     def save(name: str, metrics: dict[str, float]) -> Path:
         folder = checkpoints / checkpoint_name(name, metrics)
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "consumed_samples": consumed,
-            "config": asdict(model.cfg),
-            "best": [(v, p.name) for v, p in best],
-        }
-        gpt.save_checkpoint(folder / "model.pt", state)
+        gpt.save_checkpoint(
+            folder / "model.pt", loop.state(step, consumed, best=[(v, p.name) for v, p in best])
+        )
         return folder
 
     def save_last(metrics: dict[str, float]) -> Path:
@@ -268,38 +182,23 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     top_k = int(cfg.exp_manager.checkpoint_callback_params.save_top_k)
     metrics: dict[str, float] = {}
     log_every = max(1, int(cfg.trainer.log_every_n_steps))
-    clip = float(cfg.trainer.gradient_clip_val or 0)
-    if continuing and validator is not None:
+    if continuing and loop.validator is not None:
         # The base checkpoint on this run's validation data, before any training: the eval gate compares
         # the new checkpoint with the champion on the same data (retrain.steps.metrics_from reads it as
         # the val_loss at the base step; NeMo's script validates only during fit, so its runs are
         # compared with the champion's own val_loss instead).
-        base_val = validate()
+        base_val = loop.validate()
         if events and base_val is not None:
             events.scalars(step, {"val_loss": base_val})
             say(f"step {step} (base checkpoint) val_loss {base_val:.4f}")
-    model.train()
     start_step = step
     while step < max_steps:
         step += 1
         lr = schedule.at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for a in range(accumulation):
-            batch = torch.from_numpy(sampler.batch(micro, step, dist.rank, a))
-            sync = a == accumulation - 1 or not dist.active
-            with contextlib.nullcontext() if sync else net.no_sync():
-                loss = net(batch[:, :-1], batch[:, 1:]) / accumulation
-                loss.backward()
-            loss_sum += loss.detach()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        consumed += global_batch
+        loss_sum = loop.step(step, lr)
+        consumed += shape.global_batch_size
         if step % log_every == 0 or step == max_steps or step == start_step + 1:
-            train_loss = reduce(loss_sum)
+            train_loss = loop.reduce(loss_sum)
             if not math.isfinite(train_loss):
                 return fail(f"reduced_train_loss is {train_loss} at step {step}")
             metrics.update(reduced_train_loss=train_loss, consumed_samples=float(consumed), step=step)
@@ -316,7 +215,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
             say(f"step {step}/{max_steps} reduced_train_loss {train_loss:.4f} lr {lr:.2e}")
         if step % interval == 0:  # Lightning's val_check_interval, in steps of the whole training
             metrics.update(consumed_samples=float(consumed), step=step)
-            val = validate()
+            val = loop.validate()
             if val is not None:
                 metrics["val_loss"] = val
                 if events:
@@ -335,10 +234,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
         if last is None or f"step={step}-" not in last.name:
             last = save_last(metrics)  # the end of training saves one too (NeMo's on_train_end)
         say(f"done: step {step}, {time.time() - t0:.1f}s -> {last}")
-    if dist.active:
-        # Rank 0 writes while the others are done: without this, a peer tearing down its gloo pairs
-        # first can abort rank 0 ("terminate called without an active exception").
-        torch.distributed.barrier()
+    finish(dist, torch)
     return 0
 
 

@@ -12,11 +12,12 @@ when the tokenized data is handed over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from retrain.domain.errors import PlanError
+from retrain.tensorboard import Scalar
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class TrainingPlan:
     eval_set: str | None = None
     """``gs://`` Megatron prefix that validates the run instead of its blend's validation split (the
     dataset's fixed evaluation set; null: the split)."""
+    profile: str = "nemo-24.12"
+    """The trainer profile that renders the run's command and reads its results (chosen for the
+    dataset when the run starts; a plan written before profiles were chosen per dataset was NeMo's)."""
 
     @property
     def final_step(self) -> int:
@@ -147,6 +151,22 @@ class TrainingPlan:
         if not self.output_dir.startswith("gs://"):
             out.append(f"output_dir {self.output_dir!r} is not a gs:// URI")
         return out
+
+    def gpt2_files(self, trainer: str) -> TokenizerFiles:
+        """The tokenizer of a plan ready to render for ``trainer``, which reads GPT-2 BPE's vocab and
+        merges files; PlanError when the plan is malformed, has no data yet, or another tokenizer."""
+        problems = self.problems()
+        if problems:
+            raise PlanError("; ".join(problems))
+        if not self.blend or self.tokenizer is None:
+            raise PlanError("the plan has no data yet: render it after tokenizing")
+        tok = self.tokenizer
+        if tok.type != "GPT2BPETokenizer" or not tok.vocab_file or not tok.merge_file:
+            raise PlanError(
+                f"the {trainer} profile trains GPT2BPETokenizer data (vocab and merges files); this run's "
+                f"data was tokenized with {tok.type}"
+            )
+        return tok
 
     def with_data(self, blend: list[Any], tokenizer: TokenizerFiles) -> TrainingPlan:
         """The plan with the tokenized data handed over (validated by the profile that renders it)."""
@@ -206,15 +226,30 @@ class Profile(Protocol):
         ...
 
     def run_dir(self, plan: TrainingPlan) -> str:
-        """``gs://`` folder where the trainer writes this run's checkpoints and TensorBoard events."""
+        """``gs://`` folder where the trainer writes this run's ``checkpoints/`` and TensorBoard events."""
         ...
+
+    def final_checkpoint(self, names: Iterable[str]) -> str | None:
+        """The run's final checkpoint among the names of the folders in ``<run_dir>/checkpoints/``."""
+        ...
+
+    def lineage_scalars(self, scalars: list[Scalar], plan: TrainingPlan) -> list[Scalar]:
+        """The trainer's TensorBoard scalars as ``reduced_train_loss``, ``val_loss`` and
+        ``consumed_samples`` at the lineage's steps (the base checkpoint's step counting)."""
+        ...
+
+
+def profiles() -> dict[str, Profile]:
+    """Every profile, by name."""
+    from retrain.trainers.megatron_bridge import MEGATRON_BRIDGE
+    from retrain.trainers.nemo import NEMO_24_12
+
+    return {NEMO_24_12.name: NEMO_24_12, MEGATRON_BRIDGE.name: MEGATRON_BRIDGE}
 
 
 def profile(name: str) -> Profile:
     """The profile called ``name``; PlanError naming the known ones otherwise."""
-    from retrain.trainers.nemo import NEMO_24_12
-
-    known: dict[str, Profile] = {NEMO_24_12.name: NEMO_24_12}
+    known = profiles()
     try:
         return known[name]
     except KeyError:
@@ -229,4 +264,5 @@ __all__ = [
     "TokenizerFiles",
     "TrainingPlan",
     "profile",
+    "profiles",
 ]

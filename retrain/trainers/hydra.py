@@ -11,13 +11,35 @@ list.
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from retrain.trainers import PlanError
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:+-]+$")
+
+
+def hydra_string(value: str) -> str:
+    """``value`` as a Hydra override value: bare when the grammar reads it back unchanged, else quoted."""
+    if (
+        _PLAIN.match(value)
+        and not re.match(r"^[-+]?[0-9.]", value)
+        and value.lower() not in ("true", "false", "null")
+    ):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def hydra_blend(blend: Sequence[float | str], mount: Callable[[str], str]) -> str:
+    """Megatron's blend ``(weight, prefix, ...)`` as a Hydra list's items, prefixes at their pod paths."""
+    return ",".join(
+        hydra_string(mount(item)) if isinstance(item, str) else repr(float(item)) for item in blend
+    )
+
 
 #: Hydra's global state is per process; compositions take turns.
 _LOCK = threading.Lock()

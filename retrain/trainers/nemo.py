@@ -25,14 +25,16 @@ unmodified file of NVIDIA/NeMo v2.1.0; ``../shared/specs/nemo-24.12/`` has the f
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from retrain.tensorboard import Scalar
 from retrain.trainers import Command, MountPath, PlanError, TrainingPlan
-from retrain.trainers.hydra import compose
+from retrain.trainers.hydra import compose, hydra_blend, hydra_string
 
 NAME = "nemo-24.12"
 SCRIPT = "/opt/NeMo/examples/nlp/language_modeling/megatron_gpt_pretraining.py"
@@ -64,18 +66,7 @@ exec torchrun --nnodes="${{NNODES}}" --nproc-per-node="${{GPUS_PER_NODE}}" \\
   {SCRIPT} "${{args[@]}}"
 """
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_./:+-]+$")
-
-
-def hydra_string(value: str) -> str:
-    """``value`` as a Hydra override value: bare when the grammar reads it back unchanged, else quoted."""
-    if (
-        _PLAIN.match(value)
-        and not re.match(r"^[-+]?[0-9.]", value)
-        and value.lower() not in ("true", "false", "null")
-    ):
-        return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
 
 
 def validation_interval(plan: TrainingPlan) -> int:
@@ -101,22 +92,10 @@ class NemoProfile:
         return f"{plan.output_dir}/{EXPERIMENT}"
 
     def render(self, plan: TrainingPlan, mount: MountPath) -> Command:
-        problems = plan.problems()
-        if problems:
-            raise PlanError("; ".join(problems))
-        if not plan.blend or plan.tokenizer is None:
-            raise PlanError("the plan has no data yet: render it after tokenizing")
-        tok = plan.tokenizer
-        if tok.type != "GPT2BPETokenizer" or not tok.vocab_file or not tok.merge_file:
-            raise PlanError(
-                f"the {NAME} profile trains GPT2BPETokenizer data (vocab and merges files); this run's "
-                f"data was tokenized with {tok.type}"
-            )
+        tok = plan.gpt2_files(NAME)
         shape = plan.shape
         exp_dir = mount(plan.output_dir, write=True)
-        blend = ",".join(
-            hydra_string(mount(item)) if isinstance(item, str) else repr(float(item)) for item in plan.blend
-        )
+        blend = hydra_blend(plan.blend, mount)
         args = [
             f"trainer.num_nodes={shape.nodes}",
             f"trainer.devices={shape.gpus_per_node}",
@@ -148,6 +127,23 @@ class NemoProfile:
         """Compose the script's config as Hydra would, then check what NeMo checks only at start-up."""
         cfg = compose(CONFIG_DIR, CONFIG_NAME, command.args)
         check_config(cfg)
+
+    def final_checkpoint(self, names: Iterable[str]) -> str | None:
+        """The ``-last`` checkpoint, else the one of the highest step (names carry ``step=N``, as
+        NeMo's checkpoint callback writes them)."""
+
+        def step(name: str) -> int:
+            m = _STEP.search(name)
+            return int(m.group(1)) if m else -1
+
+        folders = sorted(set(names), key=lambda n: (step(n), n))
+        lasts = [n for n in folders if n.endswith("-last") or "-last." in n]
+        chosen = lasts or folders
+        return chosen[-1] if chosen else None
+
+    def lineage_scalars(self, scalars: list[Scalar], plan: TrainingPlan) -> list[Scalar]:
+        """NeMo's tags are the neutral ones, and its steps count the restored checkpoint's."""
+        return scalars
 
 
 def data_prefix(plan: TrainingPlan, blend: str, mount: MountPath) -> str:

@@ -16,6 +16,7 @@ import yaml
 from retrain.deployment import Deployment
 from retrain.domain.runs import Champion
 from retrain.k8s.render import (
+    EXAMPLES,
     TCPX_NETWORKS,
     coordinator_address,
     example_jobset,
@@ -262,11 +263,10 @@ def test_schema_checker_catches_mistakes(crds: list[dict[str, Any]]) -> None:
     assert validate({"a": "x"}, {"type": "object", "properties": {"a": {"type": "integer"}}}) != []
 
 
-def test_example_manifest_is_renderer_output() -> None:
-    text = (REPO / "k8s" / "examples" / "jobset.example.yaml").read_text()
-    assert yaml.safe_load(text) == example_jobset(), (
-        "regenerate: python -m retrain.k8s.render > k8s/examples/jobset.example.yaml"
-    )
+@pytest.mark.parametrize("file", sorted(EXAMPLES))
+def test_example_manifests_are_renderer_output(file: str) -> None:
+    text = (REPO / "k8s" / "examples" / file).read_text()
+    assert yaml.safe_load(text) == example_jobset(file), "regenerate: python -m retrain.k8s.render"
 
 
 def test_kueue_manifests_match_crd_schemas(crds: list[dict[str, Any]]) -> None:

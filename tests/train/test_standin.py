@@ -14,36 +14,27 @@ from training_support import (
     REPO,
     child_env,
     nemo_args,
-    pattern_documents,
+    pattern_bucket,
     random_documents,
     tiny_tokenizer,
     write_dataset,
 )
+from training_support import torchrun as run_torchrun
 
-from retrain.local.emulators import free_port
 from retrain.tensorboard import read_scalars
 
 STANDIN = REPO / "retrain" / "train" / "standin.py"
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
 
 
-def torchrun(args: list[str], nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nnodes 1 --nproc-per-node N standin.py ARGS`` as the JobSet's launcher runs it."""
-    launcher = Path(sys.executable).with_name("torchrun")
-    argv = [str(launcher), "--nnodes=1", f"--nproc-per-node={nproc}", "--node-rank=0"]
-    argv += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", str(STANDIN), *args]
-    return subprocess.run(
-        argv, cwd=REPO, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout
-    )
+def torchrun(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    return run_torchrun(STANDIN, args, nproc)
 
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bucket "b" as a pod sees it: a counting pattern (60 documents) and a 16-id tokenizer."""
-    root = tmp_path_factory.mktemp("gcs")
-    write_dataset(root / "b" / "shards" / "p" / "data_text_document", pattern_documents(60, 120))
-    tiny_tokenizer(root / "b" / "tok")
-    return root
+    return pattern_bucket(tmp_path_factory.mktemp("gcs"))
 
 
 def checkpoints(mount: Path, run_id: str) -> list[str]:
