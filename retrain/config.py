@@ -191,14 +191,15 @@ class Settings:
         return out
 
     def profile_of(self, dataset: str) -> str:
-        """The trainer profile of ``dataset``'s runs (``profiles``, else ``profile``)."""
+        """The trainer profile of ``dataset``'s runs (``profiles``, else ``profile``); ValueError for a
+        malformed ``profiles``, whichever dataset asks."""
+        chosen: dict[str, str] = {}
         for item in filter(None, (part.strip() for part in self.profiles.split(","))):
-            name, _, chosen = item.partition("=")
-            if not DATASET_RE.match(name) or not chosen:
+            name, _, value = (part.strip() for part in item.partition("="))
+            if not DATASET_RE.match(name) or not value:
                 raise ValueError(f"RETRAIN_PROFILES: {item!r} is not DATASET=PROFILE")
-            if name == dataset:
-                return chosen
-        return self.profile
+            chosen[name] = value
+        return chosen.get(dataset, self.profile)
 
     def image_of(self, profile: str) -> str:
         """The training image of ``profile``."""

@@ -83,6 +83,7 @@ def training_plan(
         output_dir=run_root(settings, run_id),
         base_checkpoint=champion.checkpoint if champion else None,
         base_step=champion.step if champion else 0,
+        base_consumed_samples=(champion.consumed_samples or 0) if champion else 0,
         eval_set=eval_set,
         profile=trainer,
     )

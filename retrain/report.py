@@ -246,7 +246,7 @@ def render(run: Run, scalars: Sequence[Scalar]) -> str:
 
 def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -> Path:
     """Render ``run``'s page with the loss curve its trainer left (read through ``store``) to ``path``."""
-    trainer = profile(run.profile or settings.profile)
+    trainer = profile(run.profile or "nemo-24.12")  # a record without one was NeMo's, the only one then
     plan = replace(
         training_plan(settings, run.run_id, None), base_step=run.base_step or 0, profile=trainer.name
     )

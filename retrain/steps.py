@@ -173,6 +173,7 @@ class Steps:
         promoted = retried
         if verdict is not None and verdict.promoted and checkpoint is not None and run is not None:
             step = metrics.steps if metrics else plan.final_step
-            new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set, plan.profile)
+            consumed = metrics.consumed_samples if metrics else None
+            new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set, plan.profile, consumed)
             promoted = self.ledger.promote(run.dataset, new)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

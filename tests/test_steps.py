@@ -170,7 +170,7 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.checkpoint == last and record.metrics == answer["metrics"]
     champion = steps.ledger.champion("results")
-    assert champion == Champion(plan["run_id"], last, 60, pytest.approx(3.1))
+    assert champion == Champion(plan["run_id"], last, 60, pytest.approx(3.1), consumed_samples=480)
     assert steps.handle(request(StepName.RESULTS, plan))["promoted"] is True  # a retried step: same answer
     # the next run continues from it
     nxt = training_plan(steps.settings, "results-next", champion)
@@ -336,7 +336,7 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
     results are read from Bridge's layout (iter_NNNNNNN checkpoints, ``lm loss`` tags) at lineage steps,
     and the champion remembers its profile, so the next run continues in Bridge's terms."""
     steps.settings = dataclasses.replace(steps.settings, profiles="other=nemo-24.12,bridged=megatron-bridge")
-    base = Champion("old", "gs://x/runs/old/checkpoints/iter_0000040", 40, 3.5, None, "megatron-bridge")
+    base = Champion("old", "gs://x/runs/old/checkpoints/iter_0000040", 40, 3.5, None, "megatron-bridge", 320)
     plan = new_run(steps, "bridged", base)
     assert plan["profile"] == "megatron-bridge"
     write_report(plan)
@@ -366,13 +366,13 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
         "run_steps": 60,
         "final_loss": 3.0,
         "val_loss": 3.0,
-        "consumed_samples": 480,
-        "tokens_seen": 480 * steps.settings.seq_length,
+        "consumed_samples": 800,  # the lineage's: the base's 320 and Bridge's own count of 480 from 0
+        "tokens_seen": 800 * steps.settings.seq_length,
         "base_val_loss": pytest.approx(3.4),
     }
     champion = steps.ledger.champion("bridged")
     assert champion == Champion(
-        plan["run_id"], f"{out}/checkpoints/iter_0000060", 100, 3.0, None, "megatron-bridge"
+        plan["run_id"], f"{out}/checkpoints/iter_0000060", 100, 3.0, None, "megatron-bridge", 800
     )
     # the same dataset under NeMo's profile cannot continue from a Bridge checkpoint
     steps.settings = dataclasses.replace(steps.settings, profiles="")

@@ -171,15 +171,16 @@ def test_an_eval_set_is_megatron_cores_blend_per_split() -> None:
     given = overrides(command)
     held = "[[/gcs/retrain-artifacts/eval/held_text_document],null]"
     assert given["dataset.split"] == "null" and "dataset.data_path" not in given
-    assert given["dataset.blend_per_split"].endswith(f",{held},{held}]")
+    # no test split: Bridge would log its end-of-run test loss under the validation tag
+    assert given["dataset.blend_per_split"].endswith(f",{held},null]")
     cfg = compose(read_launch(command.args).overrides)
     train, validation, test = cfg.dataset.blend_per_split
-    assert list(validation[0]) == list(test[0]) == ["/gcs/retrain-artifacts/eval/held_text_document"]
+    assert list(validation[0]) == ["/gcs/retrain-artifacts/eval/held_text_document"] and test is None
     assert len(train[0]) == len(train[1]) == len(example_plan().blend) // 2
 
 
 def test_results_are_read_in_bridges_layout_at_lineage_steps() -> None:
-    plan = bridge_plan(base_step=40)
+    plan = bridge_plan(base_step=40, base_consumed_samples=320)
     names = ["iter_0000030", "iter_0000060", "latest_checkpointed_iteration.txt"]
     assert MEGATRON_BRIDGE.final_checkpoint(names) == "iter_0000060"
     assert MEGATRON_BRIDGE.final_checkpoint(["latest_train_state.pt"]) is None
@@ -193,7 +194,7 @@ def test_results_are_read_in_bridges_layout_at_lineage_steps() -> None:
     assert [(s.tag, s.step, s.value) for s in lineage] == [
         ("val_loss", 40, 3.5),
         ("reduced_train_loss", 100, 3.0),
-        ("consumed_samples", 100, 480.0),
+        ("consumed_samples", 100, 800.0),  # the base's 320 and this run's 480: Bridge restarted at 0
     ]
 
 
@@ -210,6 +211,8 @@ def test_the_profile_is_chosen_per_dataset_and_kept_by_its_lineage() -> None:
     assert training_plan(settings, "legal-2", nemo_champion, "legal").base_step == 60
     # a champion recorded before profiles were recorded was NeMo's
     assert Champion.from_dict({"run_id": "a", "checkpoint": "gs://c", "step": 1}).profile == "nemo-24.12"
+    with pytest.raises(ValueError, match="RETRAIN_PROFILES: 'oops' is not DATASET=PROFILE"):
+        config.load({"RETRAIN_PROFILES": "news = megatron-bridge, oops"}).profile_of("news")  # any dataset
     with pytest.raises(PlanError, match="RETRAIN_PROFILES: 'news' is not DATASET=PROFILE"):
         training_plan(config.load({"RETRAIN_PROFILES": "news"}), "news-3", None, "news")
     with pytest.raises(

@@ -92,6 +92,9 @@ class Champion:
     profile: str = "nemo-24.12"
     """The trainer profile that wrote it: its checkpoint format is that trainer's (a champion recorded
     before profiles were recorded was NeMo 24.12's, the only one then)."""
+    consumed_samples: int | None = None
+    """Sequences its lineage trained on up to it (None: not recorded), so that a trainer whose count
+    restarts at a pretrained checkpoint (Megatron-Bridge) still reports the lineage's."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +108,7 @@ class Champion:
             d.get("val_loss"),
             d.get("eval_set"),
             str(d.get("profile") or "nemo-24.12"),
+            d.get("consumed_samples"),
         )
 
 
@@ -249,7 +253,7 @@ class Run:
     nodes_at_end: int | None = None
     """GPU nodes still up when it ended (0 when every GPU went back)."""
     profile: str | None = None
-    """The trainer profile that rendered its command (``nemo-24.12``)."""
+    """The trainer profile that rendered its command (``nemo-24.12`` or ``megatron-bridge``)."""
     image: str | None = None
     """The training container's image."""
     command: list[str] | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -435,6 +436,12 @@ def example_jobset(file: str = "jobset.example.yaml") -> dict[str, Any]:
 
     name, image = EXAMPLES[file]
     plan = example_plan()
+    if name == "megatron-bridge":  # its lineage's base is Bridge's own checkpoint folder
+        plan = replace(
+            plan,
+            profile=name,
+            base_checkpoint="gs://retrain-artifacts/runs/previous/checkpoints/iter_0000060",
+        )
     mounts = GcsMounts()
     return render_jobset(
         plan.run_id,

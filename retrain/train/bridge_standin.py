@@ -28,6 +28,7 @@ validation data (the eval gate compares on the same data; Bridge itself does not
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -83,9 +84,10 @@ def data_check(cfg: Any) -> int:
     """Without PyTorch: read and check every dataset of the blend, train nothing."""
     from retrain.train.datacheck import check
 
-    prefixes = [p for entry in cfg.dataset.blend_per_split or [] for p in entry[0]] or cfg.dataset.data_path
+    per_split = [entry for entry in cfg.dataset.blend_per_split or [] if entry is not None]
+    prefixes = [p for entry in per_split for p in entry[0]] or cfg.dataset.data_path
     metrics = check(prefixes.split() if isinstance(prefixes, str) else list(prefixes))
-    say(f"PyTorch is not installed: checked the data instead of training: {metrics}")
+    say(f"PyTorch is not installed: checked the data instead of training: {json.dumps(metrics)}")
     return 0
 
 
@@ -147,6 +149,10 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     )
     loop = Loop(torch, gpt, dist, shape, train_streams, valid_streams)
     step, consumed, pretrained = 0, 0, False
+    base = Path(str(cfg.checkpoint.pretrained_checkpoint)) if cfg.checkpoint.pretrained_checkpoint else None
+    weights = pretrained_weights(base) if base is not None else None
+    if base is not None and weights is None:  # CheckpointConfig.finalize asserts it, resuming or not
+        return fail(f"Pretrained checkpoint {base} does not exist")
     resumed = tracked_iteration(load_dir)
     if resumed is not None:  # checkpoint.load wins: the run's own progress, everything restored
         state = gpt.load_checkpoint(load_dir / checkpoint_folder(resumed) / "model.pt")
@@ -154,11 +160,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
             return fail(f"checkpoint.load {load_dir}: {why}")
         step, consumed = int(state["step"]), int(state["consumed_samples"])
         say(f"resumed {load_dir} at iteration {step}")
-    elif cfg.checkpoint.pretrained_checkpoint:
-        base = Path(str(cfg.checkpoint.pretrained_checkpoint))
-        weights = pretrained_weights(base)
-        if weights is None:  # CheckpointConfig.finalize asserts it exists
-            return fail(f"Pretrained checkpoint {base} does not exist")
+    elif base is not None and weights is not None:
         if (why := loop.restore(gpt.load_checkpoint(weights), optimizer=False)) is not None:
             return fail(f"checkpoint.pretrained_checkpoint {base}: {why}")
         pretrained = True

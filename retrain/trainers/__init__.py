@@ -135,6 +135,8 @@ class TrainingPlan:
     profile: str = "nemo-24.12"
     """The trainer profile that renders the run's command and reads its results (chosen for the
     dataset when the run starts; a plan written before profiles were chosen per dataset was NeMo's)."""
+    base_consumed_samples: int = 0
+    """Sequences the lineage had trained on up to the base checkpoint (0: none, or not recorded)."""
 
     @property
     def final_step(self) -> int:

@@ -17,11 +17,12 @@ Bridge needs Python 3.12 and GPU-only packages, so it is not imported):
   the GPT of NeMo 24.12's ``megatron_gpt_config.yaml`` (12 layers, width 768, FFN 3072, 12 heads), the
   recipe's own being empty (0 layers);
 - data: ``dataset.data_path=[w,prefix,...]`` (data-preparation.md: "the CLI-friendly ``data_path`` field
-  is converted to Megatron Core's ``blend``"), or with the dataset's eval set megatron-core's
-  ``dataset.blend_per_split`` (train, validation, test) and ``dataset.split=null`` (megatron-core asserts
-  "split and blend_per_split are incompatible"); otherwise ``dataset.split`` is NeMo's 900,50,50 without
-  its test part: Bridge evaluates a test split at the end under the same TensorBoard tag as validation
-  (``eval.py``, ``"{} validation"``), which would hide the run's validation loss;
+  is converted to Megatron Core's ``blend``") split by ``dataset.split``, NeMo's 900,50,50 without its
+  test part: Bridge evaluates a test split at the end under the same TensorBoard tag as validation
+  (``eval.py``, ``"{} validation"``; ``pretrain.py`` after the final validation), which would hide the
+  run's validation loss; with the dataset's eval set, megatron-core's ``dataset.blend_per_split``
+  (train: the blend, validation: the eval set, test: null) and ``dataset.split=null`` (megatron-core
+  asserts "split and blend_per_split are incompatible");
   ``dataset.path_to_cache`` is a writable folder of the run (the shards' folder is read by every run);
 - tokenizer: ``GPT2BPETokenizer`` with the files the data was tokenized with;
 - ``train.train_iters`` / ``global_batch_size`` / ``micro_batch_size`` and the model's parallel sizes from
@@ -241,6 +242,8 @@ def check_config(cfg: Any, launch: Launch) -> None:
             problems.append("dataset.blend_per_split needs three entries: train, validation, test")
         else:
             for name, entry in zip(("train", "validation", "test"), per_split, strict=True):
+                if entry is None and name == "test":
+                    continue  # no test split (megatron-core allows a null entry)
                 prefixes, weights = [*list(entry), None, None][:2] if entry is not None else ([], None)
                 problems += _blend_problems(f"dataset.blend_per_split {name}", list(prefixes or []))
                 if weights is not None and len(weights) != len(prefixes or []):
@@ -295,7 +298,7 @@ class MegatronBridgeProfile:
         if plan.eval_set:
             held_out = f"[[{hydra_string(mount(plan.eval_set))}],null]"
             train = _per_split_train(plan.blend, mount)
-            data = ["dataset.split=null", f"dataset.blend_per_split=[{train},{held_out},{held_out}]"]
+            data = ["dataset.split=null", f"dataset.blend_per_split=[{train},{held_out},null]"]
         else:
             data = [f"dataset.split={hydra_string(SPLIT)}", f"dataset.data_path=[{blend}]"]
         overrides = [
@@ -347,8 +350,9 @@ class MegatronBridgeProfile:
 
     def lineage_scalars(self, scalars: list[Scalar], plan: TrainingPlan) -> list[Scalar]:
         """Bridge's scalars in the neutral tags at lineage steps: its iterations restart at 0 from a
-        pretrained checkpoint, so the base's step is added; consumed samples are the largest sample
-        count ``lm loss vs samples`` was logged at (this run's, Bridge counting from 0 too)."""
+        pretrained checkpoint (``finetune``: no train state restored), so the base's step is added; so
+        are the base's consumed samples to the largest sample count ``lm loss vs samples`` was logged
+        at, Bridge counting those from 0 too."""
         tags = {TRAIN_LOSS_TAG: "reduced_train_loss", VAL_LOSS_TAG: "val_loss"}
         out = [
             Scalar(tags[s.tag], s.step + plan.base_step, s.value, s.wall_time)
@@ -358,7 +362,8 @@ class MegatronBridgeProfile:
         samples = [s for s in scalars if s.tag == SAMPLES_TAG]
         if samples and out:
             last = max(samples, key=lambda s: s.step)
-            out.append(Scalar("consumed_samples", max(s.step for s in out), float(last.step), last.wall_time))
+            total = float(last.step + plan.base_consumed_samples)
+            out.append(Scalar("consumed_samples", max(s.step for s in out), total, last.wall_time))
         return out
 
 

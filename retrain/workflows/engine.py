@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from .callbacks import CallbackHub
+from .discovery import ConnectorCallError, check_call, check_gke_request
 from .errors import (
     ExecutionCancelled,
     WorkflowError,
     WorkflowSyntaxError,
     error,
+    http_error,
     index_error,
     key_error,
     type_error,
@@ -398,6 +400,14 @@ class _Execution:
         sub = self.definition.subworkflows.get(name)
         if sub is not None:
             return self.call_subworkflow(sub, args, depth)
+        if name.startswith("googleapis."):
+            try:  # Google's API answers a call it cannot bind with 400, backend or not
+                check_call(name, args)
+            except ConnectorCallError as e:
+                raise WorkflowError(http_error(400, f"Invalid request: {e}")) from None
+        elif name == "gke.request" and (problem := check_gke_request(args)) is not None:
+            tag, message = problem
+            raise (value_error if tag == "ValueError" else type_error)(message)
         connector = self.connectors.get(name)
         if connector is not None:
             params = args.get("connector_params") or {}

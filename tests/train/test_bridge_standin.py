@@ -80,15 +80,25 @@ def test_continual_training_loads_the_base_weights_and_counts_from_zero(mount: P
 
 
 def test_a_restarted_pod_resumes_its_own_run_not_the_base(mount: Path) -> None:
-    args = bridge_args(mount, BLEND, steps=10, run_id="again", base="gs://b/runs/nowhere", base_step=10)
+    args = bridge_args(mount, BLEND, steps=4, run_id="again", base="gs://b/runs/nowhere", base_step=4)
     r = torchrun(args)
     assert r.returncode != 0 and f"Pretrained checkpoint {mount}/b/runs/nowhere does not exist" in r.stderr
-    args = bridge_args(mount, BLEND, steps=10, run_id="again")
-    assert torchrun(args).returncode == 0
-    resumed = torchrun(args)  # the run's own checkpoint.load has iteration 10: nothing left to train
+    assert torchrun(bridge_args(mount, BLEND, steps=4, run_id="origin")).returncode == 0
+    base = "gs://b/runs/origin/checkpoints/iter_0000004"
+    args = bridge_args(mount, BLEND, steps=4, run_id="again", base=base, base_step=4)
+    first = torchrun(args)
+    assert first.returncode == 0 and "loaded the weights of" in first.stdout, first.stderr
+    # the pod again, its run's own checkpoint.load at iteration 4: that wins over the base's weights
+    resumed = torchrun(args)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed {mount}/b/runs/again/checkpoints at iteration 10" in resumed.stdout
-    assert "steps 10->10" in resumed.stdout
+    assert f"resumed {mount}/b/runs/again/checkpoints at iteration 4" in resumed.stdout
+    assert "loaded the weights of" not in resumed.stdout and "steps 4->4" in resumed.stdout
+    # Bridge checks the pretrained checkpoint exists even when it resumes (CheckpointConfig.finalize)
+    gone = bridge_args(
+        mount, BLEND, steps=4, run_id="again", base="gs://b/runs/origin/checkpoints/iter_9", base_step=4
+    )
+    r = torchrun(gone)
+    assert r.returncode != 0 and "Pretrained checkpoint" in r.stderr and "does not exist" in r.stderr
 
 
 def test_a_datasets_eval_set_validates_instead_of_the_split(mount: Path) -> None:
@@ -96,7 +106,7 @@ def test_a_datasets_eval_set_validates_instead_of_the_split(mount: Path) -> None
     write_megatron(mount / "b" / "eval" / "noise_text_document", random_documents(20, 16))
     args = bridge_args(mount, BLEND, steps=20, run_id="evalset", eval_set="gs://b/eval/noise_text_document")
     prefix, noise = f"{mount}/b/shards/p/data_text_document", f"{mount}/b/eval/noise_text_document"
-    assert f"dataset.blend_per_split=[[[{prefix}],[1.0]],[[{noise}],null],[[{noise}],null]]" in args
+    assert f"dataset.blend_per_split=[[[{prefix}],[1.0]],[[{noise}],null],null]" in args
     assert "dataset.split=null" in args
     r = torchrun(args)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -150,7 +150,7 @@ def test_connector_error_caught_by_except() -> None:
 - t:
     try:
       call: googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch
-      args: {projectId: p}
+      args: {projectId: p, location: l}
       result: r
     except:
       as: e
@@ -163,7 +163,9 @@ def test_connector_error_caught_by_except() -> None:
 
 
 def test_unregistered_connector_fails_loudly() -> None:
-    wf = load_workflow("- a:\n    call: googleapis.run.v1.namespaces.jobs.create\n    args: {x: 1}\n")
+    wf = load_workflow(
+        "- a:\n    call: googleapis.run.v1.namespaces.jobs.create\n    args: {parent: namespaces/p}\n"
+    )
     with pytest.raises(WorkflowSyntaxError) as info:
         wf.run()
     assert info.value.step == "a" and info.value.line == 1

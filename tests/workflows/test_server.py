@@ -13,7 +13,8 @@ import requests
 
 from retrain.workflows import CallbackHub, ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
 
-NOTIFY = "googleapis.test.v1.notify"
+#: The workflow tells the world its callback URL the way a real one would: a Pub/Sub message.
+NOTIFY = "googleapis.pubsub.v1.projects.topics.publish"
 
 CALLBACK_WF = """\
 main:
@@ -25,9 +26,13 @@ main:
           http_callback_method: POST
         result: cb
     - tell:
-        call: googleapis.test.v1.notify
+        call: googleapis.pubsub.v1.projects.topics.publish
         args:
-          url: ${cb.url}
+          topic: projects/p/topics/callbacks
+          body:
+            messages:
+              - attributes:
+                  url: ${cb.url}
     - wait:
         try:
           call: events.await_callback
@@ -66,9 +71,10 @@ class Harness:
         self.server = ExecutionsServer(self.workflows.__getitem__, reg, {"GOOGLE_CLOUD_PROJECT_ID": "p"})
 
     def notify(self, args: dict[str, Any], params: dict[str, Any]) -> Any:
-        self.urls.append(args["url"])
+        url = args["body"]["messages"][0]["attributes"]["url"]
+        self.urls.append(url)
         if self.on_notify is not None:
-            self.on_notify(args["url"])
+            self.on_notify(url)
         return None
 
     def wait_for_url(self, timeout: float = 2.0) -> str:
