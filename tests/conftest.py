@@ -119,6 +119,7 @@ def serve_function(
             "RETRAIN_LANDING_BUCKET": f"land-{project}",
             "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
             "RETRAIN_WORKFLOWS_ENDPOINT": held_executions.base_url,
+            "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": held_executions.grpc_target,
             **extra,
         }
         client = objects.storage_client()

@@ -41,7 +41,10 @@ def executions() -> Iterator[ExecutionsServer]:
 def function(serve_function: Callable[..., ServedFunction], executions: ExecutionsServer) -> ServedFunction:
     """on_object_finalized, its executions echoing their run id (so they succeed at once)."""
     return serve_function(
-        "on_object_finalized", RETRAIN_LANDING_BUCKET="land", RETRAIN_WORKFLOWS_ENDPOINT=executions.base_url
+        "on_object_finalized",
+        RETRAIN_LANDING_BUCKET="land",
+        RETRAIN_WORKFLOWS_ENDPOINT=executions.base_url,
+        RETRAIN_WORKFLOWS_GRPC_ENDPOINT=executions.grpc_target,
     )
 
 

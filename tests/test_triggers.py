@@ -46,7 +46,13 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
     return Ingest(
         settings,
         FirestoreLedger(project),
-        WorkflowsExecutions(project, settings.region, settings.workflow, held_executions.base_url),
+        WorkflowsExecutions(
+            project,
+            settings.region,
+            settings.workflow,
+            held_executions.base_url,
+            grpc_endpoint=held_executions.grpc_target,
+        ),
         objects,
     )
 
@@ -258,6 +264,7 @@ def functions_env(firestore_host: str, gcs_host: str, held_executions: Execution
         "RETRAIN_PROJECT": project,
         "RETRAIN_ARTIFACTS_BUCKET": f"art-{project}",
         "RETRAIN_WORKFLOWS_ENDPOINT": held_executions.base_url,
+        "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": held_executions.grpc_target,
     }
     objects.storage_client().create_bucket(env["RETRAIN_ARTIFACTS_BUCKET"])
     old = {k: os.environ.get(k) for k in env}

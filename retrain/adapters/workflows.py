@@ -1,8 +1,10 @@
-"""Workflow executions through the documented Workflow Executions REST API (v1).
+"""Workflow executions through Google's client, ``google.cloud.workflows.executions_v1.ExecutionsClient``
+(create, get, cancel), and callbacks as authorised HTTP POSTs (no client library covers them).
 
-One adapter for both worlds: in the cloud it calls workflowexecutions.googleapis.com with Google
-credentials; locally ``RETRAIN_WORKFLOWS_ENDPOINT`` points it at retrain's own executions service
-(``retrain.workflows.server``), which serves the same paths, including callbacks.
+One adapter for both worlds: in the cloud the client reaches workflowexecutions.googleapis.com with
+Application Default Credentials; locally ``RETRAIN_WORKFLOWS_GRPC_ENDPOINT`` points it at retrain's
+own executions service (``retrain.workflows.server``, over an insecure channel, as Google's clients reach
+their emulators) and ``RETRAIN_WORKFLOWS_ENDPOINT`` is where that service's callback URLs live.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WorkflowsExecutions:
         endpoint: str | None = None,
         *,
         project_number: str = "",
+        grpc_endpoint: str | None = None,
     ) -> None:
         self.endpoint = (endpoint or os.environ.get("RETRAIN_WORKFLOWS_ENDPOINT") or CLOUD_ENDPOINT).rstrip(
             "/"
@@ -41,6 +44,8 @@ class WorkflowsExecutions:
             f"projects/{p}/locations/{region}/workflows/{workflow}" for p in (project, project_number) if p
         )
         self._session: requests.Session | None = None
+        self.grpc_endpoint = grpc_endpoint or os.environ.get("RETRAIN_WORKFLOWS_GRPC_ENDPOINT", "")
+        self._client: Any = None
 
     @property
     def local(self) -> bool:
@@ -58,26 +63,49 @@ class WorkflowsExecutions:
                 self._session = AuthorizedSession(creds)
         return self._session
 
+    def client(self) -> Any:
+        """The ``ExecutionsClient``: Google's endpoint and credentials, or the local service's."""
+        if self._client is None:
+            from google.cloud.workflows.executions_v1 import ExecutionsClient
+            from google.cloud.workflows.executions_v1.services.executions.transports import (
+                ExecutionsGrpcTransport,
+            )
+
+            if self.local:
+                if not self.grpc_endpoint:
+                    raise RuntimeError(
+                        "RETRAIN_WORKFLOWS_GRPC_ENDPOINT is not set for the local executions service"
+                    )
+                import grpc
+
+                channel = grpc.insecure_channel(self.grpc_endpoint)
+                self._client = ExecutionsClient(transport=ExecutionsGrpcTransport(channel=channel))
+            else:  # pragma: no cover - needs Google credentials
+                self._client = ExecutionsClient()
+        return self._client
+
     def start(self, argument: Mapping[str, Any]) -> str:
         """Create an execution; returns its resource name."""
-        resp = self.session().post(
-            f"{self.endpoint}/v1/{self.parent}/executions",
-            json={"argument": json.dumps(argument), "callLogLevel": "LOG_ERRORS_ONLY"},
-            timeout=30,
+        from google.cloud.workflows.executions_v1 import Execution
+
+        execution = Execution(
+            argument=json.dumps(argument), call_log_level=Execution.CallLogLevel.LOG_ERRORS_ONLY
         )
-        resp.raise_for_status()
-        return str(resp.json()["name"])
+        return str(self.client().create_execution(parent=self.parent, execution=execution, timeout=30).name)
 
     def get(self, execution: str) -> dict[str, Any]:
-        """The execution's resource; ExecutionLost when there is no such execution (404)."""
-        resp = self.session().get(f"{self.endpoint}/v1/{execution}", timeout=30)
-        if resp.status_code == 404:
-            raise ExecutionLost(execution)
-        resp.raise_for_status()
-        return dict(resp.json())
+        """The execution's resource in its REST (JSON) form; ExecutionLost when there is none (404)."""
+        from google.api_core.exceptions import NotFound
+        from google.cloud.workflows.executions_v1 import Execution
+
+        try:
+            found = self.client().get_execution(name=execution, timeout=30)
+        except NotFound:
+            raise ExecutionLost(execution) from None
+        return dict(Execution.to_dict(found, use_integers_for_enums=False, preserving_proto_field_name=False))
 
     def cancel(self, execution: str) -> None:
-        self.session().post(f"{self.endpoint}/v1/{execution}:cancel", json={}, timeout=30).raise_for_status()
+        self.client().cancel_execution(name=execution, timeout=30)
 
     def is_callback_url(self, url: str) -> bool:
         """Only callback URLs of our own workflow's executions may be called with our credentials."""

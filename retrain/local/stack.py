@@ -76,6 +76,7 @@ class Endpoints:
     pubsub: str = ""
     storage: str = ""
     workflows: str = ""
+    workflows_grpc: str = ""
     ingest_function: str = ""
     relay_function: str = ""
     scheduler_function: str = ""
@@ -90,6 +91,7 @@ class Endpoints:
             "PUBSUB_EMULATOR_HOST": self.pubsub,
             "STORAGE_EMULATOR_HOST": self.storage,
             "RETRAIN_WORKFLOWS_ENDPOINT": self.workflows,
+            "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": self.workflows_grpc,
             "KUBECONFIG": self.kubeconfig,
         }
 
@@ -378,8 +380,10 @@ class LocalStack:
         )
         server.start()
         self._closers.append(server.stop)
-        ep.workflows = server.base_url
-        self._setenv({"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows})
+        ep.workflows, ep.workflows_grpc = server.base_url, server.grpc_target
+        self._setenv(
+            {"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows, "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc}
+        )
         self.executions = server
 
         self.progress("starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event")

@@ -1,4 +1,5 @@
-"""A local Workflow Executions service speaking the shape of the REST API v1.
+"""A local Workflow Executions service: the API v1 over gRPC (:mod:`retrain.workflows.grpc_service`,
+what ``ExecutionsClient`` speaks) and the shape of its REST API over HTTP (callbacks included).
 
 ``retrain.adapters.workflows.WorkflowsExecutions`` talks to this exactly as it talks to
 workflowexecutions.googleapis.com, so the local stack exercises the same client code, callbacks
@@ -97,6 +98,9 @@ class ExecutionsServer:
         self.base_url = f"http://{host_name!s}:{real_port}"
         self.hub = CallbackHub(self.base_url)
         self._serve_thread: threading.Thread | None = None
+        self._grpc: Any = None
+        self.grpc_target = ""
+        """``host:port`` of the gRPC side (``ExecutionsClient``), once started."""
 
     @classmethod
     def holding(cls) -> ExecutionsServer:
@@ -111,6 +115,10 @@ class ExecutionsServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> ExecutionsServer:
+        if self._grpc is None:
+            from retrain.workflows.grpc_service import serve
+
+            self._grpc, self.grpc_target = serve(self, str(self._httpd.server_address[0]))
         if self._serve_thread is None:
             self._serve_thread = threading.Thread(
                 target=self._httpd.serve_forever,
@@ -126,6 +134,9 @@ class ExecutionsServer:
             records = list(self._records.values())
         for rec in records:
             rec.cancel.set()
+        if self._grpc is not None:
+            self._grpc.stop(grace=None)
+            self._grpc = None
         if self._serve_thread is not None:
             self._httpd.shutdown()
             self._serve_thread.join(timeout=5)
@@ -169,6 +180,26 @@ class ExecutionsServer:
         rec.thread.start()
         log.info("started execution %s", name)
         return name
+
+    def create(self, parent: str, argument: Any) -> dict[str, Any]:
+        """CreateExecution: the new execution's resource; ValueError for a bad parent or argument (the
+        API's INVALID_ARGUMENT), KeyError naming an unknown workflow (NOT_FOUND)."""
+        parts = parent.split("/")
+        if len(parts) != 6 or parts[0] != "projects" or parts[2] != "locations" or parts[4] != "workflows":
+            raise ValueError(f"bad parent {parent}")
+        if not isinstance(argument, str):
+            raise ValueError("invalid argument: argument must be a JSON string")
+        if len(argument.encode()) > MAX_ARGUMENT_BYTES:
+            raise ValueError(
+                f"invalid argument: argument is {len(argument.encode())} bytes; the size limit is 32KB"
+            )
+        try:
+            if argument:
+                json.loads(argument)
+        except ValueError as exc:
+            raise ValueError(f"invalid argument: {exc}") from None
+        workflow = self.resolve(parts[5])
+        return self.get(self.start_execution(workflow, argument, parent=parent))
 
     def _run(self, rec: _Record) -> None:
         env = dict(self.env)
@@ -319,36 +350,13 @@ class ExecutionsServer:
                     self._fail(404, "NOT_FOUND", f"execution {exc.args[0]} not found")
 
             def _create(self, parent: str, body: bytes) -> None:
-                parts = parent.split("/")
-                if (
-                    len(parts) != 6
-                    or parts[0] != "projects"
-                    or parts[2] != "locations"
-                    or parts[4] != "workflows"
-                ):
-                    self._fail(400, "INVALID_ARGUMENT", f"bad parent {parent}")
-                    return
                 try:
                     request = json.loads(body or b"{}")
-                    argument = request.get("argument") or ""
-                    if not isinstance(argument, str):
-                        raise ValueError("argument must be a JSON string")
-                    if len(argument.encode()) > MAX_ARGUMENT_BYTES:
-                        raise ValueError(
-                            f"argument is {len(argument.encode())} bytes; the size limit is 32KB"
-                        )
-                    if argument:
-                        json.loads(argument)
+                    self._send(200, server.create(parent, request.get("argument") or ""))
+                except KeyError as exc:
+                    self._fail(404, "NOT_FOUND", f"workflow {exc.args[0]} not found")
                 except ValueError as exc:
-                    self._fail(400, "INVALID_ARGUMENT", f"invalid argument: {exc}")
-                    return
-                try:
-                    workflow = server.resolve(parts[5])
-                except KeyError:
-                    self._fail(404, "NOT_FOUND", f"workflow {parts[5]} not found")
-                    return
-                name = server.start_execution(workflow, argument, parent=parent)
-                self._send(200, server.get(name))
+                    self._fail(400, "INVALID_ARGUMENT", str(exc))
 
             def do_GET(self) -> None:
                 self._handle("GET")

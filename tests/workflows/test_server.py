@@ -221,7 +221,10 @@ def test_argument_over_32kb_is_rejected_as_the_api_does(harness: Harness) -> Non
 def test_adapter_client_against_server(harness: Harness) -> None:
     from retrain.adapters.workflows import WorkflowsExecutions
 
-    client = WorkflowsExecutions("p", "l", "retrain", endpoint=harness.server.base_url)
+    # Google's ExecutionsClient over gRPC for create/get, the REST side for callbacks
+    client = WorkflowsExecutions(
+        "p", "l", "retrain", endpoint=harness.server.base_url, grpc_endpoint=harness.server.grpc_target
+    )
     name = client.start({"job": "j5", "timeout": 5})
     url = harness.wait_for_url()
     assert client.is_callback_url(url)
@@ -230,6 +233,18 @@ def test_adapter_client_against_server(harness: Harness) -> None:
     while client.get(name)["state"] == "ACTIVE" and time.monotonic() < deadline:
         time.sleep(0.02)
     assert json.loads(client.get(name)["result"])["body"] == {"status": "DONE"}
+    # the client's own errors: NOT_FOUND is a lost execution, INVALID_ARGUMENT the API's 32 KB limit
+    from google.api_core.exceptions import InvalidArgument
+
+    from retrain.domain.errors import ExecutionLost
+
+    with pytest.raises(ExecutionLost):
+        client.get("projects/p/locations/l/workflows/retrain/executions/none")
+    with pytest.raises(InvalidArgument, match="32KB"):
+        client.start({"job": "x" * 40_000})
+    held = client.start({"job": "j6", "timeout": 30})
+    client.cancel(held)
+    assert client.get(held)["state"] == "CANCELLED"
 
 
 def test_hub_directly_and_run_with_hub() -> None:
