@@ -235,6 +235,7 @@ def main() -> int:
             "RETRAIN_LANDING_BUCKET": "land",
             "RETRAIN_ARTIFACTS_BUCKET": "art",
             "RETRAIN_WORKFLOWS_ENDPOINT": executions.base_url,
+            "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": executions.grpc_target,
             "WORKERS": str(args.workers),
             "THREADS": str(args.threads),
         }

@@ -1,7 +1,8 @@
 """The composition root: the one place that picks the adapter behind each port.
 
 Cloud and emulator differ only by endpoint (the client libraries' ``*_EMULATOR_HOST`` variables,
-``RETRAIN_WORKFLOWS_ENDPOINT``, ``KUBECONFIG``), so there is one adapter per port and no switch here.
+``RETRAIN_WORKFLOWS_ENDPOINT`` and ``RETRAIN_WORKFLOWS_GRPC_ENDPOINT``, ``KUBECONFIG``), so there is one
+adapter per port and no switch here.
 """
 
 from __future__ import annotations
