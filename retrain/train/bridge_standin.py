@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain.tensorboard import EventWriter, event_file_name
-from retrain.train.data import DataError, load_blend, split_streams
+from retrain.train.data import load_blend, split_streams
 from retrain.train.loop import (
     WHOLE,
     Loop,
@@ -45,8 +45,8 @@ from retrain.train.loop import (
     Shape,
     fail,
     finish,
-    run_distributed,
     say,
+    train_or_check,
     vocab_size,
     write_index_mapping,
 )
@@ -91,10 +91,6 @@ def data_check(cfg: Any) -> int:
     return 0
 
 
-def train(cfg: Any) -> int:
-    return run_distributed(lambda dist, torch, gpt: _train(cfg, dist, torch, gpt))
-
-
 def _streams(cfg: Any) -> tuple[Any, Any, Any]:
     """The training blend and the train and validation streams, as megatron-core splits them."""
     data = cfg.dataset
@@ -123,9 +119,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     t0 = time.time()
     save_dir, load_dir = Path(str(cfg.checkpoint.save)), Path(str(cfg.checkpoint.load))
     blend, train_streams, valid_streams = _streams(cfg)
-    vocab = vocab_size(str(cfg.tokenizer.vocab_file))
-    if blend.max_token_id() >= vocab:
-        raise DataError(f"the data holds token id {blend.max_token_id()}, beyond the vocabulary of {vocab}")
+    vocab = vocab_size(str(cfg.tokenizer.vocab_file), blend)
     seed = int(cfg.rng.seed)
     if dist.main:
         write_index_mapping(
@@ -224,12 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except PlanError as e:
         return fail(str(e))
-    try:
-        from retrain.train import torch_available
-
-        return train(cfg) if torch_available() else data_check(cfg)
-    except DataError as e:
-        return fail(str(e))
+    return train_or_check(cfg, _train, data_check)
 
 
 if __name__ == "__main__":

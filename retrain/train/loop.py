@@ -41,13 +41,17 @@ def fail(msg: str) -> int:
 WHOLE = "1,0,0"
 
 
-def vocab_size(vocab_file: str) -> int:
-    """Rows of the embedding: the vocabulary file's ids (GPT-2's ``encoder.json``: 50257)."""
+def vocab_size(vocab_file: str, blend: Any) -> int:
+    """Rows of the embedding: the vocabulary file's ids (GPT-2's ``encoder.json``: 50257); DataError when
+    the blend holds a token id beyond them."""
     try:
         vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise DataError(f"tokenizer vocab_file {vocab_file}: {e}") from None
-    return max(int(i) for i in vocab.values()) + 1
+    size = max(int(i) for i in vocab.values()) + 1
+    if blend.max_token_id() >= size:
+        raise DataError(f"the data holds token id {blend.max_token_id()}, beyond the vocabulary of {size}")
+    return size
 
 
 def write_index_mapping(blend: Any, split: str, seed: int, into: Path) -> None:
@@ -183,19 +187,28 @@ class Loop:
         return loss_sum
 
 
-def run_distributed(body: Any) -> int:
-    """``body(dist, torch, gpt)`` in torchrun's process group, torn down after."""
-    import torch
+def train_or_check(cfg: Any, train: Any, check: Any) -> int:
+    """A stand-in's job: ``train(cfg, dist, torch, gpt)`` in torchrun's process group (torn down after),
+    or without PyTorch ``check(cfg)`` (the data read and checked, nothing trained); bad data is the
+    job's failure message, not a traceback."""
+    from retrain.train import torch_available
 
-    from retrain.train import gpt
-
-    dist = gpt.init_distributed()
-    gpt.configure_threads(None, dist)
     try:
-        return int(body(dist, torch, gpt))
-    finally:
-        if dist.active and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if not torch_available():
+            return int(check(cfg))
+        import torch
+
+        from retrain.train import gpt
+
+        dist = gpt.init_distributed()
+        gpt.configure_threads(None, dist)
+        try:
+            return int(train(cfg, dist, torch, gpt))
+        finally:
+            if dist.active and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    except DataError as e:
+        return fail(str(e))
 
 
 def finish(dist: Any, torch: Any) -> None:

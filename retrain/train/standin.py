@@ -42,7 +42,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from retrain.tensorboard import EventWriter, event_file_name
-from retrain.train.data import DataError, load_blend, split_streams
+from retrain.train.data import load_blend, split_streams
 from retrain.train.loop import (
     WHOLE,
     Loop,
@@ -50,8 +50,8 @@ from retrain.train.loop import (
     Shape,
     fail,
     finish,
-    run_distributed,
     say,
+    train_or_check,
     vocab_size,
     write_index_mapping,
 )
@@ -90,10 +90,6 @@ def data_check(cfg: Any) -> int:
     return 0
 
 
-def train(cfg: Any) -> int:
-    return run_distributed(lambda dist, torch, gpt: _train(cfg, dist, torch, gpt))
-
-
 def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     t0 = time.time()
     exp = Path(cfg.exp_manager.exp_dir) / str(cfg.exp_manager.name)
@@ -119,9 +115,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
         blend = load_blend(list(data.data_prefix))
         train_streams = split_streams(blend, data.splits_string, 0)
         valid_streams = split_streams(blend, data.splits_string, 1)
-    vocab = vocab_size(str(cfg.model.tokenizer.vocab_file))
-    if blend.max_token_id() >= vocab:
-        raise DataError(f"the data holds token id {blend.max_token_id()}, beyond the vocabulary of {vocab}")
+    vocab = vocab_size(str(cfg.model.tokenizer.vocab_file), blend)
     if dist.main:
         write_index_mapping(
             blend, str(data.splits_string), int(cfg.model.seed), Path(str(data.index_mapping_dir))
@@ -251,12 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(
             f"torchrun started {world} process(es) but trainer.num_nodes x trainer.devices = {expected}"
         )
-    try:
-        from retrain.train import torch_available
-
-        return train(cfg) if torch_available() else data_check(cfg)
-    except DataError as e:
-        return fail(str(e))
+    return train_or_check(cfg, _train, data_check)
 
 
 if __name__ == "__main__":
