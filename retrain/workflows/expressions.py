@@ -10,6 +10,7 @@ Operator precedence follows the "Order of operations" table of the Workflows dat
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -512,21 +513,33 @@ def is_expression(value: Any) -> bool:
 
 
 def compile_value(value: Any) -> Any:
-    """Replace every whole-value ``${...}`` string in a YAML value with a compiled :class:`Expr`."""
+    """Replace every whole-value ``${...}`` string in a YAML value with a compiled :class:`Expr`. A map
+    key written as ``${...}`` is a dynamic key, evaluated when the map is ("when using dynamic keys in
+    a map defined with braces, wrap the expression in quotes": cloud.google.com/workflows/docs/reference/
+    syntax/maps, "Map definition"); it stays the key's text here and is parsed now (and once)."""
     if is_expression(value):
         return Expr(value, parse_expression(value[2:-1]))
     if isinstance(value, dict):
+        for key in value:
+            if is_expression(key):
+                _key_expression(key)
         return {k: compile_value(v) for k, v in value.items()}
     if isinstance(value, list):
         return [compile_value(v) for v in value]
     return value
 
 
+@functools.cache
+def _key_expression(key: str) -> Expr:
+    return Expr(key, parse_expression(key[2:-1]))
+
+
 def expressions_in(value: Any) -> list[Expr]:
     if isinstance(value, Expr):
         return [value]
     if isinstance(value, dict):
-        return [e for v in value.values() for e in expressions_in(v)]
+        keys = [_key_expression(k) for k in value if is_expression(k)]
+        return keys + [e for v in value.values() for e in expressions_in(v)]
     if isinstance(value, list):
         return [e for v in value for e in expressions_in(v)]
     return []
@@ -550,10 +563,19 @@ def evaluate_value(value: Any, ctx: Context) -> Any:
     if isinstance(value, Expr):
         return evaluate(value.node, ctx)
     if isinstance(value, dict):
-        return {k: evaluate_value(v, ctx) for k, v in value.items()}
+        return {_evaluate_key(k, ctx): evaluate_value(v, ctx) for k, v in value.items()}
     if isinstance(value, list):
         return [evaluate_value(v, ctx) for v in value]
     return value
+
+
+def _evaluate_key(key: Any, ctx: Context) -> Any:
+    if not is_expression(key):
+        return key
+    evaluated = evaluate(_key_expression(key).node, ctx)
+    if not isinstance(evaluated, str):
+        raise type_error(f"map keys must be strings, got {wtype(evaluated)} from {key}")
+    return evaluated
 
 
 def evaluate(node: Node, ctx: Context) -> Any:

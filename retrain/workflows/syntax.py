@@ -8,6 +8,7 @@ halfway through a retraining run.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,17 +18,23 @@ import yaml
 from .errors import WorkflowSyntaxError
 from .expressions import (
     Attr,
+    Binary,
     Call,
     Expr,
     ExpressionSyntaxError,
     Index,
+    ListLit,
+    MapLit,
+    Node,
+    Unary,
     Var,
     compile_value,
+    dotted_name,
     expressions_in,
     parse_expression,
     walk,
 )
-from .stdlib import FUNCTIONS, POLICIES
+from .stdlib import FUNCTIONS, OBJECTS, POLICIES
 
 # --------------------------------------------------------------------------- line-tracking YAML
 
@@ -221,6 +228,16 @@ _ALLOWED: dict[str, set[str]] = {
 }
 BLOCKING_IN_EXPRESSIONS = "blocking"
 
+# Limits Google enforces when a workflow is deployed. "Each switch block can include a maximum of 50
+# conditions" (cloud.google.com/workflows/docs/reference/syntax/conditions); the others are the bounds of
+# Google's own JSON schema of the language (GoogleCloudPlatform/workflows-samples,
+# jsonschema/workflows.json: assign maxItems 50, branches maxItems 10, params maxItems 10; its branches
+# minItems 2 is not enforced here: no Google page says a one-branch parallel step is refused).
+MAX_ASSIGNMENTS = 50
+MAX_CONDITIONS = 50
+MAX_BRANCHES = 10
+MAX_PARAMS = 10
+
 
 class _Builder:
     def __init__(self, subworkflow_names: set[str]) -> None:
@@ -302,6 +319,12 @@ class _Builder:
         items = body["assign"]
         if not isinstance(items, list) or not items:
             raise self.fail("assign expects a non-empty list of single-key maps", step.name, step.line)
+        if len(items) > MAX_ASSIGNMENTS:
+            raise self.fail(
+                f"an assign step holds at most {MAX_ASSIGNMENTS} assignments, this one {len(items)}",
+                step.name,
+                step.line,
+            )
         for item in items:
             if not isinstance(item, dict) or len(item) != 1:
                 raise self.fail(
@@ -372,6 +395,12 @@ class _Builder:
         conds = body["switch"]
         if not isinstance(conds, list) or not conds:
             raise self.fail("switch expects a non-empty list of conditions", step.name, step.line)
+        if len(conds) > MAX_CONDITIONS:
+            raise self.fail(
+                f"a switch step holds at most {MAX_CONDITIONS} conditions, this one {len(conds)}",
+                step.name,
+                step.line,
+            )
         step.switch = []
         for raw in conds:
             line = _line(raw, default=step.line)
@@ -455,6 +484,12 @@ class _Builder:
             items = raw["branches"]
             if not isinstance(items, list) or not items:
                 raise self.fail("branches must be a non-empty list", step.name, line)
+            if len(items) > MAX_BRANCHES:
+                raise self.fail(
+                    f"a parallel step has at most {MAX_BRANCHES} branches, this one {len(items)}",
+                    step.name,
+                    line,
+                )
             branches = []
             for item in items:
                 bline = _line(item, default=line)
@@ -687,11 +722,125 @@ def _check_calls(defn: Definition, steps: list[Step]) -> None:
             _check_calls(defn, block)
 
 
+# --------------------------------------------------------------------------- symbols and scopes
+#
+# Google checks every symbol when a workflow is deployed: "symbol 'varC' is neither a variable nor a
+# sub-workflow name" (cloud.google.com/workflows/docs/troubleshooting, "Deployment errors"). A variable
+# exists in the scope that creates it (an assign step, a call's result, a parameter); "a variable created
+# inside a for loop belongs to the local scope of that loop ... accessing it outside of the loop will raise
+# an error when deploying the workflow. This local scoping also applies to any variable created inside an
+# except block" (cloud.google.com/workflows/docs/reference/syntax/variables, "Variable scope"), and a
+# parallel branch's new variables are its own (only ``shared`` ones are the parent's).
+
+
+def _scope_names(steps: list[Step]) -> set[str]:
+    """Variables a scope creates: its own steps' and those of the blocks that are not scopes of their
+    own (nested ``steps``, ``switch`` blocks, ``try`` bodies); for bodies, parallel branches and except
+    blocks are."""
+    out: set[str] = set()
+    for step in steps:
+        out.update(t.root for t, _ in step.assign)
+        if step.result:
+            out.add(step.result.split(".")[0].split("[")[0])
+        for block, boundary in _child_blocks(step):
+            if not boundary and not (step.except_ and block is step.except_.steps):
+                out.update(_scope_names(block))
+    return out
+
+
+def _own_values(step: Step) -> list[Any]:
+    """Every value of a step evaluated in the step's own scope (not those of its nested blocks)."""
+    values: list[Any] = []
+    for target, value in step.assign:
+        values.append(value)
+        values.extend(Expr(target.text, n) for n in target.path if isinstance(n, Node))
+    values.append(step.args)
+    values.extend(c.condition for c in step.switch or [])
+    loops = [step.for_, step.parallel.for_ if step.parallel else None]
+    values.extend(v for loop in loops if loop for v in (loop.in_, loop.range_))
+    if step.parallel:
+        values.append(step.parallel.concurrency_limit)
+    if step.retry:
+        r = step.retry
+        values.extend([r.policy, r.predicate, r.max_retries, r.initial_delay, r.max_delay, r.multiplier])
+    if step.kind in ("raise", "return"):
+        values.append(step.value)
+    return values
+
+
+def _reads(node: Node) -> Iterator[str]:
+    """Each variable read of an expression, as its whole dotted chain (``a.b.c``) when it is one."""
+    chain = dotted_name(node)
+    if chain is not None:
+        yield chain
+        return
+    if isinstance(node, Attr):
+        children = [node.obj]
+    elif isinstance(node, Index):
+        children = [node.obj, node.index]
+    elif isinstance(node, Call):
+        children = list(node.args)
+    elif isinstance(node, Unary):
+        children = [node.operand]
+    elif isinstance(node, Binary):
+        children = [node.left, node.right]
+    elif isinstance(node, ListLit):
+        children = list(node.items)
+    elif isinstance(node, MapLit):
+        children = [n for kv in node.items for n in kv]
+    else:
+        children = []
+    for child in children:
+        yield from _reads(child)
+
+
+def _unknown_symbol(expr: Expr, visible: set[str], subworkflows: dict[str, Subworkflow]) -> str | None:
+    """The first name ``expr`` reads that is no visible variable, sub-workflow or standard-library
+    object used as a value (``http.default_retry``), else None."""
+    for chain in _reads(expr.node):
+        root = chain.split(".", 1)[0]
+        if root in visible or root in subworkflows:
+            continue
+        if chain in FUNCTIONS or chain in POLICIES or chain in OBJECTS:
+            continue
+        return root
+    return None
+
+
+def _loops(step: Step) -> list[ForSpec]:
+    return [loop for loop in (step.for_, step.parallel.for_ if step.parallel else None) if loop]
+
+
+def _check_symbols(defn: Definition, steps: list[Step], visible: set[str]) -> None:
+    for step in steps:
+        for expr in (e for value in _own_values(step) for e in expressions_in(value)):
+            unknown = _unknown_symbol(expr, visible, defn.subworkflows)
+            if unknown is not None:
+                raise WorkflowSyntaxError(
+                    f"symbol '{unknown}' is neither a variable nor a sub-workflow name", step.name, step.line
+                )
+        loop_vars = {n for loop in _loops(step) for n in (loop.value, loop.index) if n}
+        except_as = {step.except_.as_} if step.except_ and step.except_.as_ else set()
+        for block, boundary in _child_blocks(step):
+            inner = visible
+            if boundary:  # a for body (with its loop variables) or a parallel branch
+                inner = visible | _scope_names(block)
+                if any(block is loop.steps for loop in _loops(step)):
+                    inner |= loop_vars
+            elif step.except_ and block is step.except_.steps:
+                inner = visible | except_as | _scope_names(block)
+            _check_symbols(defn, block, inner)
+
+
 def _params(raw: Any, name: str, line: int) -> list[Param]:
     if raw is None:
         return []
     if not isinstance(raw, list):
         raise WorkflowSyntaxError("params must be a list", name, line)
+    if len(raw) > MAX_PARAMS:
+        raise WorkflowSyntaxError(
+            f"a subworkflow takes at most {MAX_PARAMS} params, this one {len(raw)}", name, line
+        )
     out = []
     for item in raw:
         if isinstance(item, str):
@@ -744,6 +893,7 @@ def build_definition(data: Any) -> Definition:
         _check_jumps(sub.steps, set(), False, {})
         _check_calls(defn, sub.steps)
         _check_parallel(sub, sub.steps, {p.name for p in sub.params})
+        _check_symbols(defn, sub.steps, {p.name for p in sub.params} | _scope_names(sub.steps))
     return defn
 
 

@@ -1,8 +1,9 @@
 """Runs every documented-behaviour workflow under conformance/ and checks its declared outcome.
 
 Each YAML file states its expectation in header comments (``# expect: JSON``,
-``# expect_error: JSON`` and optionally ``# args: JSON``); JSON definitions use a ``.expect``
-sidecar holding the same keys.
+``# expect_error: JSON``, ``# expect_deploy_error: "message"`` for what Google refuses when the workflow
+is deployed, and optionally ``# args: JSON``); JSON definitions use a ``.expect`` sidecar holding the same
+keys.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from retrain.workflows import WorkflowError, load_workflow
+from retrain.workflows.errors import WorkflowSyntaxError
 
 HERE = Path(__file__).parent / "conformance"
 CASES = sorted(p for p in HERE.iterdir() if p.suffix in (".yaml", ".json"))
@@ -27,7 +29,7 @@ def expectations(path: Path) -> dict[str, Any]:
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        for key in ("args", "expect", "expect_error"):
+        for key in ("args", "expect", "expect_error", "expect_deploy_error"):
             prefix = f"# {key}:"
             if line.startswith(prefix):
                 out[key] = json.loads(line[len(prefix) :])
@@ -53,12 +55,18 @@ def test_cases_exist() -> None:
     assert len(CASES) >= 30
     for case in CASES:
         exp = expectations(case)
-        assert ("expect" in exp) != ("expect_error" in exp), f"{case.name} must declare one outcome"
+        outcomes = [k for k in ("expect", "expect_error", "expect_deploy_error") if k in exp]
+        assert len(outcomes) == 1, f"{case.name} must declare one outcome"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
 def test_conformance(case: Path) -> None:
     exp = expectations(case)
+    if "expect_deploy_error" in exp:
+        with pytest.raises(WorkflowSyntaxError) as refused:
+            load_workflow(case)
+        assert exp["expect_deploy_error"] in str(refused.value)
+        return
     wf = load_workflow(case)
     if "expect" in exp:
         result = wf.run(exp.get("args"), execution_name=EXECUTION)

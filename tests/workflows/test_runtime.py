@@ -362,6 +362,9 @@ def test_http_get_post_and_errors(http_stub: Any) -> None:
       body: {{x: 1}}
       headers: {{Authorization: Bearer t}}
     result: p
+- declare:  # a variable the except block creates would be its own (refused when read after it)
+    assign:
+      - err: null
 - m:
     try:
       call: http.get

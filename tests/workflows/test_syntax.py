@@ -174,3 +174,60 @@ main:
 """
     err = syntax_error(src)
     assert (err.step, err.line) == ("deep", 8)
+
+
+# --- limits Google enforces at deployment (retrain.workflows.syntax: the conditions page's 50, and the
+# bounds of Google's JSON schema, GoogleCloudPlatform/workflows-samples jsonschema/workflows.json) ---
+
+
+def assign_step(n: int) -> str:
+    return (
+        "- a:\n    assign:\n"
+        + "".join(f"      - v{i}: {i}\n" for i in range(n))
+        + "- done:\n    return: ${v0}\n"
+    )
+
+
+def switch_step(n: int) -> str:
+    conditions = "".join(f"      - condition: ${{x == {i}}}\n        next: done\n" for i in range(n))
+    return (
+        "- init:\n    assign:\n      - x: 1\n- s:\n    switch:\n" + conditions + "- done:\n    return: ${x}\n"
+    )
+
+
+def parallel_step(n: int) -> str:
+    branches = "".join(
+        f"        - b{i}:\n            steps:\n              - s{i}:\n                  return: {i}\n"
+        for i in range(n)
+    )
+    return "- p:\n    parallel:\n      branches:\n" + branches
+
+
+def subworkflow_with(n: int) -> str:
+    params = ", ".join(f"p{i}" for i in range(n))
+    head = "main:\n  steps:\n    - done:\n        return: 1\n"
+    return head + f"sub:\n  params: [{params}]\n  steps:\n    - r:\n        return: ${{p0}}\n"
+
+
+def test_an_assign_step_holds_at_most_50_assignments() -> None:
+    assert load_workflow(assign_step(50)).run() == 0
+    err = syntax_error(assign_step(51))
+    assert err.step == "a" and "at most 50 assignments, this one 51" in str(err)
+
+
+def test_a_switch_step_holds_at_most_50_conditions() -> None:
+    assert load_workflow(switch_step(50)).run() == 1
+    err = syntax_error(switch_step(51))
+    assert err.step == "s" and "at most 50 conditions, this one 51" in str(err)
+
+
+def test_a_parallel_step_has_at_most_10_branches() -> None:
+    load_workflow(parallel_step(10))
+    err = syntax_error(parallel_step(11))
+    assert err.step == "p" and "at most 10 branches, this one 11" in str(err)
+
+
+def test_a_subworkflow_takes_at_most_10_params() -> None:
+    load_workflow(subworkflow_with(10))
+    err = syntax_error(subworkflow_with(11))
+    assert err.step == "sub" and "at most 10 params, this one 11" in str(err)
