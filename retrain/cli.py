@@ -6,6 +6,7 @@ Subcommands that belong to one component delegate to it (``workflows``, ``tokeni
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,44 @@ def _executions(settings: config.Settings) -> Any:
     from retrain import composition
 
     return composition.orchestrator(settings)
+
+
+@contextlib.contextmanager
+def reach(
+    args: argparse.Namespace, *, running: bool, local: Callable[[], config.Settings] = stack_settings
+) -> Iterator[config.Settings]:
+    """The settings a command acts with, and the way there. A deployment target: its own settings, as its
+    functions load them, with Google's clients and Application Default Credentials. The local stack:
+    attached (``running``: one must be up), or else through the ledger its last stop kept."""
+    from retrain import targets
+
+    target = targets.selected(args.target)
+    if not target.local:
+        yield target.settings()
+        return
+    from retrain.local.stack import attach, ledger_access
+
+    settings = local()
+    if running:
+        attach(settings)
+        yield settings
+        return
+    with ledger_access(settings):
+        yield settings
+
+
+def local_only(args: argparse.Namespace) -> None:
+    """Refuse a local-stack command aimed at a deployment, saying what does the same there."""
+    from retrain import targets
+
+    target = targets.selected(args.target)
+    if not target.local:
+        s = target.settings()
+        raise RuntimeError(
+            f"`retrain {args.command}` works on the local stack, not on target {target.name!r}; against a "
+            f"deployment, data lands with `gcloud storage cp FILE gs://{s.landing_bucket}/{s.landing_prefix}"
+            f"DATASET/` and `retrain --target {target.name} run` seals it"
+        )
 
 
 def format_run(run: Run) -> str:
@@ -131,15 +171,21 @@ def operator_identity(cloud: bool = False) -> str:
 
     if cloud:
         import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
 
-        credentials, _ = google.auth.default()
+        try:
+            credentials, _ = google.auth.default()
+        except DefaultCredentialsError:
+            return f"{getpass.getuser()} (no Google credentials)"
         email = getattr(credentials, "service_account_email", None) or getattr(credentials, "account", "")
         if email and email != "default":
             return str(email)
     return f"{getpass.getuser()} (local)"
 
 
-def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str, ingest: Any = None) -> str:
+def request_cancel(
+    ledger: Any, executions: Any, run_id: str, reason: str, ingest: Any = None, *, cloud: bool = False
+) -> str:
     """Ask a run to stop through its callback channel: its workflow then releases every GPU itself.
 
     A run whose execution no longer exists is recorded as failed ("execution lost") and what it left
@@ -161,7 +207,7 @@ def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str, inges
         if ingest is not None:
             ingest.reap()
         return f"run {run_id}'s execution no longer exists: recorded as failed, its capacity reaped"
-    payload = {"state": "Cancelled", "reason": reason, "requested_by": operator_identity()}
+    payload = {"state": "Cancelled", "reason": reason, "requested_by": operator_identity(cloud)}
     code = executions.send_callback(run.callback_url, payload)
     if code >= 300:
         raise RuntimeError(f"the run's workflow did not take the cancel (HTTP {code})")
@@ -169,27 +215,26 @@ def request_cancel(ledger: Any, executions: Any, run_id: str, reason: str, inges
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from retrain.local.stack import attach
+    from retrain import composition, targets
 
-    settings = stack_settings()
-    attach(settings)
-    executions = _executions(settings)
-    from retrain import composition
-
-    _say(
-        request_cancel(_ledger(settings), executions, args.run_id, args.reason, composition.ingest(settings))
-    )
+    cloud = not targets.selected(args.target).local
+    with reach(args, running=True) as settings:
+        ingest = composition.ingest(settings)
+        _say(
+            request_cancel(ingest.ledger, ingest.orchestrator, args.run_id, args.reason, ingest, cloud=cloud)
+        )
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Seal pending data now, as the manual HTTP entrypoint does (the same Ingest code path)."""
     from retrain import composition
-    from retrain.local.stack import attach
 
-    settings = local_settings()
-    attach(settings)
-    ingest = composition.ingest(settings)
+    with reach(args, running=True, local=local_settings) as settings:
+        return _seal_or_retry(args, composition.ingest(settings))
+
+
+def _seal_or_retry(args: argparse.Namespace, ingest: Any) -> int:
     if args.retry:
         from retrain.domain.errors import Rejected
 
@@ -212,10 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """What sealing now would train and cost, without sealing (the same Ingest the functions run)."""
     from retrain import composition
     from retrain.domain.errors import Rejected
-    from retrain.local.stack import ledger_access
 
-    settings = stack_settings()
-    with ledger_access(settings):
+    with reach(args, running=False) as settings:
         try:
             forecasts = composition.ingest(settings).forecast(args.dataset)
         except Rejected as e:
@@ -247,6 +290,7 @@ REDELIVERY_WAIT_S = 120.0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    local_only(args)
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import LocalStack
 
@@ -290,19 +334,14 @@ def _report(settings: config.Settings, run: Run, output: str | None) -> Path:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """One run's whole life on one self-contained HTML page, from the running local stack."""
-    from retrain.local.stack import attach, stack_file
-
-    settings = stack_settings()
-    if not stack_file(settings).exists():
-        _say("no local stack runs: `retrain up` first (the report reads the run's TensorBoard events)")
-        return 1
-    attach(settings)
-    run = _ledger(settings).get_run(args.run_id)
-    if run is None:
-        _say(f"no run {args.run_id}")
-        return 1
-    print(_report(settings, run, args.output))
+    """One run's whole life on one self-contained HTML page (it reads the run's TensorBoard events, so a
+    local stack must be up)."""
+    with reach(args, running=True) as settings:
+        run = _ledger(settings).get_run(args.run_id)
+        if run is None:
+            _say(f"no run {args.run_id}")
+            return 1
+        print(_report(settings, run, args.output))
     return 0
 
 
@@ -349,6 +388,7 @@ def _clean_up_after_a_crash(state_dir: Path) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    local_only(args)
     from retrain.local.stack import stack_file
 
     settings = stack_settings()
@@ -386,6 +426,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop the background stack, and whatever it started even if it died without stopping it."""
+    local_only(args)
     from retrain.local.stack import stack_file
 
     path = stack_file(stack_settings())
@@ -411,6 +452,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
+    local_only(args)
     from retrain.local.landing import data_files, drop
     from retrain.local.stack import attach
 
@@ -434,10 +476,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from retrain.local.stack import ledger_access
-
-    settings = stack_settings()
-    with ledger_access(settings):
+    with reach(args, running=False) as settings:
         runs = _ledger(settings).list_runs(args.limit)
     if args.json:
         print(json.dumps([r.to_dict() for r in runs], indent=2))
@@ -452,16 +491,50 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from retrain.local.stack import ledger_access
-
-    settings = stack_settings()
-    with ledger_access(settings):
+    with reach(args, running=False) as settings:
         run = _ledger(settings).get_run(args.run_id)
     if run is None:
         _say(f"no run {args.run_id}")
         return 1
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
     return 0
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    """Save, list and show the deployments the CLI can point at (``retrain.targets``)."""
+    from retrain import targets
+
+    if args.action == "save":
+        if bool(args.from_terraform) == bool(args.env_file):
+            raise ValueError("give one of --from-terraform DIR or --env-file FILE")
+        env = (
+            targets.from_terraform(Path(args.from_terraform))
+            if args.from_terraform
+            else targets.from_env_file(Path(args.env_file))
+        )
+        path = targets.save(args.name, env)
+        _say(f"target {args.name} saved in {path}: `retrain --target {args.name} runs`")
+    elif args.action == "list":
+        for name in [targets.LOCAL, *targets.names()]:
+            print(name)
+    else:
+        target = targets.load(args.name)
+        print(json.dumps(target.env, indent=2, sort_keys=True))
+    return 0
+
+
+def _point_at(target_name: str | None) -> None:
+    """Point this process (and a delegated command's ``config.load()``) at the target: a deployment's
+    settings replace every RETRAIN_* setting of the environment; the local stack is attached if it runs."""
+    from retrain import targets
+
+    target = targets.selected(target_name)
+    if target.local:
+        _attach_if_a_local_stack_runs()
+        return
+    for key in config.to_env(config.Settings()):
+        os.environ.pop(key, None)
+    os.environ.update(target.env)
 
 
 #: Subcommands that belong to one component: (module whose main(argv) runs it, help).
@@ -482,6 +555,17 @@ DELEGATES = {
 LOCAL_AWARE = ("reap",)
 
 
+def _split_target(argv: list[str]) -> tuple[str | None, list[str]]:
+    """A leading ``--target NAME`` (or ``--target=NAME``), and the rest of the command line."""
+    if argv and argv[0] == "--target":
+        if len(argv) < 2:
+            raise SystemExit("retrain: --target needs a name")
+        return argv[1], argv[2:]
+    if argv and argv[0].startswith("--target="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    return None, argv
+
+
 def _attach_if_a_local_stack_runs() -> None:
     from retrain.local.stack import attach, stack_file
 
@@ -494,6 +578,12 @@ def _attach_if_a_local_stack_runs() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retrain", description=__doc__)
+    p.add_argument(
+        "--target",
+        metavar="NAME",
+        help="where to act: `local` (the local stack, the default) or a saved deployment "
+        "(`retrain target list`); default $RETRAIN_TARGET",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="start the local stack, drop data, follow the run to the end")
@@ -543,6 +633,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reason", default="cancelled by request")
     c.set_defaults(fn=cmd_cancel)
 
+    t = sub.add_parser("target", help="save, list or show the deployments the CLI can act on")
+    t_sub = t.add_subparsers(dest="action", required=True)
+    ts = t_sub.add_parser("save", help="save a deployment's settings (the app stage's retrain_env output)")
+    ts.add_argument("name")
+    ts.add_argument("--from-terraform", metavar="DIR", help="the applied app stage, e.g. infra/app")
+    ts.add_argument(
+        "--env-file", metavar="FILE", help="KEY=VALUE lines or a JSON object of RETRAIN_* settings"
+    )
+    t_sub.add_parser("list", help="the known targets")
+    tw = t_sub.add_parser("show", help="a target's settings")
+    tw.add_argument("name")
+    t.set_defaults(fn=cmd_target)
+
     for name, (_, helptext) in DELEGATES.items():
         sub.add_parser(name, help=helptext, add_help=False)
     return p
@@ -550,12 +653,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in DELEGATES:
+    target, rest = _split_target(argv)
+    if rest and rest[0] in DELEGATES:
         import importlib
 
-        if argv[0] in LOCAL_AWARE:
-            _attach_if_a_local_stack_runs()
-        return int(importlib.import_module(DELEGATES[argv[0]][0]).main(argv[1:]))
+        try:
+            if rest[0] in LOCAL_AWARE:
+                _point_at(target)
+            elif target is not None:
+                raise ValueError(f"`retrain {rest[0]}` takes no --target")
+        except (RuntimeError, ValueError) as e:
+            _say(f"error: {e}")
+            return 1
+        return int(importlib.import_module(DELEGATES[rest[0]][0]).main(rest[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

@@ -1,8 +1,9 @@
 """The composition root: the one place that picks the adapter behind each port.
 
-Cloud and emulator differ only by endpoint (the client libraries' ``*_EMULATOR_HOST`` variables,
-``RETRAIN_WORKFLOWS_ENDPOINT`` and ``RETRAIN_WORKFLOWS_GRPC_ENDPOINT``, ``KUBECONFIG``), so there is one
-adapter per port and no switch here.
+Cloud and emulator differ only by endpoint (the client libraries' ``*_EMULATOR_HOST`` variables;
+``RETRAIN_WORKFLOWS_ENDPOINT``, ``RETRAIN_WORKFLOWS_GRPC_ENDPOINT`` and ``RETRAIN_CONTAINER_ENDPOINT`` for
+the services without one), so there is one adapter per port and no switch here. The functions and the
+operator's CLI (``retrain --target``) build theirs here alike.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from retrain.ingest import Ingest
 from retrain.steps import Steps
 
 if TYPE_CHECKING:
+    from retrain.adapters.cluster import GkeCluster
     from retrain.adapters.ledger import FirestoreLedger
     from retrain.adapters.workflows import WorkflowsExecutions
 
@@ -34,6 +36,13 @@ def orchestrator(settings: Settings) -> WorkflowsExecutions:
     )
 
 
+def cluster(settings: Settings) -> GkeCluster:
+    """The GKE cluster (:class:`retrain.ports.Cluster`), found through the GKE API."""
+    from retrain.adapters.cluster import GkeCluster
+
+    return GkeCluster(settings)
+
+
 def steps(settings: Settings) -> Steps:
     """The workflow's steps in Python, with their real adapters."""
     from retrain.adapters import objects
@@ -44,13 +53,10 @@ def steps(settings: Settings) -> Steps:
 def ingest(settings: Settings) -> Ingest:
     """Every trigger's handler with its real adapters."""
     from retrain.adapters import objects
-    from retrain.adapters.cluster import GkeCluster
 
     warehouse = None
     if settings.bigquery_tables:
         from retrain.adapters.warehouse import BigQueryWarehouse
 
         warehouse = BigQueryWarehouse(settings.project)
-    return Ingest(
-        settings, ledger(settings), orchestrator(settings), objects, warehouse, GkeCluster(settings)
-    )
+    return Ingest(settings, ledger(settings), orchestrator(settings), objects, warehouse, cluster(settings))

@@ -63,9 +63,6 @@ class Settings:
     write audit-log entries too, and those must not trigger another export."""
     cluster: str = "retrain"
     """GKE cluster name."""
-    cluster_endpoint: str = ""
-    """DNS name of the cluster's DNS-based control-plane endpoint: where the reaper (a function) reaches
-    the Kubernetes API with Google credentials.  Unused when ``KUBECONFIG`` is set (the local stack)."""
     node_pool: str = "a3-dws"
     """The DWS queued-provisioning GPU node pool."""
     namespace: str = "default"

@@ -23,6 +23,7 @@ Terraform step failed or the apply was declined, 2 invalid input, 130 interrupte
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -57,6 +58,8 @@ VAR_RE = re.compile(r"(?:(?P<stage>[a-z]+):)?(?P<key>[A-Za-z_][A-Za-z0-9_-]*)=(?
 RESERVED_VARS = {"project_id": "--project", "region": "--region", "state_bucket": "--state-bucket"}
 
 _TAIL_LINES = 25
+#: Files of the retrain package the functions read rather than import: the trainers' vendored configs.
+FUNCTION_DATA = ("resources", "py.typed")
 _VENDOR_IGNORE = {"__pycache__", "tests", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
 
@@ -223,14 +226,57 @@ def summarize_plan(plan: Mapping[str, Any]) -> PlanSummary:
 # ---------------------------------------------------------------------------------------------
 
 
-def _vendor_ignore(_dir: str, names: list[str]) -> set[str]:
-    return {
-        n for n in names if n in _VENDOR_IGNORE or n.endswith((".pyc", ".pyo")) or n.endswith(".egg-info")
-    }
+def _imports(source: Path, package: str) -> Iterator[str]:
+    """Modules ``source`` imports at run time (anywhere in it, function bodies included; not under
+    ``if TYPE_CHECKING:``), relative imports made absolute against ``package``."""
+    tree = ast.parse(source.read_text(), str(source))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def function_modules(root: Path, package_dir: Path | None = None) -> dict[str, Path]:
+    """The ``retrain`` modules ``functions/main.py`` needs at run time, by dotted name: every module it
+    imports, and theirs, with each package's ``__init__`` (what Python runs on the way in)."""
+    package_dir = package_dir or root / "retrain"
+    found: dict[str, Path] = {}
+    pending = [("", root / "functions" / "main.py")]
+    while pending:
+        name, source = pending.pop()
+        package = name if source.name == "__init__.py" else name.rpartition(".")[0]
+        for imported in _imports(source, package):
+            parts = imported.split(".")
+            if parts[0] != "retrain":
+                continue
+            for depth in range(1, len(parts) + 1):
+                dotted, rel = ".".join(parts[:depth]), Path(*parts[1:depth])
+                candidates = [package_dir / rel / "__init__.py"]
+                if depth > 1:
+                    candidates.append((package_dir / rel).with_suffix(".py"))
+                module = next((c for c in candidates if c.is_file()), None)
+                if module is not None and dotted not in found:
+                    found[dotted] = module
+                    pending.append((dotted, module))
+    return found
 
 
 def build_functions_source(root: Path, dest: Path | None = None) -> Path:
-    """Assemble what infra/app zips and uploads: main.py, requirements.txt and the retrain package.
+    """Assemble what infra/app zips and uploads: main.py, requirements.txt and the parts of the retrain
+    package the functions import (:func:`function_modules`) with its data (``resources/``, ``py.typed``):
+    the Workflows interpreter, the local stack, the CLI and the trainers' stand-ins stay out.
 
     The folder is rebuilt from scratch every time, so nothing stale (or anything else) is uploaded.
     """
@@ -247,10 +293,24 @@ def build_functions_source(root: Path, dest: Path | None = None) -> Path:
     staging.mkdir(parents=True)
     shutil.copy2(src / "main.py", staging / "main.py")
     shutil.copy2(src / "requirements.txt", staging / "requirements.txt")
-    shutil.copytree(package, staging / "retrain", ignore=_vendor_ignore)
+    for module in function_modules(root, package).values():
+        target = staging / "retrain" / module.relative_to(package)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(module, target)
+    for data in FUNCTION_DATA:
+        if (package / data).is_dir():
+            shutil.copytree(package / data, staging / "retrain" / data, ignore=_vendor_ignore)
+        elif (package / data).is_file():
+            shutil.copy2(package / data, staging / "retrain" / data)
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
     return dest
+
+
+def _vendor_ignore(_dir: str, names: list[str]) -> set[str]:
+    return {
+        n for n in names if n in _VENDOR_IGNORE or n.endswith((".pyc", ".pyo")) or n.endswith(".egg-info")
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -617,6 +677,13 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                         raise Declined(name)
                     tf.run(stage, "apply", ["apply", "-input=false", plan_file])
                     carried.update(tf.json(stage, "output", ["output", "-json"]) or {})
+                    if name == "app" and "retrain_env" in carried:
+                        from retrain import targets
+
+                        saved = targets.save(opts.project, carried["retrain_env"]["value"])
+                        progress.say(
+                            f"CLI target {opts.project} saved ({saved}): retrain --target {opts.project} runs"
+                        )
                     if name == "bootstrap":
                         bucket = (carried.get("state_bucket") or {}).get("value")
                         if opts.state_bucket is None and isinstance(bucket, str) and bucket:

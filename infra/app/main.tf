@@ -38,7 +38,6 @@ locals {
     RETRAIN_JOBSET_TOPIC             = local.platform.jobset_topic
     RETRAIN_SCHEDULER_TOPIC          = local.platform.scheduler_topic_id
     RETRAIN_CLUSTER                  = local.platform.cluster_name
-    RETRAIN_CLUSTER_ENDPOINT         = local.platform.cluster_dns_endpoint
     RETRAIN_NODE_POOL                = local.platform.gpu_node_pool
     RETRAIN_NAMESPACE                = local.platform.k8s_namespace
     RETRAIN_TRAINING_KSA             = local.platform.training_ksa

@@ -1,20 +1,136 @@
-"""The GKE cluster's Kubernetes API: the reaper run by the Scheduler's ``reaper`` job, and the relay's
-confirmation that a completion message is true.
+"""The GKE cluster: found through Google's GKE API client, then reached through its Kubernetes API.
 
-Where the API is: ``$KUBECONFIG`` when set (the local stack's envtest control plane), else the
-cluster's DNS-based control-plane endpoint (``RETRAIN_CLUSTER_ENDPOINT``, the platform stage's
-``cluster_dns_endpoint`` output), reached from the functions with the functions account's Google
-access token: no VPC access is needed, and IAM plus Kubernetes RBAC (``k8s/reaper-rbac.yaml``) decide
-what the caller may do.
+``google.cloud.container_v1.ClusterManagerClient.get_cluster`` says where the control plane is and how
+to trust it (:func:`access_of`) and how far its node pools may scale. The Kubernetes API is then called
+with the caller's Google access token, as ``gcloud container clusters get-credentials`` and Terraform's
+kubernetes provider in ``infra/app/versions.tf`` do: through the IAM-authenticated DNS endpoint when the
+platform enabled it (a publicly trusted certificate), through the IP endpoint and the cluster's CA
+otherwise. IAM (``container.clusters.get`` and ``.connect``) and Kubernetes RBAC (``k8s/reaper.yaml``)
+decide what the caller may do.
+
+Cloud and local stack differ only by endpoint: ``RETRAIN_CONTAINER_ENDPOINT`` points the client's REST
+transport at the local stack's GKE API (``retrain.local.gke_api``), and ``RETRAIN_CLUSTER_TOKEN`` is the
+bearer token its control plane accepts in place of a Google access token.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import tempfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from retrain.config import Settings
 from retrain.ports import RunLookup
+
+if TYPE_CHECKING:
+    from retrain.k8s.reaper import ReapReport
+
+CONTAINER_ENDPOINT_VAR = "RETRAIN_CONTAINER_ENDPOINT"
+"""The GKE API's endpoint when it is not Google's (the local stack's): ``http://127.0.0.1:PORT``."""
+CLUSTER_TOKEN_VAR = "RETRAIN_CLUSTER_TOKEN"
+"""A bearer token for the Kubernetes API in place of the caller's Google access token (the local stack's
+control plane token)."""
+
+
+@dataclass(frozen=True)
+class NodePoolSize:
+    """A node pool's autoscaling bounds, as the GKE API reports them."""
+
+    min_nodes: int
+    """Fewest nodes the autoscaler keeps."""
+    max_nodes: int
+    """Most nodes the autoscaler creates."""
+    per_zone: bool
+    """The bounds hold per zone of the pool (``minNodeCount``/``maxNodeCount``) rather than for the
+    whole pool (``totalMinNodeCount``/``totalMaxNodeCount``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes, "per_zone": self.per_zone}
+
+
+@dataclass(frozen=True)
+class ClusterAccess:
+    """Where a cluster's Kubernetes API is and how to trust it, from the GKE API's ``Cluster``."""
+
+    host: str
+    """``https://`` address of the control plane."""
+    ca_pem: str | None
+    """The cluster's CA certificate (PEM) for the IP endpoint; None for the DNS endpoint, whose
+    certificate is publicly trusted."""
+    node_pools: dict[str, NodePoolSize] = field(default_factory=dict)
+    """Autoscaling bounds of each node pool that has autoscaling."""
+
+
+def access_of(cluster: Any) -> ClusterAccess:
+    """The DNS endpoint when it allows external traffic, else the IP endpoint with ``masterAuth``'s CA
+    (the same rule as ``infra/app/versions.tf``'s ``k8s_host``/``k8s_ca``)."""
+    import base64
+
+    dns = cluster.control_plane_endpoints_config.dns_endpoint_config
+    pools = {}
+    for pool in cluster.node_pools:
+        a = pool.autoscaling
+        if not a.enabled:
+            continue
+        total = a.total_max_node_count > 0
+        pools[pool.name] = NodePoolSize(
+            min_nodes=a.total_min_node_count if total else a.min_node_count,
+            max_nodes=a.total_max_node_count if total else a.max_node_count,
+            per_zone=not total,
+        )
+    if dns.endpoint and dns.allow_external_traffic:
+        return ClusterAccess(f"https://{dns.endpoint}", None, pools)
+    if not cluster.endpoint:
+        raise RuntimeError(
+            f"cluster {cluster.name} has no control-plane endpoint yet ({cluster.status.name})"
+        )
+    ca = base64.b64decode(cluster.master_auth.cluster_ca_certificate).decode()
+    return ClusterAccess(f"https://{cluster.endpoint}", ca, pools)
+
+
+def cluster_manager() -> Any:
+    """Google's ``ClusterManagerClient``: its own endpoint and Application Default Credentials, or (with
+    ``RETRAIN_CONTAINER_ENDPOINT``) the local stack's GKE API over the REST transport."""
+    from google.cloud import container_v1
+
+    endpoint = os.environ.get(CONTAINER_ENDPOINT_VAR)
+    if endpoint:
+        from google.api_core.client_options import ClientOptions
+        from google.auth.credentials import AnonymousCredentials
+
+        return container_v1.ClusterManagerClient(
+            transport="rest",
+            credentials=AnonymousCredentials(),
+            client_options=ClientOptions(api_endpoint=endpoint),
+        )
+    return container_v1.ClusterManagerClient()  # pragma: no cover - needs Google credentials
+
+
+_CA_FILES: dict[str, str] = {}
+
+
+def _ca_file(pem: str) -> str:
+    """The kubernetes client reads its CA from a file: one private file per certificate and process
+    (``mkstemp``: a file another user placed in the temp folder is never trusted)."""
+    if pem not in _CA_FILES:
+        fd, path = tempfile.mkstemp(prefix="retrain-cluster-ca-", suffix=".pem")
+        with os.fdopen(fd, "w") as f:
+            f.write(pem)
+        _CA_FILES[pem] = path
+    return _CA_FILES[pem]
+
+
+def _access_token() -> str:
+    token = os.environ.get(CLUSTER_TOKEN_VAR)
+    if token:
+        return token
+    import google.auth  # pragma: no cover - needs Google credentials
+    import google.auth.transport.requests
+
+    credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    credentials.refresh(google.auth.transport.requests.Request())
+    return str(credentials.token)
 
 
 class GkeCluster:
@@ -23,39 +139,63 @@ class GkeCluster:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    def api_client(self) -> Any:
-        from kubernetes import client, config
+    @property
+    def name(self) -> str:
+        """The cluster's resource name in the GKE API."""
+        s = self.settings
+        return f"projects/{s.project}/locations/{s.region}/clusters/{s.cluster}"
 
-        kubeconfig = os.environ.get("KUBECONFIG")
-        if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig)
-        if not self.settings.cluster_endpoint:
-            raise RuntimeError("no KUBECONFIG and no RETRAIN_CLUSTER_ENDPOINT: cannot reach the cluster")
-        import google.auth
-        import google.auth.transport.requests
+    def describe(self) -> ClusterAccess:
+        """The cluster's endpoint, CA and node pool bounds (``projects.locations.clusters.get``)."""
+        from google.api_core.exceptions import NotFound
 
-        credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-        credentials.refresh(google.auth.transport.requests.Request())
+        client = cluster_manager()
+        try:
+            return access_of(client.get_cluster(name=self.name))
+        except NotFound:
+            raise RuntimeError(
+                f"GKE has no cluster {self.name} (settings RETRAIN_PROJECT, RETRAIN_REGION, RETRAIN_CLUSTER)"
+            ) from None
+        finally:
+            client.transport.close()
+
+    def api_client(self, access: ClusterAccess | None = None) -> Any:
+        """A ``kubernetes.client.ApiClient`` for the cluster, with the caller's bearer token."""
+        from kubernetes import client
+
+        access = access or self.describe()
         configuration = client.Configuration()
-        configuration.host = f"https://{self.settings.cluster_endpoint}"
-        configuration.api_key = {"authorization": f"Bearer {credentials.token}"}
+        configuration.host = access.host
+        if access.ca_pem is not None:
+            configuration.ssl_ca_cert = _ca_file(access.ca_pem)
+        configuration.api_key = {"authorization": f"Bearer {_access_token()}"}
         return client.ApiClient(configuration)
 
     def reap(self, runs: RunLookup) -> dict[str, Any]:
-        from retrain.k8s.reaper import default_max_age_s, reap
+        from retrain.k8s.reaper import default_max_age_s
 
-        api = self.api_client()
+        return self.reap_report(runs, max_age_s=default_max_age_s(self.settings)).to_dict()
+
+    def reap_report(self, runs: RunLookup, *, max_age_s: float, dry_run: bool = False) -> ReapReport:
+        """``retrain.k8s.reaper.reap`` on this cluster, with the node pool's bounds in the report."""
+        from retrain.k8s.reaper import reap
+
+        access = self.describe()
+        api = self.api_client(access)
         try:
             report = reap(
                 api,
                 runs,
                 namespace=self.settings.namespace,
                 node_pool=self.settings.node_pool,
-                max_age_s=default_max_age_s(self.settings),
+                max_age_s=max_age_s,
+                dry_run=dry_run,
             )
         finally:
             api.close()
-        return report.to_dict()
+        pool = access.node_pools.get(self.settings.node_pool)
+        report.node_pool_size = pool.to_dict() if pool else None
+        return report
 
     def confirm_completion(self, namespace: str, name: str, uid: str, run_id: str, state: str) -> str | None:
         from kubernetes import client

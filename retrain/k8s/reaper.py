@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -83,6 +82,9 @@ class ReapReport:
     kept: list[Reaped] = field(default_factory=list)
     nodes_up: list[NodeUp] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    node_pool_size: dict[str, Any] | None = None
+    """The node pool's autoscaling bounds as the GKE API reports them (``NodePoolSize.to_dict``); None
+    when the cluster was reached without it (``--kubeconfig``)."""
 
     @property
     def live_runs(self) -> list[str]:
@@ -310,22 +312,16 @@ def render_text(report: ReapReport) -> Iterable[str]:
             f"node {n.name} up {_duration(n.up_s)} ({n.instance_type or 'unknown type'}, {n.gpus} GPUs"
             f"{'' if n.ready else ', not ready'})"
         )
+    if report.node_pool_size:
+        size = report.node_pool_size
+        yield (
+            f"node pool {report.node_pool} scales {size['min_nodes']}..{size['max_nodes']} nodes"
+            f"{' per zone' if size['per_zone'] else ''}"
+        )
     if report.idle_nodes:
         yield (f"ALERT: {len(report.nodes_up)} GPU node(s) of pool {report.node_pool} up with no live run")
     elif not report.nodes_up:
         yield f"node pool {report.node_pool}: no nodes up"
-
-
-def _api_client(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
-    try:
-        config.load_incluster_config()
-    except config.ConfigException as e:
-        raise SystemExit(f"retrain reap: no $KUBECONFIG and not in a cluster ({e})") from None
-    return client.ApiClient()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", default=settings.namespace)
     p.add_argument("--node-pool", default=settings.node_pool)
     p.add_argument("--project", default=settings.project, help="project of the Firestore ledger")
-    p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or None)
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="reach the cluster through this kubeconfig instead of finding it with the GKE API",
+    )
     args = p.parse_args(argv)
     if args.max_age_hours <= 0:
         p.error("--max-age-hours must be positive")
@@ -359,19 +359,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from retrain import composition
 
-    ledger = composition.ledger(dataclasses.replace(settings, project=args.project))
-    api = _api_client(args.kubeconfig)
-    try:
-        report = reap(
-            api,
-            ledger,
-            namespace=args.namespace,
-            node_pool=args.node_pool,
-            max_age_s=args.max_age_hours * 3600,
-            dry_run=args.dry_run,
-        )
-    finally:
-        api.close()
+    settings = dataclasses.replace(
+        settings, project=args.project, namespace=args.namespace, node_pool=args.node_pool
+    )
+    ledger = composition.ledger(settings)
+    max_age_s = args.max_age_hours * 3600
+    if args.kubeconfig:
+        from kubernetes import config
+
+        api = config.new_client_from_config(config_file=args.kubeconfig)
+        try:
+            report = reap(
+                api,
+                ledger,
+                namespace=settings.namespace,
+                node_pool=settings.node_pool,
+                max_age_s=max_age_s,
+                dry_run=args.dry_run,
+            )
+        finally:
+            api.close()
+    else:
+        report = composition.cluster(settings).reap_report(ledger, max_age_s=max_age_s, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

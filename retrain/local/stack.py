@@ -27,9 +27,11 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
+from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR
 from retrain.deployment import AUTOSCALER_SCALE_DOWN_S, LOCAL_TIME_FACTOR, Deployment, ScheduledJob
 from retrain.local import delivery, emulators, processes
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
+from retrain.local.gke_api import GkeApiServer
 
 log = logging.getLogger("retrain.stack")
 
@@ -81,7 +83,8 @@ class Endpoints:
     relay_function: str = ""
     scheduler_function: str = ""
     steps_function: str = ""
-    kubeconfig: str = ""
+    container: str = ""
+    cluster_token: str = ""
     pid: int = 0
 
     def env(self) -> dict[str, str]:
@@ -92,7 +95,8 @@ class Endpoints:
             "STORAGE_EMULATOR_HOST": self.storage,
             "RETRAIN_WORKFLOWS_ENDPOINT": self.workflows,
             "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": self.workflows_grpc,
-            "KUBECONFIG": self.kubeconfig,
+            CONTAINER_ENDPOINT_VAR: self.container,
+            CLUSTER_TOKEN_VAR: self.cluster_token,
         }
 
     def save(self, path: Path) -> None:
@@ -123,17 +127,45 @@ def attach(settings: config.Settings) -> Endpoints:
     return ep
 
 
+#: ``python -c`` body that runs functions-framework with this checkout's editable install of retrain
+#: hidden (setuptools' ``__editable__`` finders), so that the function imports the uploaded copy of the
+#: package on its PYTHONPATH and nothing left out of it, as in the cloud.
+AS_DEPLOYED = (
+    "import runpy, sys\n"
+    "editable = lambda f: getattr(f, '__module__', '').startswith('__editable__')\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]\n"
+    "sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]\n"
+    "sys.path_importer_cache.clear()\n"
+    "runpy.run_module('functions_framework', run_name='__main__', alter_sys=True)\n"
+)
+
+_built_sources: dict[Path, Path] = {}
+
+
+def deployed_functions_source(folder: Path) -> Path:
+    """The function source as ``retrain deploy`` uploads it (``retrain.deploy.build_functions_source``),
+    built once per process into ``folder``/functions-source."""
+    from retrain.deploy import build_functions_source
+
+    folder = folder.resolve()
+    if folder not in _built_sources:
+        _built_sources[folder] = build_functions_source(REPO_ROOT, folder / "functions-source")
+    return _built_sources[folder]
+
+
 def function_server(
     target: str, log_path: Path, env: dict[str, str], signature: str = "cloudevent", port: int | None = None
 ) -> tuple[emulators.ManagedProcess, str]:
-    """A function of functions/main.py served by the real functions-framework; returns it and its URL."""
+    """A function of the deployed source (functions/main.py with the retrain modules it imports, built
+    next to ``log_path``), served by the real functions-framework; returns it and its URL."""
     port = port or emulators.free_port()
+    source = deployed_functions_source(log_path.parent)
     argv = [
         sys.executable,
-        "-m",
-        "functions_framework",
+        "-c",
+        AS_DEPLOYED,
         "--source",
-        str(FUNCTIONS_SOURCE),
+        str(source / "main.py"),
         "--target",
         target,
         "--signature-type",
@@ -143,6 +175,8 @@ def function_server(
         "--port",
         str(port),
     ]
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(source), inherited]))}
     url = f"http://127.0.0.1:{port}"
     return emulators.ManagedProcess(f"function-{target}", argv, log_path, None, env, probe_url=url + "/"), url
 
@@ -280,7 +314,12 @@ class LocalStack:
         control_plane = ControlPlane(self.state_dir / "kube")
         control_plane.start()
         self._closers.append(control_plane.stop)
-        ep.kubeconfig = str(control_plane.kubeconfig)
+        # The GKE API finds the cluster (retrain.adapters.cluster): the control plane as its endpoint,
+        # node pools as infra/platform declares them; its token stands in for a Google access token.
+        kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
+        gke_api = GkeApiServer.for_control_plane(self._deployment, kube.server, kube.ca_file).start()
+        self._closers.append(gke_api.stop)
+        ep.container, ep.cluster_token = gke_api.base_url, kube.token
         self._setenv({**ep.env(), **config.to_env(s)})
 
         client = objects.storage_client()
@@ -327,8 +366,9 @@ class LocalStack:
             pod_env=child_env,
             faults=parse_faults(s.twin_faults),
         )
-        # The pool's bounds are Terraform's (google_container_node_pool.gpu_dws): 0..gpu_max_nodes.
-        twin.set_autoscaling(0, int(self._deployment.platform.output("gpu_max_nodes")))
+        # The pool's bounds are the GKE API's (Terraform's google_container_node_pool.gpu_dws).
+        (pool,) = [p for p in gke_api.cluster.node_pools if p.name == s.node_pool]
+        twin.set_autoscaling(pool.autoscaling.total_min_node_count, pool.autoscaling.total_max_node_count)
         twin.start()
         self._closers.append(twin.stop)
         self.twin = twin
@@ -363,7 +403,7 @@ class LocalStack:
         registry = local_registry(
             firestore_host=ep.firestore,
             pubsub_host=ep.pubsub,
-            kube=KubeEndpoint.from_kubeconfig(control_plane.kubeconfig),
+            kube=kube,
             dataflow=dataflow,
         )
         workflow = load_workflow(WORKFLOW_FILE)

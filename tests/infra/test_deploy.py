@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from retrain import deploy
+from retrain import deploy, targets
+from retrain.deployment import Deployment
 
 hcl2 = pytest.importorskip("hcl2")
 
@@ -121,6 +122,8 @@ OUTPUTS: dict[str, dict[str, Any]] = {
         "gpu_max_nodes": _out(4, "number"),
     },
     "app": {
+        # What infra/app's local.retrain_env evaluates to for this project (the output the CLI saves).
+        "retrain_env": _out(Deployment(project=PROJECT).env, ["map", "string"]),
         "workflow_name": _out("retrain"),
         "function_names": _out({"on_object_finalized": "retrain-on-object-finalized"}, ["map", "string"]),
     },
@@ -246,6 +249,13 @@ def tf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTerraform:
 Run = Callable[..., tuple[int, str, str]]
 
 
+@pytest.fixture(autouse=True)
+def config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where CLI targets are saved: this test's own folder, never the user's."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config"
+
+
 @pytest.fixture
 def run(checkout: Path, capsys: pytest.CaptureFixture[str]) -> Run:
     def _run(*extra: str, project: str = PROJECT, region: str = REGION) -> tuple[int, str, str]:
@@ -312,6 +322,10 @@ def test_stages_run_in_order_each_init_plan_apply(tf: FakeTerraform, run: Run, c
             assert f"{stage}: {step} done in" in err
         assert f"== stage {stage} done in" in err
     assert "platform: 0 to create, 1 to update, 1 to replace, 1 to delete" in err
+    # The applied app stage's settings become the operator CLI's target, named after the project.
+    target = targets.load(PROJECT)
+    assert target.env == Deployment(project=PROJECT).env and target.settings().project == PROJECT
+    assert f"CLI target {PROJECT} saved" in err
 
 
 def test_outputs_become_vars_of_later_stages_only_where_declared(tf: FakeTerraform, run: Run) -> None:
@@ -572,8 +586,11 @@ def test_functions_build_folder_holds_main_requirements_and_the_package(checkout
     assert (built / "main.py").read_text() == (checkout / "functions" / "main.py").read_text()
     assert (built / "requirements.txt").is_file()
     assert (built / "retrain" / "__init__.py").is_file()
-    assert (built / "retrain" / "deploy.py").is_file()
     assert (built / "retrain" / "adapters" / "ledger.py").is_file()
+    assert (built / "retrain" / "resources" / "nemo-24.12").is_dir()
+    # What the functions never import stays out: the interpreter, the local stack, the CLI, the deployer.
+    for absent in ("workflows", "local", "train", "tokenize", "cli.py", "deploy.py", "deployment.py"):
+        assert not (built / "retrain" / absent).exists(), absent
     assert not stale.exists()
     top = {p.name for p in built.iterdir()}
     assert top == {"main.py", "requirements.txt", "retrain"}

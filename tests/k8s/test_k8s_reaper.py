@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from retrain import config
+from retrain.deployment import Deployment
 from retrain.domain.runs import Run, RunStatus
 from retrain.k8s import reaper
 from retrain.k8s.render import (
@@ -18,7 +19,7 @@ from retrain.k8s.render import (
     render_jobset,
     render_provisioning_request,
 )
-from retrain.local.envtest import ControlPlane
+from retrain.local.gke_api import GkeApiServer
 from retrain.trainers import Command
 
 pytestmark = [pytest.mark.envtest, pytest.mark.emulators]
@@ -208,11 +209,12 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     cluster: Cluster,
     ledger: Any,
     project: str,
-    control_plane: ControlPlane,
+    gke_api: GkeApiServer,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
+    """``retrain reap`` finds the cluster through the GKE API (as against a deployment) and reports the
+    pool's autoscaling bounds with it."""
     monkeypatch.setenv("RETRAIN_PROJECT", project)
     monkeypatch.setenv("RETRAIN_NAMESPACE", cluster.ns)
     monkeypatch.setenv("RETRAIN_NODE_POOL", cluster.pool)
@@ -249,20 +251,26 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     cluster.delete_nodes()
     code, out = run_main(capsys, "--max-age-hours", "1")
     assert code == 0 and out["nodes_up"] == [] and out["max_age_s"] == HOUR
+    assert out["node_pool_size"] is None  # this test's pool is not one of the cluster's
+
+    # The deployment's GPU pool: its bounds as the GKE API reports them (infra/platform's gpu_dws pool).
+    gpu_max = Deployment().platform.var("gpu_max_nodes")
+    code, out = run_main(capsys, "--node-pool", "a3-dws", "--dry-run")
+    assert out["node_pool_size"] == {"min_nodes": 0, "max_nodes": gpu_max, "per_zone": False}
+    reaper.main(["--node-pool", "a3-dws", "--dry-run"])
+    assert f"node pool a3-dws scales 0..{gpu_max} nodes\n" in capsys.readouterr().out
 
 
 def test_the_scheduler_reaper_job_reaps_through_the_function_side_adapter(
-    cluster: Cluster, ledger: Any, project: str, control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, ledger: Any, project: str, gke_api: GkeApiServer
 ) -> None:
     """The tick infra/ declares for the "reaper" job, handled by Ingest as the function handles it,
-    reaches the cluster through GkeCluster (KUBECONFIG here, the DNS endpoint in the cloud)."""
+    reaches the cluster through GkeCluster (found with the GKE API, as in the cloud)."""
     import dataclasses
 
     from retrain.adapters.cluster import GkeCluster
-    from retrain.deployment import Deployment
     from retrain.ingest import Action, Ingest
 
-    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
     record(ledger, "live-run", RunStatus.TRAINING)
     cluster.create_run_objects("live-run")
     cluster.create_run_objects("gone-run")  # no record: its execution crashed before writing one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ import pytest
 from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
 from retrain import config
-from retrain.adapters.cluster import GkeCluster
+from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR, GkeCluster
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.errors import Rejected
@@ -32,7 +33,7 @@ from retrain.k8s.notifier import message_for, terminal_state
 from retrain.k8s.render import JOBSET_API, render_jobset
 from retrain.local import delivery
 from retrain.local.emulators import free_port
-from retrain.local.envtest import ControlPlane
+from retrain.local.gke_api import GkeApiServer
 from retrain.local.stack import function_server
 from retrain.trainers import Command
 
@@ -150,10 +151,8 @@ def relay(
     settings: config.Settings,
     api: Any,
     recorder: CallbackRecorder,
-    control_plane: ControlPlane,
-    monkeypatch: pytest.MonkeyPatch,
+    gke_api: GkeApiServer,
 ) -> Relay:
-    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
     return Relay(settings, api, recorder)
 
 
@@ -233,7 +232,7 @@ def test_a_completion_of_an_ended_run_is_ignored(relay: Relay) -> None:
 
 
 def test_a_message_the_function_keeps_failing_on_is_dead_lettered_and_bad_ones_are_not(
-    relay: Relay, tmp_path: Path, pubsub_host: str, firestore_host: str, control_plane: ControlPlane
+    relay: Relay, tmp_path: Path, pubsub_host: str, firestore_host: str
 ) -> None:
     """A confirmed completion whose workflow endpoint is down fails every delivery (500) and is
     dead-lettered after MAX_DELIVERY_ATTEMPTS; a malformed message is acknowledged at once."""
@@ -243,7 +242,8 @@ def test_a_message_the_function_keeps_failing_on_is_dead_lettered_and_bad_ones_a
     env = {
         **config.to_env(relay.settings),
         "FIRESTORE_EMULATOR_HOST": firestore_host,
-        "KUBECONFIG": str(control_plane.kubeconfig),
+        CONTAINER_ENDPOINT_VAR: os.environ[CONTAINER_ENDPOINT_VAR],
+        CLUSTER_TOKEN_VAR: os.environ[CLUSTER_TOKEN_VAR],
         "RETRAIN_WORKFLOWS_ENDPOINT": down,
     }
     proc, url = function_server("on_jobset_event", tmp_path / "relay.log", env)

@@ -1,0 +1,87 @@
+"""Deployment targets of the operator's CLI (``retrain.targets``): read from an applied app stage's
+``retrain_env`` output, saved privately, loaded exactly."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from retrain import config, targets
+from retrain.deployment import Deployment
+
+
+@pytest.fixture(autouse=True)
+def config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv(targets.TARGET_ENV, raising=False)
+    return tmp_path / "config"
+
+
+def fake_terraform(tmp_path: Path, output: object, code: int = 0) -> Path:
+    """A terraform that logs its argv and prints ``output`` as ``output -json NAME`` does."""
+    script = tmp_path / "terraform"
+    log = tmp_path / "argv.json"
+    script.write_text(
+        "#!/usr/bin/env python3\nimport json, sys\n"
+        f"open({str(log)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+        f"sys.stderr.write('state not found') if {code} else print({json.dumps(json.dumps(output))})\n"
+        f"sys.exit({code})\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_the_app_stages_retrain_env_becomes_a_target(tmp_path: Path, config_home: Path) -> None:
+    deployed = Deployment(project="acme-prod").env  # what infra/app's local.retrain_env evaluates to
+    terraform = fake_terraform(tmp_path, deployed)
+    env = targets.from_terraform(Path("infra/app"), terraform=str(terraform))
+    assert json.loads((tmp_path / "argv.json").read_text()) == [
+        "-chdir=infra/app",
+        "output",
+        "-json",
+        "retrain_env",
+    ]
+    path = targets.save("prod", env)
+    assert path == config_home / "retrain" / "targets" / "prod.json"
+    target = targets.selected("prod")
+    assert not target.local and target.env == deployed
+    assert target.settings() == config.load(deployed) and target.settings().project == "acme-prod"
+    assert targets.names() == ["prod"]
+
+
+def test_retrain_target_selects_when_no_flag_and_local_is_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    targets.save("prod", {"RETRAIN_PROJECT": "acme-prod"})
+    assert targets.selected(None).local
+    monkeypatch.setenv(targets.TARGET_ENV, "prod")
+    assert targets.selected(None).name == "prod"
+    assert targets.selected("local").local  # the flag wins over the variable
+
+
+def test_a_failed_terraform_output_says_so(tmp_path: Path) -> None:
+    terraform = fake_terraform(tmp_path, {}, code=1)
+    with pytest.raises(ValueError, match="terraform output retrain_env in infra/app failed: state not found"):
+        targets.from_terraform(Path("infra/app"), terraform=str(terraform))
+
+
+def test_env_files_and_names_are_checked(tmp_path: Path) -> None:
+    env_file = tmp_path / "prod.env"
+    env_file.write_text("# the deployment\nRETRAIN_PROJECT=acme-prod\n\nRETRAIN_REGION = europe-west4\n")
+    assert targets.from_env_file(env_file) == {
+        "RETRAIN_PROJECT": "acme-prod",
+        "RETRAIN_REGION": "europe-west4",
+    }
+    env_file.write_text("RETRAIN_PROJECT\n")
+    with pytest.raises(ValueError, match=r"prod\.env:1: expected KEY=VALUE"):
+        targets.from_env_file(env_file)
+    with pytest.raises(ValueError, match="the settings name no RETRAIN_PROJECT"):
+        targets.save("prod", {"RETRAIN_REGION": "europe-west4"})
+    for bad in ("Prod", "../etc", "-x", ""):
+        with pytest.raises(ValueError, match="target name"):
+            targets.save(bad, {"RETRAIN_PROJECT": "p"})
+    with pytest.raises(ValueError, match=r"no target 'staging' \(known: local, none saved\)"):
+        targets.load("staging")
