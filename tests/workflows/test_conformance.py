@@ -1,6 +1,8 @@
 """Runs every documented-behaviour workflow under conformance/ and checks its declared outcome.
 
-Each YAML file states its expectation in header comments (``# expect: JSON``,
+The cases are organised by the documentation page that states the behaviour: one folder per page
+(``syntax-variables``, ``stdlib-text``, ``troubleshooting`` ...), and every case names its page in a
+``# source: URL`` header line. Each YAML file states its expectation in header comments (``# expect: JSON``,
 ``# expect_error: JSON``, ``# expect_deploy_error: "message"`` for what Google refuses when the workflow
 is deployed, and optionally ``# args: JSON``); JSON definitions use a ``.expect`` sidecar holding the same
 keys.
@@ -18,7 +20,8 @@ from retrain.workflows import WorkflowError, load_workflow
 from retrain.workflows.errors import WorkflowSyntaxError
 
 HERE = Path(__file__).parent / "conformance"
-CASES = sorted(p for p in HERE.iterdir() if p.suffix in (".yaml", ".json"))
+CASES = sorted(p for p in HERE.rglob("*") if p.suffix in (".yaml", ".json"))
+GOOGLE_DOCS = "https://cloud.google.com/workflows/docs/"
 EXECUTION = "projects/proj-1/locations/us-central1/workflows/wf/executions/exec-1"
 
 
@@ -29,6 +32,8 @@ def expectations(path: Path) -> dict[str, Any]:
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
+        if line.startswith("# source:"):
+            out["source"] = line.removeprefix("# source:").strip()
         for key in ("args", "expect", "expect_error", "expect_deploy_error"):
             prefix = f"# {key}:"
             if line.startswith(prefix):
@@ -57,9 +62,11 @@ def test_cases_exist() -> None:
         exp = expectations(case)
         outcomes = [k for k in ("expect", "expect_error", "expect_deploy_error") if k in exp]
         assert len(outcomes) == 1, f"{case.name} must declare one outcome"
+        assert str(exp.get("source", "")).startswith(GOOGLE_DOCS), f"{case.name} must cite its Google page"
+        assert case.parent != HERE, f"{case.name} belongs in the folder of its documentation page"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("case", CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_conformance(case: Path) -> None:
     exp = expectations(case)
     if "expect_deploy_error" in exp:
