@@ -70,6 +70,7 @@ def reach(
 
     target = targets.selected(args.target)
     if not target.local:
+        _warn_of_overrides(target)
         yield target.settings()
         return
     from retrain.local.stack import attach, ledger_access
@@ -81,6 +82,15 @@ def reach(
         return
     with ledger_access(settings):
         yield settings
+
+
+def _warn_of_overrides(target: Any) -> None:
+    """Say when a deployment target is reached through endpoints of the environment, not Google's."""
+    from retrain import targets
+
+    overrides = targets.endpoint_overrides(target)
+    if overrides:
+        _say(f"target {target.name} through this environment's endpoints, not Google's: {sorted(overrides)}")
 
 
 def local_only(args: argparse.Namespace) -> None:
@@ -532,6 +542,7 @@ def _point_at(target_name: str | None) -> None:
     if target.local:
         _attach_if_a_local_stack_runs()
         return
+    _warn_of_overrides(target)
     for key in config.to_env(config.Settings()):
         os.environ.pop(key, None)
     os.environ.update(target.env)

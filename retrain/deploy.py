@@ -678,12 +678,7 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                     tf.run(stage, "apply", ["apply", "-input=false", plan_file])
                     carried.update(tf.json(stage, "output", ["output", "-json"]) or {})
                     if name == "app" and "retrain_env" in carried:
-                        from retrain import targets
-
-                        saved = targets.save(opts.project, carried["retrain_env"]["value"])
-                        progress.say(
-                            f"CLI target {opts.project} saved ({saved}): retrain --target {opts.project} runs"
-                        )
+                        _save_target(opts.project, carried["retrain_env"]["value"], progress)
                     if name == "bootstrap":
                         bucket = (carried.get("state_bucket") or {}).get("value")
                         if opts.state_bucket is None and isinstance(bucket, str) and bucket:
@@ -714,6 +709,23 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
     else:
         progress.say(f"deployed {', '.join(opts.stages)} to {opts.project} ({opts.region})")
     return 0
+
+
+def _save_target(project: str, env: Mapping[str, Any], progress: Progress) -> None:
+    """Save the applied app stage's settings as the CLI target named after the project; the deployment is
+    done either way, so a failure here is a warning with the command that does it by hand."""
+    from retrain import targets
+
+    name = targets.name_for_project(project)
+    try:
+        saved = targets.save(name, dict(env))
+    except (ValueError, OSError) as e:
+        progress.say(
+            f"warning: the CLI target was not saved ({e}); "
+            f"run `retrain target save {name} --from-terraform infra/app`"
+        )
+        return
+    progress.say(f"CLI target {name} saved ({saved}): retrain --target {name} runs")
 
 
 def _report_failure(e: StepFailed, pending: Sequence[str]) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,16 @@ LOCAL = "local"
 TARGET_ENV = "RETRAIN_TARGET"
 """Environment variable selecting a target when ``--target`` is not given."""
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+ENDPOINT_VARS = (
+    "FIRESTORE_EMULATOR_HOST",
+    "PUBSUB_EMULATOR_HOST",
+    "STORAGE_EMULATOR_HOST",
+    "RETRAIN_WORKFLOWS_ENDPOINT",
+    "RETRAIN_WORKFLOWS_GRPC_ENDPOINT",
+    "RETRAIN_CONTAINER_ENDPOINT",
+)
+"""Variables that send a client somewhere other than Google: for a deployment target, all or none."""
+OPTIONAL_ENDPOINT_VARS = ("BIGQUERY_EMULATOR_HOST", "RETRAIN_CLUSTER_TOKEN")
 
 
 @dataclass(frozen=True)
@@ -48,9 +59,30 @@ class Target:
         return config.load(self.env)
 
 
+def endpoint_overrides(target: Target, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The endpoint variables that send the clients of deployment ``target`` elsewhere than Google (the
+    operator's environment may hold a local stack's); ValueError when only some are set, since a command
+    would then read one world and act on the other (a reap comparing an emulator's ledger with the real
+    cluster would delete live runs' JobSets)."""
+    env = os.environ if env is None else env
+    found = {k: env[k] for k in (*ENDPOINT_VARS, *OPTIONAL_ENDPOINT_VARS) if env.get(k)}
+    missing = [k for k in ENDPOINT_VARS if not env.get(k)]
+    if found and missing:
+        raise ValueError(
+            f"target {target.name!r}: {', '.join(sorted(found))} set but not {', '.join(missing)}: the "
+            "command would mix local endpoints with the deployment's; unset them to reach the deployment"
+        )
+    return found
+
+
 def targets_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "retrain" / "targets"
+
+
+def name_for_project(project: str) -> str:
+    """A target name for a project id (a domain-scoped ``example.com:proj`` becomes ``example-com-proj``)."""
+    return re.sub(r"[^a-z0-9_-]", "-", project.lower()).strip("-_")[:63]
 
 
 def _check_name(name: str) -> None:

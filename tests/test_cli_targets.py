@@ -131,6 +131,15 @@ def test_the_cli_acts_on_a_saved_deployment_target(
     assert unknown.returncode == 1 and "no target 'nope' (known: local, prod)" in unknown.stderr
     assert not (tmp_path / "no-stack").exists()  # no local-stack state was looked up or written
 
+    # Reached through this environment's endpoints: said every time; only some of them: refused, since
+    # a reap would compare one world's ledger with the other's cluster.
+    assert "target prod through this environment's endpoints, not Google's" in cancel.stderr
+    partial = {k: v for k, v in operator.items() if k != CONTAINER_ENDPOINT_VAR}
+    for command in (["reap", "--dry-run"], ["runs"]):
+        mixed = cli(partial, "--target", "prod", *command)
+        assert mixed.returncode == 1, mixed.stderr
+        assert "set but not RETRAIN_CONTAINER_ENDPOINT: the command would mix local endpoints" in mixed.stderr
+
 
 def test_a_target_file_with_foreign_settings_is_refused(operator: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "bad.env").write_text("RETRAIN_PROJECT=p\nRETRAIN_NOT_A_SETTING=1\n")

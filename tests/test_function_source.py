@@ -107,6 +107,6 @@ def test_a_served_function_imports_the_built_copy_and_nothing_left_out(tmp_path:
         capture_output=True,
         text=True,
         check=True,
-        cwd=tmp_path,
+        cwd=REPO,  # the checkout's own folder: `python -c` would put it first on the path
     ).stdout.splitlines()
     assert out == [str(built / "retrain" / "__init__.py"), "[]"]

@@ -85,3 +85,21 @@ def test_env_files_and_names_are_checked(tmp_path: Path) -> None:
             targets.save(bad, {"RETRAIN_PROJECT": "p"})
     with pytest.raises(ValueError, match=r"no target 'staging' \(known: local, none saved\)"):
         targets.load("staging")
+
+
+def test_endpoint_variables_for_a_deployment_are_all_or_none() -> None:
+    prod = targets.Target("prod", {"RETRAIN_PROJECT": "acme-prod"})
+    assert targets.endpoint_overrides(prod, {}) == {}
+    every = {k: "http://127.0.0.1:1" for k in targets.ENDPOINT_VARS}
+    assert targets.endpoint_overrides(prod, every) == every
+    for left_out in targets.ENDPOINT_VARS:
+        partial = {k: v for k, v in every.items() if k != left_out}
+        with pytest.raises(ValueError, match=f"set but not {left_out}: the command would mix"):
+            targets.endpoint_overrides(prod, partial)
+    with pytest.raises(ValueError, match="BIGQUERY_EMULATOR_HOST set but not FIRESTORE_EMULATOR_HOST"):
+        targets.endpoint_overrides(prod, {"BIGQUERY_EMULATOR_HOST": "http://127.0.0.1:1"})
+
+
+def test_a_project_id_becomes_a_target_name() -> None:
+    assert targets.name_for_project("acme-prod") == "acme-prod"
+    assert targets.name_for_project("example.com:ml-prod") == "example-com-ml-prod"

@@ -15,6 +15,7 @@ bearer token its control plane accepts in place of a Google access token.
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -62,23 +63,27 @@ class ClusterAccess:
     """Autoscaling bounds of each node pool that has autoscaling."""
 
 
+def pool_size(pool: Any) -> NodePoolSize | None:
+    """A ``container_v1.NodePool``'s autoscaling bounds: the whole pool's (``totalMin/MaxNodeCount``, with
+    a location policy) when set, else per zone; None without autoscaling."""
+    a = pool.autoscaling
+    if not a.enabled:
+        return None
+    total = a.total_max_node_count > 0
+    return NodePoolSize(
+        min_nodes=a.total_min_node_count if total else a.min_node_count,
+        max_nodes=a.total_max_node_count if total else a.max_node_count,
+        per_zone=not total,
+    )
+
+
 def access_of(cluster: Any) -> ClusterAccess:
     """The DNS endpoint when it allows external traffic, else the IP endpoint with ``masterAuth``'s CA
     (the same rule as ``infra/app/versions.tf``'s ``k8s_host``/``k8s_ca``)."""
     import base64
 
     dns = cluster.control_plane_endpoints_config.dns_endpoint_config
-    pools = {}
-    for pool in cluster.node_pools:
-        a = pool.autoscaling
-        if not a.enabled:
-            continue
-        total = a.total_max_node_count > 0
-        pools[pool.name] = NodePoolSize(
-            min_nodes=a.total_min_node_count if total else a.min_node_count,
-            max_nodes=a.total_max_node_count if total else a.max_node_count,
-            per_zone=not total,
-        )
+    pools = {pool.name: size for pool in cluster.node_pools if (size := pool_size(pool)) is not None}
     if dns.endpoint and dns.allow_external_traffic:
         return ClusterAccess(f"https://{dns.endpoint}", None, pools)
     if not cluster.endpoint:
@@ -117,13 +122,14 @@ def _ca_file(pem: str) -> str:
         fd, path = tempfile.mkstemp(prefix="retrain-cluster-ca-", suffix=".pem")
         with os.fdopen(fd, "w") as f:
             f.write(pem)
+        atexit.register(os.unlink, path)
         _CA_FILES[pem] = path
     return _CA_FILES[pem]
 
 
 def _access_token() -> str:
     token = os.environ.get(CLUSTER_TOKEN_VAR)
-    if token:
+    if token and os.environ.get(CONTAINER_ENDPOINT_VAR):  # never sent to a cluster Google's API named
         return token
     import google.auth  # pragma: no cover - needs Google credentials
     import google.auth.transport.requests

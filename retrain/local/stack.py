@@ -27,7 +27,7 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR
+from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR, pool_size
 from retrain.deployment import AUTOSCALER_SCALE_DOWN_S, LOCAL_TIME_FACTOR, Deployment, ScheduledJob
 from retrain.local import delivery, emulators, processes
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
@@ -128,10 +128,12 @@ def attach(settings: config.Settings) -> Endpoints:
 
 
 #: ``python -c`` body that runs functions-framework with this checkout's editable install of retrain
-#: hidden (setuptools' ``__editable__`` finders), so that the function imports the uploaded copy of the
-#: package on its PYTHONPATH and nothing left out of it, as in the cloud.
+#: hidden (setuptools' ``__editable__`` finders) and without the working folder ``-c`` puts first on the
+#: path, so that the function imports the uploaded copy of the package on its PYTHONPATH and nothing left
+#: out of it, as in the cloud.
 AS_DEPLOYED = (
-    "import runpy, sys\n"
+    "import os, runpy, sys\n"
+    "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
     "editable = lambda f: getattr(f, '__module__', '').startswith('__editable__')\n"
     "sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]\n"
     "sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]\n"
@@ -367,8 +369,13 @@ class LocalStack:
             faults=parse_faults(s.twin_faults),
         )
         # The pool's bounds are the GKE API's (Terraform's google_container_node_pool.gpu_dws).
-        (pool,) = [p for p in gke_api.cluster.node_pools if p.name == s.node_pool]
-        twin.set_autoscaling(pool.autoscaling.total_min_node_count, pool.autoscaling.total_max_node_count)
+        size = {p.name: pool_size(p) for p in gke_api.cluster.node_pools}.get(s.node_pool)
+        if size is None:
+            raise RuntimeError(
+                f"RETRAIN_NODE_POOL={s.node_pool} is no autoscaled node pool of infra/platform's cluster "
+                f"({', '.join(p.name for p in gke_api.cluster.node_pools)})"
+            )
+        twin.set_autoscaling(size.min_nodes, size.max_nodes)
         twin.start()
         self._closers.append(twin.stop)
         self.twin = twin

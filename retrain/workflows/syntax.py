@@ -231,8 +231,9 @@ BLOCKING_IN_EXPRESSIONS = "blocking"
 # Limits Google enforces when a workflow is deployed. "Each switch block can include a maximum of 50
 # conditions" (cloud.google.com/workflows/docs/reference/syntax/conditions); the others are the bounds of
 # Google's own JSON schema of the language (GoogleCloudPlatform/workflows-samples,
-# jsonschema/workflows.json: assign maxItems 50, branches maxItems 10, params maxItems 10; its branches
-# minItems 2 is not enforced here: no Google page says a one-branch parallel step is refused).
+# jsonschema/workflows.json at 127ed78: assign maxItems 50, branches maxItems 10, subworkflow params
+# maxItems 10; its branches minItems 2 is not enforced here: no Google page says a one-branch parallel
+# step is refused).
 MAX_ASSIGNMENTS = 50
 MAX_CONDITIONS = 50
 MAX_BRANCHES = 10
@@ -628,26 +629,6 @@ def _check_jumps(steps: list[Step], visible: set[str], in_loop: bool, names: dic
                 _check_jumps(block, here, in_loop, names)
 
 
-def _assigned_names(steps: list[Step], skip: Step | None = None) -> set[str]:
-    """Variables a scope may create (assign roots, call results, except.as).
-
-    Does not look inside for bodies or parallel branches: what they create is local to them.
-    """
-    out: set[str] = set()
-    for step in steps:
-        if step is skip:
-            continue
-        out.update(t.root for t, _ in step.assign)
-        if step.result:
-            out.add(step.result.split(".")[0].split("[")[0])
-        if step.except_ and step.except_.as_:
-            out.add(step.except_.as_)
-        for block, boundary in _child_blocks(step):
-            if not boundary:
-                out.update(_assigned_names(block, skip))
-    return out
-
-
 def _branch_writes(steps: list[Step]) -> set[str]:
     """Roots written inside a parallel branch, excluding loop-local for variables."""
     out: set[str] = set()
@@ -664,8 +645,8 @@ def _check_parallel(sub: Subworkflow, steps: list[Step], outer: set[str]) -> Non
     for step in steps:
         if step.parallel is not None:
             par = step.parallel
-            parent_vars = outer | _assigned_names(sub.steps, skip=step)
-            parent_vars |= _assigned_names(steps, skip=step)
+            parent_vars = outer | _scope_names(sub.steps, skip=step)
+            parent_vars |= _scope_names(steps, skip=step)
             for name in par.shared:
                 if name not in parent_vars:
                     raise WorkflowSyntaxError(
@@ -688,13 +669,15 @@ def _check_parallel(sub: Subworkflow, steps: list[Step], outer: set[str]) -> Non
                         bname,
                         bline,
                     )
-                _check_parallel(sub, bsteps, outer | parent_vars | loop_vars | _assigned_names(bsteps))
+                _check_parallel(sub, bsteps, outer | parent_vars | loop_vars | _scope_names(bsteps))
             continue
         if step.for_:
             loop_vars = {n for n in (step.for_.value, step.for_.index) if n}
-            _check_parallel(sub, step.for_.steps, outer | loop_vars | _assigned_names(step.for_.steps))
+            _check_parallel(sub, step.for_.steps, outer | loop_vars | _scope_names(step.for_.steps))
         for block, boundary in _child_blocks(step):
-            if not boundary:
+            if step.except_ and block is step.except_.steps and step.except_.as_:
+                _check_parallel(sub, block, outer | {step.except_.as_})
+            elif not boundary:
                 _check_parallel(sub, block, outer)
 
 
@@ -733,18 +716,20 @@ def _check_calls(defn: Definition, steps: list[Step]) -> None:
 # parallel branch's new variables are its own (only ``shared`` ones are the parent's).
 
 
-def _scope_names(steps: list[Step]) -> set[str]:
-    """Variables a scope creates: its own steps' and those of the blocks that are not scopes of their
-    own (nested ``steps``, ``switch`` blocks, ``try`` bodies); for bodies, parallel branches and except
-    blocks are."""
+def _scope_names(steps: list[Step], skip: Step | None = None) -> set[str]:
+    """Variables a scope creates (assign roots, call results): its own steps' and those of the blocks that
+    are not scopes of their own (nested ``steps``, ``switch`` blocks, ``try`` bodies); for bodies,
+    parallel branches and except blocks (with their ``as`` variable) are. ``skip``: a step left out."""
     out: set[str] = set()
     for step in steps:
+        if step is skip:
+            continue
         out.update(t.root for t, _ in step.assign)
         if step.result:
             out.add(step.result.split(".")[0].split("[")[0])
         for block, boundary in _child_blocks(step):
             if not boundary and not (step.except_ and block is step.except_.steps):
-                out.update(_scope_names(block))
+                out.update(_scope_names(block, skip))
     return out
 
 
@@ -754,6 +739,10 @@ def _own_values(step: Step) -> list[Any]:
     for target, value in step.assign:
         values.append(value)
         values.extend(Expr(target.text, n) for n in target.path if isinstance(n, Node))
+    if step.result and "[" in step.result:
+        values.extend(
+            Expr(step.result, n.index) for n in walk(parse_expression(step.result)) if isinstance(n, Index)
+        )
     values.append(step.args)
     values.extend(c.condition for c in step.switch or [])
     loops = [step.for_, step.parallel.for_ if step.parallel else None]

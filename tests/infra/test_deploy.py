@@ -598,6 +598,16 @@ def test_functions_build_folder_holds_main_requirements_and_the_package(checkout
     assert not [p for p in everything if p.name in ("__pycache__", "tests") or p.suffix == ".pyc"]
 
 
+def test_a_target_that_cannot_be_saved_is_a_warning_not_a_failed_deploy(
+    tf: FakeTerraform, run: Run, config_home: Path
+) -> None:
+    config_home.write_text("a file where the config folder should be")
+    rc, _out, err = run("--auto-approve")
+    assert rc == 0, err
+    assert "warning: the CLI target was not saved" in err
+    assert f"run `retrain target save {PROJECT} --from-terraform infra/app`" in err
+
+
 def test_function_source_is_built_before_the_app_stage(tf: FakeTerraform, run: Run, checkout: Path) -> None:
     rc, _out, err = run("--dry-run")
     assert rc == 0, err

@@ -231,3 +231,31 @@ def test_a_subworkflow_takes_at_most_10_params() -> None:
     load_workflow(subworkflow_with(10))
     err = syntax_error(subworkflow_with(11))
     assert err.step == "sub" and "at most 10 params, this one 11" in str(err)
+
+
+def test_a_result_targets_index_must_name_a_variable() -> None:
+    src = (
+        "- init:\n    assign:\n      - m: {}\n"
+        "- c:\n    call: sys.now\n    result: m[KEY]\n"
+        "- done:\n    return: ${m}\n"
+    )
+    assert list(load_workflow(src.replace("KEY", '"now"')).run()) == ["now"]
+    err = syntax_error(src.replace("KEY", "missingKey"))
+    assert err.step == "c" and "symbol 'missingKey' is neither a variable nor a sub-workflow name" in str(err)
+
+
+def test_except_variables_are_not_the_parallel_steps_parent_scope() -> None:
+    """A branch may create a variable of the name an except block used (it is not the parent's), and
+    ``shared`` cannot name a variable that only an except block creates."""
+    attempt = (
+        "- attempt:\n    try:\n      raise: boom\n    except:\n      as: e\n      steps:\n"
+        "        - note:\n            assign:\n              - why: ${e}\n"
+    )
+    branch = (
+        "        - b{i}:\n            steps:\n"
+        "              - s{i}:\n                  assign:\n                    - why: {i}\n"
+    )
+    parallel = "- p:\n    parallel:\n{shared}      branches:\n" + branch.format(i=1) + branch.format(i=2)
+    load_workflow(attempt + parallel.format(shared=""))
+    err = syntax_error(attempt + parallel.format(shared="      shared: [why]\n"))
+    assert err.step == "p" and "shared variable 'why' must be declared before the parallel step" in str(err)
