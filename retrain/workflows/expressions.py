@@ -167,25 +167,29 @@ def dotted_name(node: Node) -> str | None:
     return None
 
 
+def children(node: Node) -> list[Node]:
+    """The direct sub-expressions of a node."""
+    if isinstance(node, Attr):
+        return [node.obj]
+    if isinstance(node, Index):
+        return [node.obj, node.index]
+    if isinstance(node, Call):
+        return list(node.args)
+    if isinstance(node, Unary):
+        return [node.operand]
+    if isinstance(node, Binary):
+        return [node.left, node.right]
+    if isinstance(node, ListLit):
+        return list(node.items)
+    if isinstance(node, MapLit):
+        return [n for kv in node.items for n in kv]
+    return []
+
+
 def walk(node: Node) -> list[Node]:
     """All nodes of a tree, used by load-time checks."""
     out: list[Node] = [node]
-    children: list[Node] = []
-    if isinstance(node, Attr):
-        children = [node.obj]
-    elif isinstance(node, Index):
-        children = [node.obj, node.index]
-    elif isinstance(node, Call):
-        children = list(node.args)
-    elif isinstance(node, Unary):
-        children = [node.operand]
-    elif isinstance(node, Binary):
-        children = [node.left, node.right]
-    elif isinstance(node, ListLit):
-        children = list(node.items)
-    elif isinstance(node, MapLit):
-        children = [n for kv in node.items for n in kv]
-    for child in children:
+    for child in children(node):
         out.extend(walk(child))
     return out
 

@@ -18,16 +18,13 @@ import yaml
 from .errors import WorkflowSyntaxError
 from .expressions import (
     Attr,
-    Binary,
     Call,
     Expr,
     ExpressionSyntaxError,
     Index,
-    ListLit,
-    MapLit,
     Node,
-    Unary,
     Var,
+    children,
     compile_value,
     dotted_name,
     expressions_in,
@@ -763,23 +760,7 @@ def _reads(node: Node) -> Iterator[str]:
     if chain is not None:
         yield chain
         return
-    if isinstance(node, Attr):
-        children = [node.obj]
-    elif isinstance(node, Index):
-        children = [node.obj, node.index]
-    elif isinstance(node, Call):
-        children = list(node.args)
-    elif isinstance(node, Unary):
-        children = [node.operand]
-    elif isinstance(node, Binary):
-        children = [node.left, node.right]
-    elif isinstance(node, ListLit):
-        children = list(node.items)
-    elif isinstance(node, MapLit):
-        children = [n for kv in node.items for n in kv]
-    else:
-        children = []
-    for child in children:
+    for child in children(node):
         yield from _reads(child)
 
 
