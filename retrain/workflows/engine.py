@@ -48,6 +48,9 @@ from .syntax import Definition, ForSpec, RetrySpec, Step, Subworkflow, Target, l
 
 log = logging.getLogger("retrain.workflows.engine")
 
+# System limits from Google's quotas page (cloud.google.com/workflows/quotas, "System limits"; read in its
+# French rendering): "Profondeur maximale de la pile d'appel ... 20" (subworkflows calling subworkflows,
+# or standard-library functions calling others) and at most 100,000 steps per execution.
 MAX_CALL_DEPTH = 20
 MAX_STEPS = 100_000
 DEFAULT_LOCATION = "local"

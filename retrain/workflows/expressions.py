@@ -727,16 +727,17 @@ def binary(op: str, a: Any, b: Any) -> Any:
     raise type_error(f"unknown operator {op}")
 
 
-def json_safe(value: Any) -> Any:
-    """Check a value can leave the workflow as JSON (bytes cannot, per the data types page)."""
+def json_safe(value: Any, error: Callable[[str], WorkflowError] = type_error) -> Any:
+    """Check a value can leave the workflow as JSON (bytes cannot, per the data types page); ``error``
+    makes the failure (json.encode's is a ValueError)."""
     if isinstance(value, bytes | bytearray):
-        raise type_error("bytes cannot be JSON-encoded")
+        raise error("bytes cannot be JSON-encoded")
     if isinstance(value, FunctionRef):
-        raise type_error("a function cannot be JSON-encoded")
+        raise error("a function cannot be JSON-encoded")
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v, error) for k, v in value.items()}
     if isinstance(value, list):
-        return [json_safe(v) for v in value]
+        return [json_safe(v, error) for v in value]
     return value
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64 as _b64
 import binascii
 import hashlib
+import hmac
 import json as _json
 import logging
 import math as _math
@@ -129,6 +130,16 @@ def _want(value: Any, kind: str, fn: str, arg: str) -> None:
 @_register("default", "value,default_value")
 def _default(rt: Runtime, value: Any, default_value: Any) -> Any:
     return default_value if value is None else value
+
+
+@_register("if", "condition,ifTrue,ifFalse")
+def _if(rt: Runtime, condition: Any, ifTrue: Any, ifFalse: Any) -> Any:
+    """ "If condition evaluates to true, ifTrue is returned. If condition evaluates to false or null,
+    ifFalse is returned." (cloud.google.com/workflows/docs/reference/stdlib/expression-helpers). A
+    condition of another type is a TypeError here: the page names no other outcome."""
+    if condition is not None and not isinstance(condition, bool):
+        raise type_error(f"if: condition must be a boolean or null, got {wtype(condition)}")
+    return ifTrue if condition else ifFalse
 
 
 @_register("keys", "map")
@@ -409,13 +420,16 @@ def _json_text(data: Any, indent: Any = None) -> str:
     json/encode)."""
     if indent is True:
         indent = {}
+    # "ValueError If the input contains types that cannot be JSON-encoded. Examples of such types include
+    # callable and bytes." (the same page)
+    data = json_safe(data, value_error)
     try:
         if isinstance(indent, dict):
             prefix = str(indent.get("prefix", ""))
             ind = indent.get("indent", "    ")
-            text = _json.dumps(json_safe(data), indent=ind, ensure_ascii=False)
+            text = _json.dumps(data, indent=ind, ensure_ascii=False)
             return "\n".join(prefix + line for line in text.split("\n"))
-        return _json.dumps(json_safe(data), separators=(",", ":"), ensure_ascii=False)
+        return _json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     except ValueError as exc:
         raise value_error(f"json.encode: {exc}") from None
 
@@ -474,6 +488,21 @@ def _hash_compute_checksum(rt: Runtime, data: Any, algorithm: Any) -> Any:
     if name is None:
         raise value_error(f"hash.compute_checksum: unsupported algorithm {algorithm!r}")
     return hashlib.new(name, bytes(data)).digest()
+
+
+@_register("hash.compute_hmac", "key,data,algorithm")
+def _hash_compute_hmac(rt: Runtime, key: Any, data: Any, algorithm: Any) -> Any:
+    """ "Computes the hash-based message authentication code (HMAC) for data given a secret key and
+    hashing algorithm": the same algorithms, "TypeError If key and data are not in bytes, or if
+    algorithm is not a string. ValueError If the provided hashing algorithm is not supported."
+    (cloud.google.com/workflows/docs/reference/stdlib/hash/compute_hmac)."""
+    _want(key, "bytes", "hash.compute_hmac", "key")
+    _want(data, "bytes", "hash.compute_hmac", "data")
+    _want(algorithm, "string", "hash.compute_hmac", "algorithm")
+    name = CHECKSUM_ALGORITHMS.get(algorithm)
+    if name is None:
+        raise value_error(f"hash.compute_hmac: unsupported algorithm {algorithm!r}")
+    return hmac.new(bytes(key), bytes(data), name).digest()
 
 
 @_register("base64.decode", "data,padding", required=1)

@@ -231,6 +231,10 @@ BLOCKING_IN_EXPRESSIONS = "blocking"
 # jsonschema/workflows.json at 127ed78: assign maxItems 50, branches maxItems 10, subworkflow params
 # maxItems 10; its branches minItems 2 is not enforced here: no Google page says a one-branch parallel
 # step is refused).
+#: The quotas page (cloud.google.com/workflows/quotas, "System limits", in its French rendering): source
+#: code of at most 128 KB, parallel steps nested at most 2 deep.
+MAX_SOURCE_BYTES = 128 * 1024
+MAX_PARALLEL_DEPTH = 2
 MAX_ASSIGNMENTS = 50
 MAX_CONDITIONS = 50
 MAX_BRANCHES = 10
@@ -678,6 +682,19 @@ def _check_parallel(sub: Subworkflow, steps: list[Step], outer: set[str]) -> Non
                 _check_parallel(sub, block, outer)
 
 
+def _check_parallel_depth(steps: list[Step], depth: int) -> None:
+    for step in steps:
+        inner = depth + 1 if step.parallel else depth
+        if inner > MAX_PARALLEL_DEPTH:
+            raise WorkflowSyntaxError(
+                f"parallel steps nest at most {MAX_PARALLEL_DEPTH} deep, this one {inner}",
+                step.name,
+                step.line,
+            )
+        for block, _ in _child_blocks(step):
+            _check_parallel_depth(block, inner)
+
+
 def _check_calls(defn: Definition, steps: list[Step]) -> None:
     for step in steps:
         if step.call and step.call in defn.subworkflows:
@@ -860,6 +877,7 @@ def build_definition(data: Any) -> Definition:
         )
     defn = Definition(subs)
     for sub in subs.values():
+        _check_parallel_depth(sub.steps, 0)
         _check_jumps(sub.steps, set(), False, {})
         _check_calls(defn, sub.steps)
         _check_parallel(sub, sub.steps, {p.name for p in sub.params})
@@ -876,4 +894,7 @@ def load_source(source: str | Path) -> tuple[Definition, str]:
         text, label = Path(source).read_text(encoding="utf-8"), source
     else:
         text = source
+    size = len(text.encode("utf-8"))
+    if size > MAX_SOURCE_BYTES:
+        raise WorkflowSyntaxError(f"the workflow source is {size} bytes, more than {MAX_SOURCE_BYTES}")
     return build_definition(parse_source(text)), label

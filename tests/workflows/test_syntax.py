@@ -259,3 +259,29 @@ def test_except_variables_are_not_the_parallel_steps_parent_scope() -> None:
     load_workflow(attempt + parallel.format(shared=""))
     err = syntax_error(attempt + parallel.format(shared="      shared: [why]\n"))
     assert err.step == "p" and "shared variable 'why' must be declared before the parallel step" in str(err)
+
+
+def nested_parallel(depth: int) -> str:
+    """``depth`` parallel steps, each inside the first branch of the one before."""
+    body = "return: 1"
+    for level in range(depth, 0, -1):
+        indented = body.replace("\n", "\n" + " " * 14)
+        body = (
+            "parallel:\n  branches:\n"
+            f"    - a{level}:\n        steps:\n          - in{level}:\n              {indented}\n"
+            f"    - b{level}:\n        steps:\n          - s{level}:\n              return: 2"
+        )
+    return "- top:\n    " + body.replace("\n", "\n    ") + "\n"
+
+
+def test_parallel_steps_nest_at_most_2_deep() -> None:
+    load_workflow(nested_parallel(2))
+    err = syntax_error(nested_parallel(3))
+    assert "parallel steps nest at most 2 deep, this one 3" in str(err)
+
+
+def test_the_source_is_at_most_128_kb() -> None:
+    padding = "# " + "x" * 1000 + "\n"
+    fits = "- done:\n    return: 1\n"
+    load_workflow(padding * 120 + fits)
+    assert "more than 131072" in str(syntax_error(padding * 131 + fits))
