@@ -202,14 +202,34 @@ def test_the_tokenize_report_is_what_the_pipeline_writes() -> None:
 # --- the workflow's environment: what it reads with sys.get_env is what Terraform gives it ---------
 
 
+#: The built-in variables of every execution
+#: (cloud.google.com/workflows/docs/reference/environment-variables).
+BUILT_IN_ENV = {
+    "GOOGLE_CLOUD_LOCATION",
+    "GOOGLE_CLOUD_PROJECT_ID",
+    "GOOGLE_CLOUD_PROJECT_NUMBER",
+    "GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME",
+    "GOOGLE_CLOUD_WORKFLOW_EXECUTION_ID",
+    "GOOGLE_CLOUD_WORKFLOW_ID",
+    "GOOGLE_CLOUD_WORKFLOW_REVISION_ID",
+}
+
+
 def check_workflow_env(source: str, infra: Path) -> list[str]:
-    names = set(re.findall(r"""sys\.get_env\(\s*["']([A-Z_]+)["']""", source))
-    names -= {"GOOGLE_CLOUD_PROJECT_ID", "GOOGLE_CLOUD_PROJECT_NUMBER", "GOOGLE_CLOUD_LOCATION"}
+    names = set(re.findall(r"""sys\.get_env\(\s*["']([A-Z_]+)["']""", source)) - BUILT_IN_ENV
     workflow = Deployment(infra=infra).app.resource("google_workflows_workflow", "retrain")
     given = {str(k).strip('"') for k in workflow.get("user_env_vars", {})}
-    return [f"the workflow reads {n}, which workflow.tf does not give it" for n in sorted(names - given)] + [
-        f"workflow.tf gives {n}, which the workflow never reads" for n in sorted(given - names)
-    ]
+    # User variables "can't contain the prefix GOOGLE_" or "WORKFLOWS_" (the same docs, "Use environment
+    # variables"): Google refuses such a workflow.
+    reserved = sorted(n for n in given if n.startswith(("GOOGLE_", "WORKFLOWS_")))
+    return (
+        [f"the workflow reads {n}, which workflow.tf does not give it" for n in sorted(names - given)]
+        + [f"workflow.tf gives {n}, which the workflow never reads" for n in sorted(given - names)]
+        + [
+            f"workflow.tf gives {n}: user variables may not start with GOOGLE_ or WORKFLOWS_"
+            for n in reserved
+        ]
+    )
 
 
 def test_the_workflow_reads_only_the_environment_terraform_gives_it(tmp_path: Path) -> None:
@@ -217,8 +237,14 @@ def test_the_workflow_reads_only_the_environment_terraform_gives_it(tmp_path: Pa
     infra = tmp_path / "infra"
     shutil.copytree(REPO / "infra", infra, ignore=shutil.ignore_patterns(".terraform*"))
     tf = infra / "app" / "workflow.tf"
-    tf.write_text(tf.read_text().replace("RETRAIN_STEPS_URL =", "RETRAIN_STEP_URL ="))
+    original = tf.read_text()
+    tf.write_text(original.replace("RETRAIN_STEPS_URL =", "RETRAIN_STEP_URL ="))
     assert len(check_workflow_env(WORKFLOW.read_text(), infra)) == 2
+    tf.write_text(original.replace("RETRAIN_STEPS_URL =", "RETRAIN_STEPS_URL = 1\n    WORKFLOWS_MODE ="))
+    assert check_workflow_env(WORKFLOW.read_text(), infra) == [
+        "workflow.tf gives WORKFLOWS_MODE, which the workflow never reads",
+        "workflow.tf gives WORKFLOWS_MODE: user variables may not start with GOOGLE_ or WORKFLOWS_",
+    ]
 
 
 # --- Dataflow: the launch body against Google's API definition --------------------------------------
