@@ -13,6 +13,7 @@ find it while it runs in the background.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -104,7 +105,10 @@ class Endpoints:
 
     @classmethod
     def load(cls, path: Path) -> Endpoints:
-        return cls(**json.loads(path.read_text()))
+        """The endpoints a stack wrote; fields an older retrain wrote and this one lacks are left out,
+        so that `retrain down` still stops a stack started before an upgrade."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
 
 
 def stack_file(settings: config.Settings) -> Path:
