@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -111,14 +110,3 @@ def test_a_served_function_imports_the_built_copy_and_nothing_left_out(tmp_path:
         cwd=REPO,  # the checkout's own folder: `python -c` would put it first on the path
     ).stdout.splitlines()
     assert out == [str(built / "retrain" / "__init__.py"), "[]"]
-
-
-def test_a_stack_file_an_older_retrain_wrote_still_loads(tmp_path: Path) -> None:
-    """`retrain down` after an upgrade: the endpoints file of a stack started before it (which had a
-    KUBECONFIG entry) still loads, so the stack can be stopped by its pid."""
-    from retrain.local.stack import Endpoints
-
-    path = tmp_path / "stack.json"
-    path.write_text(json.dumps({"pid": 4242, "firestore": "127.0.0.1:1", "kubeconfig": "/old/kubeconfig"}))
-    loaded = Endpoints.load(path)
-    assert (loaded.pid, loaded.firestore, loaded.container) == (4242, "127.0.0.1:1", "")
