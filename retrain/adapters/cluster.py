@@ -182,12 +182,21 @@ class GkeCluster:
 
         return self.reap_report(runs, max_age_s=default_max_age_s(self.settings)).to_dict()
 
-    def reap_report(self, runs: RunLookup, *, max_age_s: float, dry_run: bool = False) -> ReapReport:
-        """``retrain.k8s.reaper.reap`` on this cluster, with the node pool's bounds in the report."""
+    def reap_report(
+        self, runs: RunLookup, *, max_age_s: float, dry_run: bool = False, kubeconfig: str | None = None
+    ) -> ReapReport:
+        """``retrain.k8s.reaper.reap`` on this cluster, with the node pool's bounds in the report; with
+        ``kubeconfig``, the cluster that file names instead (no GKE API, so no bounds)."""
         from retrain.k8s.reaper import reap
 
-        access = self.describe()
-        api = self.api_client(access)
+        access = None
+        if kubeconfig:
+            from kubernetes import config
+
+            api = config.new_client_from_config(config_file=kubeconfig)
+        else:
+            access = self.describe()
+            api = self.api_client(access)
         try:
             report = reap(
                 api,
@@ -199,7 +208,7 @@ class GkeCluster:
             )
         finally:
             api.close()
-        pool = access.node_pools.get(self.settings.node_pool)
+        pool = access.node_pools.get(self.settings.node_pool) if access else None
         report.node_pool_size = pool.to_dict() if pool else None
         return report
 

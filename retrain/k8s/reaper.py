@@ -363,24 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         settings, project=args.project, namespace=args.namespace, node_pool=args.node_pool
     )
     ledger = composition.ledger(settings)
-    max_age_s = args.max_age_hours * 3600
-    if args.kubeconfig:
-        from kubernetes import config
-
-        api = config.new_client_from_config(config_file=args.kubeconfig)
-        try:
-            report = reap(
-                api,
-                ledger,
-                namespace=settings.namespace,
-                node_pool=settings.node_pool,
-                max_age_s=max_age_s,
-                dry_run=args.dry_run,
-            )
-        finally:
-            api.close()
-    else:
-        report = composition.cluster(settings).reap_report(ledger, max_age_s=max_age_s, dry_run=args.dry_run)
+    report = composition.cluster(settings).reap_report(
+        ledger, max_age_s=args.max_age_hours * 3600, dry_run=args.dry_run, kubeconfig=args.kubeconfig
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -478,16 +478,21 @@ CHECKSUM_ALGORITHMS = {
 }
 
 
+def _hash_algorithm(fn: str, algorithm: Any) -> str:
+    """hashlib's name for a documented algorithm: TypeError for a non-string, ValueError otherwise."""
+    _want(algorithm, "string", fn, "algorithm")
+    name = CHECKSUM_ALGORITHMS.get(algorithm)
+    if name is None:
+        raise value_error(f"{fn}: unsupported algorithm {algorithm!r}")
+    return name
+
+
 @_register("hash.compute_checksum", "data,algorithm")
 def _hash_compute_checksum(rt: Runtime, data: Any, algorithm: Any) -> Any:
     """ "TypeError If data is not in bytes, or if algorithm is not a string. ValueError If the provided
     hashing algorithm is not supported." Returns the checksum in bytes."""
     _want(data, "bytes", "hash.compute_checksum", "data")
-    _want(algorithm, "string", "hash.compute_checksum", "algorithm")
-    name = CHECKSUM_ALGORITHMS.get(algorithm)
-    if name is None:
-        raise value_error(f"hash.compute_checksum: unsupported algorithm {algorithm!r}")
-    return hashlib.new(name, bytes(data)).digest()
+    return hashlib.new(_hash_algorithm("hash.compute_checksum", algorithm), bytes(data)).digest()
 
 
 @_register("hash.compute_hmac", "key,data,algorithm")
@@ -498,11 +503,7 @@ def _hash_compute_hmac(rt: Runtime, key: Any, data: Any, algorithm: Any) -> Any:
     (cloud.google.com/workflows/docs/reference/stdlib/hash/compute_hmac)."""
     _want(key, "bytes", "hash.compute_hmac", "key")
     _want(data, "bytes", "hash.compute_hmac", "data")
-    _want(algorithm, "string", "hash.compute_hmac", "algorithm")
-    name = CHECKSUM_ALGORITHMS.get(algorithm)
-    if name is None:
-        raise value_error(f"hash.compute_hmac: unsupported algorithm {algorithm!r}")
-    return hmac.new(bytes(key), bytes(data), name).digest()
+    return hmac.new(bytes(key), bytes(data), _hash_algorithm("hash.compute_hmac", algorithm)).digest()
 
 
 @_register("base64.decode", "data,padding", required=1)

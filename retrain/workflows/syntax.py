@@ -676,8 +676,8 @@ def _check_parallel(sub: Subworkflow, steps: list[Step], outer: set[str]) -> Non
             loop_vars = {n for n in (step.for_.value, step.for_.index) if n}
             _check_parallel(sub, step.for_.steps, outer | loop_vars | _scope_names(step.for_.steps))
         for block, boundary in _child_blocks(step):
-            if step.except_ and block is step.except_.steps and step.except_.as_:
-                _check_parallel(sub, block, outer | {step.except_.as_})
+            if _is_except_block(step, block):
+                _check_parallel(sub, block, outer | _except_as(step))
             elif not boundary:
                 _check_parallel(sub, block, outer)
 
@@ -730,6 +730,16 @@ def _check_calls(defn: Definition, steps: list[Step]) -> None:
 # parallel branch's new variables are its own (only ``shared`` ones are the parent's).
 
 
+def _is_except_block(step: Step, block: list[Step]) -> bool:
+    """``block`` is ``step``'s except block: a scope of its own, with its ``as`` variable."""
+    return step.except_ is not None and block is step.except_.steps
+
+
+def _except_as(step: Step) -> set[str]:
+    """The error variable ``step``'s except block names (visible in that block only)."""
+    return {step.except_.as_} if step.except_ and step.except_.as_ else set()
+
+
 def _scope_names(steps: list[Step], skip: Step | None = None) -> set[str]:
     """Variables a scope creates (assign roots, call results): its own steps' and those of the blocks that
     are not scopes of their own (nested ``steps``, ``switch`` blocks, ``try`` bodies); for bodies,
@@ -742,7 +752,7 @@ def _scope_names(steps: list[Step], skip: Step | None = None) -> set[str]:
         if step.result:
             out.add(step.result.split(".")[0].split("[")[0])
         for block, boundary in _child_blocks(step):
-            if not boundary and not (step.except_ and block is step.except_.steps):
+            if not boundary and not _is_except_block(step, block):
                 out.update(_scope_names(block, skip))
     return out
 
@@ -807,15 +817,14 @@ def _check_symbols(defn: Definition, steps: list[Step], visible: set[str]) -> No
                     f"symbol '{unknown}' is neither a variable nor a sub-workflow name", step.name, step.line
                 )
         loop_vars = {n for loop in _loops(step) for n in (loop.value, loop.index) if n}
-        except_as = {step.except_.as_} if step.except_ and step.except_.as_ else set()
         for block, boundary in _child_blocks(step):
             inner = visible
             if boundary:  # a for body (with its loop variables) or a parallel branch
                 inner = visible | _scope_names(block)
                 if any(block is loop.steps for loop in _loops(step)):
                     inner |= loop_vars
-            elif step.except_ and block is step.except_.steps:
-                inner = visible | except_as | _scope_names(block)
+            elif _is_except_block(step, block):
+                inner = visible | _except_as(step) | _scope_names(block)
             _check_symbols(defn, block, inner)
 
 

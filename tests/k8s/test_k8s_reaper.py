@@ -19,6 +19,7 @@ from retrain.k8s.render import (
     render_jobset,
     render_provisioning_request,
 )
+from retrain.local.envtest import ControlPlane
 from retrain.local.gke_api import GkeApiServer
 from retrain.trainers import Command
 
@@ -283,3 +284,25 @@ def test_the_scheduler_reaper_job_reaps_through_the_function_side_adapter(
     assert outcome.action == Action.REAPED
     assert cluster.inventory() == names("live-run")
     assert "retrain-gone-run" in outcome.detail
+
+
+def test_main_with_a_kubeconfig_reaches_that_cluster_without_the_gke_api(
+    cluster: Cluster,
+    ledger: Any,
+    project: str,
+    control_plane: ControlPlane,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``retrain reap --kubeconfig F``: no GKE API is asked (none is reachable here), the cluster F names is
+    reaped, and the report has no pool bounds to show."""
+    monkeypatch.delenv("RETRAIN_CONTAINER_ENDPOINT", raising=False)
+    monkeypatch.setenv("RETRAIN_PROJECT", project)
+    monkeypatch.setenv("RETRAIN_NAMESPACE", cluster.ns)
+    monkeypatch.setenv("RETRAIN_NODE_POOL", cluster.pool)
+    record(ledger, "ended-run", RunStatus.FAILED)
+    cluster.create_run_objects("ended-run")
+    code, out = run_main(capsys, "--kubeconfig", str(control_plane.kubeconfig))
+    assert code == 0 and out["node_pool_size"] is None
+    assert sorted(d["name"] for d in out["deleted"]) == sorted(name for _, name in names("ended-run"))
+    assert cluster.inventory() == set()
