@@ -58,5 +58,5 @@ def ingest(settings: Settings) -> Ingest:
     if settings.bigquery_tables:
         from retrain.adapters.warehouse import BigQueryWarehouse
 
-        warehouse = BigQueryWarehouse(settings.project)
+        warehouse = BigQueryWarehouse(settings.project, call_timeout_s=settings.bigquery_call_timeout_s)
     return Ingest(settings, ledger(settings), orchestrator(settings), objects, warehouse, cluster(settings))

@@ -19,6 +19,10 @@ DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 
+#: BigQuery calls one handler makes at most: advancing an export (its status, the wait's two, a cancel)
+#: and starting one (the range's five queries, the table's location, the job's insert).
+BIGQUERY_CALLS_PER_HANDLER = 11
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -51,6 +55,15 @@ class Settings:
     bigquery_watermark_column: str = "ingested_at"
     """Column of every watched table whose value only grows as rows are added (a load timestamp or a
     sequence number): a table write exports the rows above the last exported value."""
+    bigquery_export_max_rows: int = 5_000_000
+    """Rows one export job takes at most: a larger backlog is exported by several jobs in turn, each of
+    them bounded."""
+    bigquery_export_timeout_s: float = 3600.0
+    """Time limit of one export job (BigQuery's ``jobTimeoutMs``); one still running after it is cancelled
+    by the next write or tick, and its rows exported again."""
+    function_timeout_s: float = 120.0
+    """The functions' request timeout (infra/app's ``function_timeout_seconds`` sets both): a handler's
+    BigQuery calls and its wait for an export job fit in it."""
     workflow: str = "retrain"
     """Name of the Cloud Workflows workflow deployed from workflows/retrain.yaml."""
     jobset_topic: str = "jobset-events"
@@ -167,6 +180,25 @@ class Settings:
         # the estimates divide by these
         if self.nodes < 1 or self.node_tokens_per_s <= 0 or self.price_per_node_hour < 0:
             raise ValueError("nodes must be >= 1, node_tokens_per_s > 0 and price_per_node_hour >= 0")
+        if (
+            self.function_timeout_s <= 0
+            or self.bigquery_export_timeout_s <= 0
+            or self.bigquery_export_max_rows < 1
+        ):
+            raise ValueError(
+                "function_timeout_s and bigquery_export_timeout_s must be > 0, bigquery_export_max_rows >= 1"
+            )
+
+    @property
+    def bigquery_call_timeout_s(self) -> float:
+        """Bound on one BigQuery call of a handler: it makes at most :data:`BIGQUERY_CALLS_PER_HANDLER`,
+        and waits :attr:`bigquery_export_wait_s` once, within :attr:`function_timeout_s`."""
+        return self.function_timeout_s / (BIGQUERY_CALLS_PER_HANDLER + 4)
+
+    @property
+    def bigquery_export_wait_s(self) -> float:
+        """How long a table write's handler waits for its export job before leaving it to the next tick."""
+        return 2 * self.bigquery_call_timeout_s
 
     @property
     def template_uri(self) -> str:

@@ -3,7 +3,8 @@
 Arrivals are recorded in the ledger (deduplicated, contention-free); a seal cuts the dataset's
 timeline, and a sealed batch whose snapshot is new becomes one run: its object list is written as the
 run's manifest and one workflow execution starts.  A write to a watched BigQuery table is first
-exported (its new rows, as one object in the artifacts bucket) and recorded like any arrival.  JobSet
+exported (its new rows, by a bounded BigQuery job into the artifacts bucket: ``retrain.exports``) and
+its files recorded like any arrival.  JobSet
 completions come back the other way and are relayed to the waiting execution's callback.
 """
 
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -33,6 +32,7 @@ from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWri
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Champion, Run, RunStatus, iso, now_iso
+from retrain.exports import Progress, Step, TableExports, bigquery_files
 from retrain.plan import (
     Estimate,
     check_before_capacity,
@@ -57,9 +57,6 @@ from retrain.ports import (
 
 log = logging.getLogger("retrain.ingest")
 
-#: Export attempts when concurrent exports of one table race for its watermark.
-EXPORT_ATTEMPTS = 3
-
 
 class Action(StrEnum):
     """What handling one event did."""
@@ -78,6 +75,11 @@ class Action(StrEnum):
     """A seal found no arrival since the last one."""
     NOTHING_NEW = "nothing-new"
     """A watched table has no row after its watermark."""
+    EXPORTING = "exporting"
+    """A watched table's new rows are being exported by a BigQuery job; the next write or tick
+    finishes it."""
+    EXPORT_FAILED = "export-failed"
+    """A watched table's export job failed or ran past its deadline; its rows go with the next one."""
     ALREADY_TRAINED = "already-trained"
     """Nothing new: every object's content trained before or is in the live or pending run."""
     REFUSED = "refused"
@@ -137,19 +139,6 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
     )
     ledger.give_back(current)  # identical bytes dropped again are new; `run --retry` re-runs them
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
-
-
-def bigquery_files(destination: str) -> Callable[[str], bool]:
-    """Which object URIs an extract job wrote to ``destination``: the name taken literally, but for
-    BigQuery's one wildcard, which it replaces by a 12-digit, zero-padded file number ("Exporting data
-    into one or more files", cloud.google.com/bigquery/docs/exporting-data)."""
-    head, star, tail = destination.partition("*")
-    pattern = re.compile(re.escape(head) + (r"[0-9]{12}" if star else "") + re.escape(tail))
-    return lambda uri: pattern.fullmatch(uri) is not None
-
-
-def _safe_name(value: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-")[:80] or "x"
 
 
 class Ingest:
@@ -234,9 +223,9 @@ class Ingest:
             return Outcome(Action.IGNORED, f"export {export.job} failed: {export.error}")
         found = 0
         for destination in export.destination_uris:
-            matches = bigquery_files(destination)
+            files = bigquery_files(destination)
             for info in self.store.list_objects(destination.split("*", 1)[0]):
-                if not matches(info.uri) or info.generation is None:
+                if not files.fullmatch(info.uri) or info.generation is None:
                     continue
                 bucket, name = info.uri.removeprefix("gs://").split("/", 1)
                 arrival = ObjectArrival(
@@ -257,42 +246,29 @@ class Ingest:
         return self.seal(dataset, "bigquery-export")
 
     def _export_new_rows(self, written: TableWritten) -> Outcome:
-        """Write the rows the table gained since its watermark to one JSONL object, record it, seal."""
+        """Export the rows the table gained since its watermark (a bounded job: :mod:`retrain.exports`)
+        and seal them once they have landed."""
         dataset = self.settings.watched_tables.get(written.table)
         if dataset is None:
             return Outcome(Action.IGNORED, f"table {written.table} is not watched")
+        return self._export_outcome(self._exports().on_write, written.table, dataset)
+
+    def _exports(self) -> TableExports:
         if self.warehouse is None:
             raise Retry("a watched table changed but no BigQuery warehouse is configured")
-        column = self.settings.bigquery_watermark_column
-        for _ in range(EXPORT_ATTEMPTS):
-            after = self.ledger.watermark(written.table)
-            through = self.warehouse.high_watermark(written.table, column, not_after=datetime.now(UTC))
-            if through is None or (after is not None and through <= after):
-                return Outcome(Action.NOTHING_NEW, f"{written.table}: no rows after {after}")
-            # In the artifacts bucket (retrain's own; no trigger fires), named per attempt, so that a
-            # losing attempt deletes only its own object.
-            bucket = self.settings.artifacts_bucket
-            attempt = f"{_safe_name(through)}-{uuid.uuid4().hex[:8]}"
-            name = f"bigquery/{dataset}/{_safe_name(written.table)}/{attempt}.jsonl"
-            uri = f"gs://{bucket}/{name}"
-            rows = self.warehouse.export(written.table, uri, column, after, through)
-            info = self.store.stat(uri)
-            arrival = ObjectArrival(
-                event_id=f"{written.event_id}/{name}",
-                bucket=bucket,
-                name=name,
-                generation=int(info.generation or 1),
-                size=info.size,
-                md5_hash=info.md5_hash or "",
-                time=now_iso(),
-            )
-            if self.ledger.record_export(
-                written.table, after, through, arrival, dataset, arrival.content_hash
-            ):
-                log.info("%s: %d row(s) in (%s, %s] exported to %s", written.table, rows, after, through, uri)
-                return self.seal(dataset, "bigquery")
-            self.store.delete(uri)  # another export moved the watermark first; go again from there
-        raise Retry(f"{written.table}: {EXPORT_ATTEMPTS} export attempts lost the race; retry later")
+        return TableExports(self.settings, self.ledger, self.warehouse, self.store)
+
+    def _export_outcome(self, do: Callable[..., Step], *args: Any) -> Outcome:
+        """Take one step of an export (``do(*args)``); seal what it landed."""
+        step = do(*args)
+        if step.progress == Progress.LANDED and step.files:
+            return self.seal(step.dataset, "bigquery")
+        action = {
+            Progress.RUNNING: Action.EXPORTING,
+            Progress.FAILED: Action.EXPORT_FAILED,
+            Progress.TAKEN: Action.DUPLICATE,
+        }.get(step.progress, Action.NOTHING_NEW)
+        return Outcome(action, step.detail)
 
     # --- seals and starts ---
 
@@ -479,9 +455,10 @@ class Ingest:
         return [self.seal(p.dataset, trigger) for p in self.ledger.pending(dataset)]
 
     def sweep(self, now: datetime | None = None) -> list[Outcome]:
-        """What a timer must do, in order: seal quiet or old batches, finish seals and starts a crash
-        cut short, record executions that died without an outcome (and reap what they left), and start
-        queued runs.  Each item is handled on its own: one failure is logged, and the round goes on."""
+        """What a timer must do, in order: advance BigQuery exports, seal quiet or old batches, finish
+        seals and starts a crash cut short, record executions that died without an outcome (and reap what
+        they left), and start queued runs.  Each item is handled on its own: one failure is logged, and
+        the round goes on."""
         now = now or datetime.now(UTC)
         s = self.settings
         stuck_before, quiet_before, old_before = (
@@ -499,6 +476,12 @@ class Ingest:
                 outcomes.append(outcome)
             return outcome
 
+        if self.warehouse is not None:
+            exports = self._exports()
+            for job in self.ledger.pending_exports():
+                each(f"export {job.job_id}", partial(self._export_outcome, exports.advance, job))
+            for table, dataset in exports.backlogged():
+                each(f"export of {table}", partial(self._export_outcome, exports.resume, table, dataset))
         for pending in self.ledger.pending():
             if pending.last_arrival_at < quiet_before:
                 each(f"seal {pending.dataset}", partial(self.seal, pending.dataset, "quiet-period"))

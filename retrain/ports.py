@@ -93,6 +93,66 @@ class StartClaim:
 
 
 @dataclass(frozen=True)
+class ExportJob:
+    """One bounded export of a watched table's new rows: a BigQuery ``EXPORT DATA`` job that the handler
+    of a table write starts and a later invocation (the next write, or the Scheduler's tick) finishes.
+    Recorded before the job starts, so a crash in between is finished (or started) by the next one."""
+
+    table: str
+    """``project.dataset.table`` being exported."""
+    dataset: str
+    """The retrain dataset its rows join."""
+    job_id: str
+    """BigQuery job id, derived from the table and the range: starting it twice starts one job."""
+    location: str
+    """Where the job runs (the table's location; "" lets the client choose)."""
+    after: Any
+    """The watermark the export starts from (exclusive; None: the table's first export)."""
+    through: Any
+    """The last watermark value it takes (inclusive): the watermark once it is finished."""
+    destination: str
+    """``gs://`` URI with BigQuery's one ``*`` wildcard, in the artifacts bucket."""
+    started_at: str
+    """RFC 3339 time it was recorded."""
+    deadline: str
+    """RFC 3339 time after which a job still running is cancelled and the range exported again."""
+    capped: bool = False
+    """More rows were waiting above ``through`` (the range took the most one job may): once this one is
+    finished, the next tick starts the next (as it does when the table is written while this one runs)."""
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """How far the next export of a table goes."""
+
+    through: Any
+    """The last watermark value it takes (None: no row above the watermark)."""
+    capped: bool = False
+    """Rows above ``through`` wait for the next export (the range took the most one job may)."""
+
+
+class ExportState(StrEnum):
+    """Where an export job stands, as BigQuery reports it."""
+
+    MISSING = "missing"
+    """BigQuery has no such job: its start was cut short after it was recorded."""
+    RUNNING = "running"
+    """PENDING or RUNNING."""
+    SUCCEEDED = "succeeded"
+    """DONE without an error: its files are written."""
+    FAILED = "failed"
+    """DONE with an error (including a cancel, or its own time limit)."""
+
+
+@dataclass(frozen=True)
+class ExportStatus:
+    state: ExportState
+    files: int | None = None
+    """How many files the job wrote (``exportDataStatistics.fileCount``; None when not reported)."""
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class ObjectInfo:
     """An object's identity and size, as listing or stat-ing it tells."""
 
@@ -126,9 +186,21 @@ class Ledger(Protocol):
 
     def watermark(self, table: str) -> Any: ...
 
-    def record_export(
-        self, table: str, after: Any, through: Any, arrival: ObjectArrival, dataset: str, content_hash: str
-    ) -> bool: ...
+    def begin_export(self, job: ExportJob) -> bool: ...
+
+    def export_backlog(self, table: str) -> bool: ...
+
+    def want_export(self, table: str) -> bool: ...
+
+    def end_backlog(self, table: str) -> None: ...
+
+    def pending_export(self, table: str) -> ExportJob | None: ...
+
+    def pending_exports(self) -> list[ExportJob]: ...
+
+    def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool: ...
+
+    def abandon_export(self, job: ExportJob, reason: str) -> None: ...
 
     def claim_start(self, run: Run, stale_after_s: float) -> StartClaim: ...
 
@@ -214,10 +286,21 @@ class ObjectStore(Protocol):
 
 
 class Warehouse(Protocol):
-    """Exports a table's rows, or the rows a watched table gained, as a JSONL object (BigQuery)."""
+    """The rows a watched table gained, exported by bounded jobs as newline-delimited JSON (BigQuery)."""
 
-    def high_watermark(self, table: str, column: str, not_after: datetime | None = None) -> Any: ...
+    def export_range(
+        self,
+        table: str,
+        column: str,
+        after: Any = None,
+        not_after: datetime | None = None,
+        max_rows: int | None = None,
+    ) -> RowRange: ...
 
-    def export(
-        self, table: str, uri: str, column: str | None = None, after: Any = None, through: Any = None
-    ) -> int: ...
+    def location(self, table: str) -> str: ...
+
+    def start_export(self, job: ExportJob, column: str, timeout_s: float) -> None: ...
+
+    def export_status(self, job: ExportJob, wait_s: float = 0.0) -> ExportStatus: ...
+
+    def cancel_export(self, job: ExportJob) -> None: ...

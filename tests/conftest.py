@@ -28,7 +28,7 @@ def emulator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(
-    start: Callable[[Path], tuple[emulators.ManagedProcess, str]], state: Path, env_key: str, needs_java: bool
+    start: Callable[[Path], tuple[emulators.Service, str]], state: Path, env_key: str, needs_java: bool
 ) -> Iterator[str]:
     """Run one emulator for the session, exported to this process through its client variable."""
     reason = emulators.java_emulators_unavailable_reason() if needs_java else None
@@ -65,8 +65,9 @@ def gcs_host(emulator_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def bigquery_host(emulator_dir: Path) -> Iterator[str]:
-    """BIGQUERY_EMULATOR_HOST of bqemulator: an optional tier, skipped where it is not installed."""
+def bigquery_host(emulator_dir: Path, gcs_host: str) -> Iterator[str]:
+    """BIGQUERY_EMULATOR_HOST of bqemulator: an optional tier, skipped where it is not installed. The
+    files its jobs export land in the storage emulator (``retrain.local.bigquery_gcs``)."""
     if emulators.bqemulator_path() is None:
         pytest.skip("bqemulator is not installed (scripts/test installs it in .tools/bqemulator)")
     yield from _serve(emulators.bigquery, emulator_dir, "BIGQUERY_EMULATOR_HOST", needs_java=False)

@@ -1,12 +1,14 @@
-"""A watched BigQuery table's new rows become a landed object and a run: the BigQuery emulator (optional
-tier), the real Firestore and GCS emulators, and the trigger served by functions-framework, fed the
-recorded audit-log deliveries of tests/events/bigquery."""
+"""A watched BigQuery table's new rows become landed objects and a run, through bounded EXPORT DATA jobs:
+the BigQuery emulator (optional tier; its exported files reach the GCS emulator through
+retrain.local.bigquery_gcs), the real Firestore and GCS emulators, and the trigger served by
+functions-framework, fed the recorded audit-log deliveries of tests/events/bigquery.  What a write's
+handler leaves unfinished, the Scheduler's tick (Ingest.sweep) finishes."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
-import uuid
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -15,9 +17,16 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
+from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.warehouse import BigQueryWarehouse
+from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.domain.runs import RunStatus
+from retrain.exports import Progress, TableExports
+from retrain.ingest import Action, Ingest
+from retrain.ports import ExportJob, ExportState, RowRange
+from retrain.workflows import ExecutionsServer
 
 if TYPE_CHECKING:
     from conftest import ServedFunction
@@ -76,26 +85,93 @@ def function(
     )
 
 
-def test_the_warehouse_reads_ranges_in_watermark_order(warehouse: BigQueryWarehouse, gcs_host: str) -> None:
-    insert(warehouse, range(100, 104))
-    hi = warehouse.high_watermark(TABLE, "ingested_at")
-    assert hi == T0 + dt.timedelta(seconds=103)
-    middle = list(
-        warehouse.rows(TABLE, "ingested_at", T0 + dt.timedelta(seconds=100), T0 + dt.timedelta(seconds=102))
-    )
-    assert [r["id"] for r in middle] == [101, 102]
-    bucket = f"exp-{uuid.uuid4().hex[:8]}"
-    objects.storage_client().create_bucket(bucket)
-    n = warehouse.export(TABLE, f"gs://{bucket}/x.jsonl", "id", 101, 103)
-    exported = lines(f"gs://{bucket}/x.jsonl")
-    assert n == 2 and [(r["id"], r["text"], r["ingested_at"]) for r in exported] == [
-        (102, "order 102", "2026-11-20T12:01:42+00:00"),
-        (103, "order 103", "2026-11-20T12:01:43+00:00"),
+def make_table(w: BigQueryWarehouse, table: str) -> str:
+    from google.cloud import bigquery
+
+    schema = [
+        bigquery.SchemaField("id", "INT64"),
+        bigquery.SchemaField("text", "STRING"),
+        bigquery.SchemaField("ingested_at", "TIMESTAMP"),
     ]
-    assert [Decimal(r["price"]) for r in exported] == [Decimal("102.5"), Decimal("103.5")]  # NUMERIC, exact
-    assert warehouse.high_watermark("proj.sales.orders", "id") >= 103
-    with pytest.raises(ValueError):
-        warehouse.high_watermark("proj.sales.orders`; DROP TABLE x; --", "id")
+    w.client.delete_table(table, not_found_ok=True)
+    w.client.create_table(bigquery.Table(table, schema=schema))
+    return table
+
+
+def add_rows(w: BigQueryWarehouse, table: str, stamps: dict[int, dt.datetime]) -> None:
+    rows = [{"id": i, "text": f"row {i}", "ingested_at": at.isoformat()} for i, at in stamps.items()]
+    assert w.client.insert_rows_json(table, rows) == []
+
+
+class Killed(BaseException):
+    """The process dies."""
+
+
+class KilledAtStart(BigQueryWarehouse):
+    def start_export(self, job: ExportJob, column: str, timeout_s: float) -> None:
+        raise Killed
+
+
+class StartLost(BigQueryWarehouse):
+    def start_export(self, job: ExportJob, column: str, timeout_s: float) -> None:
+        pass
+
+
+def exported_ids(artifacts: str, folder: str) -> list[int]:
+    """Every row id in the files under ``folder`` (JSON exports write INT64 as strings on Google)."""
+    return sorted(
+        int(r["id"]) for o in objects.list_objects(f"gs://{artifacts}/{folder}") for r in lines(o.uri)
+    )
+
+
+@pytest.fixture
+def ingest(
+    warehouse: BigQueryWarehouse, firestore_host: str, held_executions: ExecutionsServer, project: str
+) -> Ingest:
+    """The handlers in this process, on a fresh project, watching proj.sales.backlog and proj.sales.gone."""
+    settings = dataclasses.replace(
+        config.load({}),
+        project=project,
+        artifacts_bucket=f"art-{project}",
+        bigquery_tables="proj.sales.backlog=backlog,proj.sales.gone=gone",
+        bigquery_export_max_rows=3,
+    )
+    objects.storage_client().create_bucket(settings.artifacts_bucket)
+    orchestrator = WorkflowsExecutions(
+        project,
+        settings.region,
+        settings.workflow,
+        held_executions.base_url,
+        grpc_endpoint=held_executions.grpc_target,
+    )
+    return Ingest(settings, FirestoreLedger(project), orchestrator, objects, warehouse)
+
+
+def test_an_export_range_stops_at_now_and_at_the_row_bound(warehouse: BigQueryWarehouse) -> None:
+    table = make_table(warehouse, "proj.sales.ranges")
+    add_rows(warehouse, table, {i: T0 + dt.timedelta(seconds=i) for i in range(10)})
+    add_rows(warehouse, table, {50: T0 + dt.timedelta(seconds=4)})  # shares its stamp with row 4
+    add_rows(warehouse, table, {99: dt.datetime(2099, 1, 1, tzinfo=dt.UTC)})  # stamped far in the future
+    column, now = "ingested_at", dt.datetime.now(dt.UTC)
+    # unbounded, MAX would take the future row and hide every row still to come behind it
+    assert warehouse.export_range(table, column) == RowRange(dt.datetime(2099, 1, 1, tzinfo=dt.UTC))
+    assert warehouse.export_range(table, column, not_after=now) == RowRange(T0 + dt.timedelta(seconds=9))
+    # at most max_rows rows, but rows sharing the last value come along (rows 0-3, then 4 and 50)
+    assert warehouse.export_range(table, column, not_after=now, max_rows=4) == RowRange(
+        T0 + dt.timedelta(seconds=3), capped=True
+    )
+    assert warehouse.export_range(table, column, not_after=now, max_rows=5) == RowRange(
+        T0 + dt.timedelta(seconds=4), capped=True
+    )
+    after = T0 + dt.timedelta(seconds=4)
+    assert warehouse.export_range(table, column, after=after, not_after=now, max_rows=5) == RowRange(
+        T0 + dt.timedelta(seconds=9)
+    )
+    assert warehouse.export_range(
+        table, column, after=T0 + dt.timedelta(seconds=9), not_after=now
+    ) == RowRange(None)
+    with pytest.raises(ValueError, match=r"not project\.dataset\.table"):
+        warehouse.export_range("proj.sales.orders`; DROP TABLE x; --", column)
 
 
 def test_a_table_write_exports_only_new_rows_then_seals(
@@ -103,9 +179,8 @@ def test_a_table_write_exports_only_new_rows_then_seals(
 ) -> None:
     url, log, artifacts = function.url, function.log, function.artifacts
     ledger = FirestoreLedger(function.project)
-    watermark = ledger.watermark(TABLE)
-    assert watermark is None
-    insert(warehouse, range(0, 3))  # (the table also holds the rows of the test above)
+    assert ledger.watermark(TABLE) is None
+    insert(warehouse, range(0, 3))
 
     assert post(url, "table_data_change").status_code == 200
     (run,) = [r for r in ledger.list_runs() if r.dataset == "orders"]
@@ -113,8 +188,11 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     manifest = json.loads(objects.read_bytes(f"gs://{artifacts}/runs/{run.run_id}/objects.json"))
     (first,) = [o["uri"] for o in manifest["objects"]]
     assert first.startswith(f"gs://{artifacts}/bigquery/orders/proj.sales.orders/")
+    assert first.endswith("/000000000000.jsonl")  # BigQuery's wildcard, filled in
     exported = lines(first)
-    assert [r["id"] for r in exported] == [0, 1, 2, 100, 101, 102, 103]  # every row, in watermark order
+    assert [int(r["id"]) for r in exported] == [0, 1, 2]  # every row, in watermark order
+    assert [Decimal(r["price"]) for r in exported] == [Decimal("0.50"), Decimal("1.50"), Decimal("2.50")]
+    assert ledger.pending_export(TABLE) is None
 
     # The same load also arrives as a jobChange: nothing is new, nothing is written twice.
     assert post(url, "load_done").status_code == 200
@@ -124,28 +202,93 @@ def test_a_table_write_exports_only_new_rows_then_seals(
     assert post(url, "table_data_change").status_code == 200
     runs = [r for r in ledger.list_runs() if r.dataset == "orders"]
     assert len(runs) == 2 and runs[1].status == "pending"  # queued behind the live first run
-    (second,) = [a.uri for a in objects.list_objects(f"gs://{artifacts}/bigquery/orders/") if a.uri != first]
-    assert [r["id"] for r in lines(second)] == [200, 201]  # only the new rows
+    assert exported_ids(artifacts, "bigquery/orders/") == [0, 1, 2, 200, 201]  # only the new rows, once
     assert ledger.watermark(TABLE) == T0 + dt.timedelta(seconds=201)
 
 
-def test_a_row_stamped_in_the_future_never_moves_the_watermark_past_now(warehouse: BigQueryWarehouse) -> None:
-    """One row stamped in 2099 would hide every later row for good if the watermark took it: the
-    watermark stops at the export's start, and the row waits for its time."""
-    from google.cloud import bigquery
+def test_a_backlog_is_exported_by_bounded_jobs_in_turn(ingest: Ingest, warehouse: BigQueryWarehouse) -> None:
+    table = make_table(warehouse, "proj.sales.backlog")
+    add_rows(warehouse, table, {i: T0 + dt.timedelta(seconds=i) for i in range(7)})
+    artifacts, ledger = ingest.settings.artifacts_bucket, ingest.ledger
 
-    table = "proj.sales.poisoned"
-    schema = [bigquery.SchemaField("text", "STRING"), bigquery.SchemaField("ingested_at", "TIMESTAMP")]
-    warehouse.client.create_table(bigquery.Table(table, schema=schema), exists_ok=True)
-    future = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
-    rows = [
-        {"text": "now", "ingested_at": T0.isoformat()},
-        {"text": "later", "ingested_at": future.isoformat()},
-    ]
-    assert warehouse.client.insert_rows_json(table, rows) == []
-    assert warehouse.high_watermark(table, "ingested_at") == future  # unbounded: what MAX says
-    now = dt.datetime.now(dt.UTC)
-    assert warehouse.high_watermark(table, "ingested_at", not_after=now) == T0
-    # a row that arrives later, stamped before now, is still above the watermark: it will be exported
-    assert warehouse.client.insert_rows_json(table, [{"text": "next", "ingested_at": now.isoformat()}]) == []
-    assert warehouse.high_watermark(table, "ingested_at", not_after=dt.datetime.now(dt.UTC)) == now
+    exports = TableExports(ingest.settings, ledger, warehouse, objects)
+    first = exports.on_write(table, "backlog")  # the most one job may take: 3 rows
+    assert (first.progress, first.files) == (Progress.LANDED, 1)
+    assert exported_ids(artifacts, "bigquery/backlog/") == [0, 1, 2] and ledger.export_backlog(table)
+    live = ingest.seal("backlog", "bigquery")
+    assert live.action == Action.STARTED
+
+    # A tick starts the next bounded job; the next finishes it (its rows join a pending run, which
+    # waits behind the live one) and starts the one after.
+    started = ingest.sweep()
+    assert [o.action for o in started] == [Action.EXPORTING] and "started" in started[0].detail
+    second = ingest.sweep()
+    assert [o.action for o in second] == [Action.QUEUED, Action.EXPORTING, Action.QUEUED]
+    assert ledger.watermark(table) == T0 + dt.timedelta(seconds=5)
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.QUEUED]
+    assert ledger.watermark(table) == T0 + dt.timedelta(seconds=6)
+    assert exported_ids(artifacts, "bigquery/backlog/") == list(range(7))  # every row once
+    assert not ledger.export_backlog(table) and ledger.pending_export(table) is None
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED]  # only the pending run, waiting
+    (pending,) = [r for r in ledger.list_runs() if r.dataset == "backlog" and r.run_id != live.run_id]
+    assert pending.status == RunStatus.PENDING and len(ledger.run_objects(pending)) == 2  # jobs 2 and 3
+
+
+def test_an_export_cut_short_before_its_job_started_is_started_then_finished_by_the_tick(
+    ingest: Ingest, warehouse: BigQueryWarehouse
+) -> None:
+    table = make_table(warehouse, "proj.sales.backlog")
+    add_rows(warehouse, table, {i: T0 + dt.timedelta(seconds=i) for i in range(2)})
+    dying = TableExports(ingest.settings, ingest.ledger, KilledAtStart("proj", warehouse.client), objects)
+    with pytest.raises(Killed):  # the handler dies after recording the job, before BigQuery has it
+        dying.on_write(table, "backlog")
+    job = ingest.ledger.pending_export(table)
+    assert job is not None and warehouse.export_status(job).state == ExportState.MISSING
+
+    (restarted,) = ingest.sweep()
+    assert restarted.action == Action.EXPORTING and "its first start was cut short" in restarted.detail
+    (landed,) = ingest.sweep()
+    assert landed.action == Action.STARTED  # the run of its rows
+    assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/backlog/") == [0, 1]
+    assert ingest.ledger.watermark(table) == T0 + dt.timedelta(seconds=1)
+
+
+def test_a_failed_export_is_forgotten_and_its_rows_go_with_the_next_one(
+    ingest: Ingest, warehouse: BigQueryWarehouse
+) -> None:
+    table = make_table(warehouse, "proj.sales.gone")
+    add_rows(warehouse, table, {1: T0})
+    lost = TableExports(ingest.settings, ingest.ledger, StartLost("proj", warehouse.client), objects)
+    assert lost.on_write(table, "gone").progress == Progress.RUNNING  # recorded; its start never arrived
+    warehouse.client.delete_table(table)  # so the job BigQuery runs now fails
+    (restarted,) = ingest.sweep()
+    assert restarted.action == Action.EXPORTING
+    (failed,) = ingest.sweep()
+    assert failed.action == Action.EXPORT_FAILED and "its rows go with the next export" in failed.detail
+    assert ingest.ledger.pending_export(table) is None and ingest.ledger.watermark(table) is None
+    assert list(objects.list_objects(f"gs://{ingest.settings.artifacts_bucket}/bigquery/gone/")) == []
+
+    make_table(warehouse, table)
+    add_rows(warehouse, table, {1: T0, 2: T0 + dt.timedelta(seconds=1)})
+    landed = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_write(table, "gone")
+    assert landed.progress == Progress.LANDED
+    assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/gone/") == [1, 2]
+
+
+def test_rows_written_while_an_export_is_under_way_go_with_the_next_one(
+    ingest: Ingest, warehouse: BigQueryWarehouse
+) -> None:
+    table = make_table(warehouse, "proj.sales.gone")
+    add_rows(warehouse, table, {1: T0})
+    lost = TableExports(ingest.settings, ingest.ledger, StartLost("proj", warehouse.client), objects)
+    assert lost.on_write(table, "gone").progress == Progress.RUNNING  # under way: rows up to T0
+    add_rows(warehouse, table, {2: T0 + dt.timedelta(seconds=1)})
+    second = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_write(table, "gone")
+    assert second.progress == Progress.RUNNING and "first start was cut short" in second.detail
+
+    # The tick lands the first job's row and, the table having been written meanwhile, starts the next.
+    assert [o.action for o in ingest.sweep()] == [Action.STARTED, Action.EXPORTING]
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.QUEUED]
+    assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/gone/") == [1, 2]
+    assert not ingest.ledger.export_backlog(table)
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED]

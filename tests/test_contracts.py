@@ -372,6 +372,21 @@ def test_a_dropped_or_misspelled_variable_is_caught(tmp_path: Path, old: str, ne
     assert check_settings(Deployment(infra=infra).env) != []
 
 
+@pytest.mark.parametrize("variables", [{}, {"function_timeout_seconds": 30}])
+def test_a_handlers_bigquery_calls_fit_in_the_functions_timeout(variables: dict[str, Any]) -> None:
+    """The timeout BigQuery calls are planned against is each function's own, and a handler's worst case
+    (every call at its bound, then the wait for an export job) fits in it."""
+    deployment = Deployment(variables=variables)
+    s = deployment.settings()
+    for name in ("on_bigquery_event", "on_scheduler_tick"):
+        function = deployment.app.resource("google_cloudfunctions2_function", name)
+        (service,) = deployment.app.evaluate(function["service_config"])
+        assert service["timeout_seconds"] == s.function_timeout_s
+    worst = config.BIGQUERY_CALLS_PER_HANDLER * s.bigquery_call_timeout_s + s.bigquery_export_wait_s
+    assert worst < s.function_timeout_s
+    assert s.bigquery_export_timeout_s > s.function_timeout_s  # the job outlives its handler
+
+
 def test_the_local_stack_runs_on_the_deployments_settings() -> None:
     deployed = Deployment().settings()
     local = local_settings({})

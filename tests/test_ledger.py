@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -11,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.ledger import FirestoreLedger, _key
 from retrain.domain.events import ObjectArrival
-from retrain.ports import SealVerdict, StartVerdict
+from retrain.ports import ExportJob, SealVerdict, StartVerdict
 
 pytestmark = pytest.mark.emulators
 
@@ -202,27 +203,79 @@ def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: Fi
     assert counts == Counter(a.uri for a in objects)  # every arrival exactly once
 
 
-def test_export_watermark_moves_once_per_range(ledger: FirestoreLedger) -> None:
+def export_job(table: str, after: object, through: object, job_id: str = "job-1") -> ExportJob:
+    return ExportJob(
+        table=table,
+        dataset="ds",
+        job_id=job_id,
+        location="US",
+        after=after,
+        through=through,
+        destination=f"gs://art/bigquery/ds/{job_id}/*.jsonl",
+        started_at="2026-11-25T00:00:00+00:00",
+        deadline="2026-11-25T01:00:00+00:00",
+    )
+
+
+def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(ledger: FirestoreLedger) -> None:
     table = "p.sales.orders"
-    assert ledger.watermark(table) is None
-    first = arrival("bq-1")
-    assert ledger.record_export(table, None, 10, first, "ds", "h-1")
-    assert ledger.watermark(table) == 10
-    # a racing export that read the old watermark loses, and writes nothing
-    assert not ledger.record_export(table, None, 12, arrival("bq-2"), "ds", "h-2")
-    assert ledger.record_export(table, 10, 12, arrival("bq-3"), "ds", "h-3")
+    assert ledger.watermark(table) is None and ledger.pending_export(table) is None
+    first = export_job(table, None, 10)
+    assert ledger.begin_export(first)
+    assert ledger.pending_export(table) == first and ledger.pending_exports() == [first]
+    # one export under way per table; one that read another watermark is refused too
+    assert not ledger.begin_export(export_job(table, None, 11, "job-2"))
+    assert not ledger.begin_export(export_job(table, 5, 11, "job-3"))
+    # only the job under way can finish
+    assert not ledger.finish_export(export_job(table, None, 10, "job-2"), [arrival("bq-x")])
+    assert ledger.finish_export(first, [arrival("bq-1"), arrival("bq-2")])
+    assert not ledger.finish_export(first, [arrival("bq-1")])  # finished once
+    assert ledger.watermark(table) == 10 and ledger.pending_export(table) is None
+    assert not ledger.export_backlog(table)
+    assert not ledger.begin_export(export_job(table, None, 12, "job-4"))  # the watermark moved
+    capped = dataclasses.replace(export_job(table, 10, 12, "job-5"), capped=True)
+    assert ledger.begin_export(capped) and ledger.finish_export(capped, [arrival("bq-3")])
+    assert ledger.watermark(table) == 12 and ledger.export_backlog(table)
+    ledger.end_backlog(table)
+    assert not ledger.export_backlog(table) and ledger.watermark(table) == 12
+    # a write while an export is under way leaves a backlog behind it too
+    assert not ledger.want_export(table)  # none under way
+    written_meanwhile = export_job(table, 12, 13, "job-6")
+    assert ledger.begin_export(written_meanwhile) and ledger.want_export(table)
+    assert ledger.pending_export(table) == written_meanwhile
+    assert ledger.finish_export(written_meanwhile, []) and ledger.export_backlog(table)
     sealed = ledger.seal("ds", "t")
-    assert uris(sealed.objects) == ("gs://land/incoming/bq-1", "gs://land/incoming/bq-3")
+    assert uris(sealed.objects) == tuple(f"gs://land/incoming/bq-{i}" for i in (1, 2, 3))
+    assert ledger.watermark(table) == 13
+
+
+def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: FirestoreLedger) -> None:
+    table = "p.sales.returns"
+    failed = export_job(table, None, 10)
+    assert ledger.begin_export(failed)
+    ledger.abandon_export(export_job(table, None, 10, "someone-else"), "not ours")  # ignored
+    assert ledger.pending_export(table) == failed
+    ledger.abandon_export(failed, "Not found: Table p:sales.returns")
+    assert ledger.pending_export(table) is None and ledger.watermark(table) is None
+    mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
+    assert mark["last_failure"]["job_id"] == "job-1" and "Not found" in mark["last_failure"]["reason"]
+    again = export_job(table, None, 10, "job-2")
+    assert ledger.begin_export(again) and ledger.finish_export(again, [arrival("bq-r")])
+    assert ledger.watermark(table) == 10
+    mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
+    assert "last_failure" not in mark
 
 
 def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: FirestoreLedger) -> None:
-    # record_arrival builds its create as raw protobuf (a storm's hot path); record_export uses the client
-    ledger.record_arrival(arrival("fast", generation=3), "ds", "h-fast")
-    ledger.record_export("p.d.t", None, 1, arrival("tx", generation=3), "ds", "h-tx")
+    # record_arrival builds its create as raw protobuf (a storm's hot path); finish_export uses the client
+    ledger.record_arrival(arrival("fast", generation=3), "ds", "md5:md5-fast:text")
+    job = export_job("p.d.t", None, 1)
+    assert ledger.begin_export(job) and ledger.finish_export(job, [arrival("tx", generation=3)])
     docs = [d.to_dict() or {} for shard in ledger._arrival_shards("ds") for d in shard.stream()]
     fast, tx = sorted(docs, key=lambda d: str(d["uri"]))
     assert {k: type(v) for k, v in fast.items()} == {k: type(v) for k, v in tx.items()}
-    assert (fast["generation"], fast["size"], fast["content_hash"]) == (3, 10, "h-fast")
+    assert (fast["generation"], fast["size"], fast["content_hash"]) == (3, 10, "md5:md5-fast:text")
+    assert tx["content_hash"] == arrival("tx").content_hash
     assert fast["event_id"] == "ev-fast-3" and fast["time"] == "2026-11-21T00:00:00Z"
     assert fast["arrived_at"] < tx["arrived_at"]  # the server's commit time, as in the transaction
 

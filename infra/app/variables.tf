@@ -171,6 +171,28 @@ variable "bigquery_watermark_column" {
   default     = "ingested_at"
 }
 
+variable "bigquery_export_max_rows" {
+  type        = number
+  description = "Rows one BigQuery export job takes at most; a larger backlog is exported by several jobs in turn, each bounded."
+  default     = 5000000
+
+  validation {
+    condition     = var.bigquery_export_max_rows >= 1
+    error_message = "bigquery_export_max_rows must be at least 1."
+  }
+}
+
+variable "bigquery_export_timeout_s" {
+  type        = number
+  description = "Time limit of one BigQuery export job (its jobTimeoutMs); one still running after it is cancelled by the next write or tick, and its rows exported again."
+  default     = 3600
+
+  validation {
+    condition     = var.bigquery_export_timeout_s >= 60
+    error_message = "bigquery_export_timeout_s must be at least 60."
+  }
+}
+
 variable "push_max_delivery_attempts" {
   type        = number
   description = "Push deliveries to a function before the message goes to the dead-letter topic (5-100)."

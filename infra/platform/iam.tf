@@ -130,18 +130,30 @@ resource "google_storage_bucket_iam_member" "functions_landing_viewer" {
   member = "serviceAccount:${google_service_account.functions.email}"
 }
 
-# Run manifests (runs/, rewritten when a sweeper restarts a half-started run) and BigQuery row
-# exports (bigquery/, a losing export attempt deletes its own object); nothing else in the bucket.
+# Run manifests (runs/, rewritten when a sweeper restarts a half-started run); nothing else in the
+# bucket through this grant (the functions never list runs/).
 resource "google_storage_bucket_iam_member" "functions_artifacts_writer" {
   bucket = google_storage_bucket.artifacts.name
   role   = "roles/storage.objectUser"
   member = "serviceAccount:${google_service_account.functions.email}"
 
   condition {
-    title       = "run-manifests-and-bigquery-exports"
-    description = "Objects under runs/ and bigquery/ only."
-    expression  = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/objects/runs/\") || resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/objects/bigquery/\")"
+    title       = "run-manifests"
+    description = "Objects under runs/ only."
+    expression  = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/objects/runs/\")"
   }
+}
+
+# A watched table's new rows: the functions' EXPORT DATA jobs write them with the functions' own
+# credentials (storage.objects.create, and .delete: "Export table data to Cloud Storage",
+# cloud.google.com/bigquery/docs/exporting-data), and the functions list what a job wrote and delete
+# what a failed one left. Listing needs the managed folder ("you can grant roles/storage.objectViewer
+# on the managed folder that contains the objects", cloud.google.com/storage/docs/listing-objects).
+resource "google_storage_managed_folder_iam_member" "functions_bigquery_exports" {
+  bucket         = google_storage_managed_folder.bigquery.bucket
+  managed_folder = google_storage_managed_folder.bigquery.name
+  role           = "roles/storage.objectUser"
+  member         = "serviceAccount:${google_service_account.functions.email}"
 }
 
 # Query jobs that read a watched table's new rows (jobs.create exists only at project level; which

@@ -196,6 +196,12 @@ resource "google_storage_managed_folder" "shards" {
   force_destroy = var.force_destroy
 }
 
+resource "google_storage_managed_folder" "bigquery" {
+  bucket        = google_storage_bucket.artifacts.name
+  name          = "bigquery/" # a watched table's new rows, written by the functions' EXPORT DATA jobs
+  force_destroy = var.force_destroy
+}
+
 resource "google_storage_managed_folder" "dataflow" {
   bucket        = google_storage_bucket.artifacts.name
   name          = "dataflow/" # Dataflow staging and temp files

@@ -38,6 +38,7 @@ The client honours FIRESTORE_EMULATOR_HOST, so the emulator and the cloud differ
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import random
@@ -71,6 +72,7 @@ from retrain.domain.runs import (
 from retrain.ports import (
     ArrivalOutcome,
     ArrivalStatus,
+    ExportJob,
     SealOutcome,
     SealPreview,
     SealVerdict,
@@ -115,6 +117,10 @@ def _arrival_fields(arrival: ObjectArrival, content_hash: str) -> dict[str, str 
         "time": arrival.time,
         "event_id": arrival.event_id,
     }
+
+
+def _export_job(doc: Mapping[str, Any]) -> ExportJob:
+    return ExportJob(**{f.name: doc[f.name] for f in dataclasses.fields(ExportJob) if f.name in doc})
 
 
 def _first_by_content(arrivals: list[dict[str, Any]]) -> dict[str, ObjectVersion]:
@@ -546,23 +552,86 @@ class FirestoreLedger:
         """How far ``table`` has been exported (None: never)."""
         return (self.db.collection("watermarks").document(_key(table)).get().to_dict() or {}).get("value")
 
-    def record_export(
-        self, table: str, after: Any, through: Any, arrival: ObjectArrival, dataset: str, content_hash: str
-    ) -> bool:
-        """Advance ``table``'s watermark from ``after`` to ``through`` and record the export's object,
-        atomically; False (nothing written) when another export moved the watermark first."""
-        self._ensure_dataset(dataset)
-        ref = self.db.collection("watermarks").document(_key(table))
+    def export_backlog(self, table: str) -> bool:
+        """Whether rows may wait above ``table``'s watermark: its last export took the most one job may,
+        or the table was written while it ran."""
+        doc = self.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
+        return bool(doc.get("backlog"))
+
+    def _export_ref(self, table: str) -> firestore.DocumentReference:
+        return self.db.collection("exports").document(_key(table))
+
+    def begin_export(self, job: ExportJob) -> bool:
+        """Record ``job`` as ``job.table``'s export under way, before it starts; False (nothing written)
+        when another export is under way or moved the watermark from ``job.after`` first."""
+        mark, ref = self.db.collection("watermarks").document(_key(job.table)), self._export_ref(job.table)
 
         @firestore.transactional
-        def advance(tx: firestore.Transaction) -> bool:
-            if (ref.get(transaction=tx).to_dict() or {}).get("value") != after:
+        def begin(tx: firestore.Transaction) -> bool:
+            if (mark.get(transaction=tx).to_dict() or {}).get("value") != job.after:
                 return False
-            tx.set(ref, {"table": table, "value": through, "object": arrival.uri, "at": now_iso()})
-            self._add_arrival(tx, arrival, dataset, content_hash)
+            if ref.get(transaction=tx).exists:
+                return False
+            tx.create(ref, dataclasses.asdict(job))
             return True
 
-        return bool(advance(self.db.transaction()))
+        return bool(begin(self.db.transaction()))
+
+    def pending_export(self, table: str) -> ExportJob | None:
+        doc = self._export_ref(table).get()
+        return _export_job(doc.to_dict() or {}) if doc.exists else None
+
+    def pending_exports(self) -> list[ExportJob]:
+        return [_export_job(d.to_dict() or {}) for d in self.db.collection("exports").stream()]
+
+    def want_export(self, table: str) -> bool:
+        """Note that ``table`` was written while its export is under way: once that one is finished, the
+        next tick exports what came after it.  False when no export is under way (any more)."""
+        try:
+            self._export_ref(table).update({"wanted": True})
+        except exceptions.NotFound:
+            return False
+        return True
+
+    def end_backlog(self, table: str) -> None:
+        """Nothing waits above ``table``'s watermark any more."""
+        self.db.collection("watermarks").document(_key(table)).set({"backlog": False}, merge=True)
+
+    def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool:
+        """Record the objects ``job`` wrote and move the watermark to ``job.through``, atomically; False
+        (nothing written) when ``job`` is no longer its table's export (another invocation finished it)."""
+        self._ensure_dataset(job.dataset)
+        mark, ref = self.db.collection("watermarks").document(_key(job.table)), self._export_ref(job.table)
+
+        @firestore.transactional
+        def finish(tx: firestore.Transaction) -> bool:
+            under_way = ref.get(transaction=tx).to_dict() or {}
+            if under_way.get("job_id") != job.job_id:
+                return False
+            fields = {"table": job.table, "value": job.through, "job_id": job.job_id, "at": now_iso()}
+            backlog = job.capped or bool(under_way.get("wanted"))
+            tx.set(mark, {**fields, "objects": len(arrivals), "backlog": backlog})
+            for arrival in arrivals:
+                self._add_arrival(tx, arrival, job.dataset, arrival.content_hash)
+            tx.delete(ref)
+            return True
+
+        return bool(finish(self.db.transaction()))
+
+    def abandon_export(self, job: ExportJob, reason: str) -> None:
+        """Forget ``job`` (it failed, or ran past its deadline); the watermark stays, so the next export
+        takes its rows again.  The reason stays on the watermark's record."""
+        mark, ref = self.db.collection("watermarks").document(_key(job.table)), self._export_ref(job.table)
+
+        @firestore.transactional
+        def abandon(tx: firestore.Transaction) -> None:
+            if (ref.get(transaction=tx).to_dict() or {}).get("job_id") != job.job_id:
+                return
+            failure = {"job_id": job.job_id, "reason": reason[:1000], "at": now_iso()}
+            tx.set(mark, {"table": job.table, "last_failure": failure}, merge=True)
+            tx.delete(ref)
+
+        abandon(self.db.transaction())
 
     # --- runs ---
 

@@ -1,5 +1,6 @@
-"""BigQuery through the real client library: a table's rows (all, or those a watched table gained),
-exported as newline-delimited JSON objects that the tokenizer reads like any other input.
+"""BigQuery through the real client library: the rows a watched table gained, exported by bounded
+``EXPORT DATA`` jobs, and a whole table streamed for the tokenizer; either way newline-delimited JSON
+objects that the tokenizer reads like any other input.
 
 Locally ``BIGQUERY_EMULATOR_HOST`` (``http://127.0.0.1:PORT``, as the other emulators' variables)
 points the same client at a BigQuery emulator, so the cloud and the emulator differ only by endpoint.
@@ -9,23 +10,28 @@ Table and column names come from settings, never from events, and are checked be
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import contextlib
 import datetime as dt
 import decimal
 import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from retrain.adapters import objects
 from retrain.config import TABLE_RE
+from retrain.ports import ExportJob, ExportState, ExportStatus, RowRange
 
 log = logging.getLogger(__name__)
 
 _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,299}$")
 ROWS_PER_PAGE = 5000
-QUERY_TIMEOUT_S = 300.0  # a bound on every call, so a stuck query fails the invocation (which retries)
+CALL_TIMEOUT_S = 60.0
+"""Bound on every call, so a stuck one fails its invocation (which is retried)."""
+#: Where an export job may write: BigQuery's one ``*`` wildcard, names that need no quoting in SQL.
+_DESTINATION_RE = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,220}/[A-Za-z0-9._/-]*\*[A-Za-z0-9._-]*")
 
 
 def _checked(table: str, column: str | None = None) -> str:
@@ -34,6 +40,12 @@ def _checked(table: str, column: str | None = None) -> str:
     if column is not None and not _COLUMN_RE.match(column):
         raise ValueError(f"{column!r} is not a column name")
     return f"`{table}`"
+
+
+def _parameters(params: dict[str, Any]) -> list[Any]:
+    from google.cloud import bigquery
+
+    return [bigquery.ScalarQueryParameter(k, _param_type(v), v) for k, v in params.items()]
 
 
 def _param_type(value: Any) -> str:
@@ -55,9 +67,11 @@ def _param_type(value: Any) -> str:
 
 
 class BigQueryWarehouse:
-    """:class:`retrain.ports.Warehouse` on BigQuery."""
+    """:class:`retrain.ports.Warehouse` on BigQuery.  Every call is bounded by ``call_timeout_s`` (the
+    functions pass a share of their own request timeout); exports run as BigQuery jobs that outlive the
+    call that starts them and are bounded by their own ``jobTimeoutMs``."""
 
-    def __init__(self, project: str, client: Any = None) -> None:
+    def __init__(self, project: str, client: Any = None, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         if client is None:
             from google.cloud import bigquery
 
@@ -74,65 +88,152 @@ class BigQueryWarehouse:
             else:
                 client = bigquery.Client(project=project)
         self.client = client
+        self.call_timeout_s = call_timeout_s
+
+    def _retry(self) -> Any:
+        from google.cloud import bigquery
+
+        return bigquery.DEFAULT_RETRY.with_deadline(self.call_timeout_s)
 
     def _query(self, sql: str, params: dict[str, Any]) -> Any:
         from google.cloud import bigquery
 
-        config = bigquery.QueryJobConfig(
-            query_parameters=[bigquery.ScalarQueryParameter(k, _param_type(v), v) for k, v in params.items()]
-        )
-        retry = bigquery.DEFAULT_RETRY.with_deadline(QUERY_TIMEOUT_S)
-        job = self.client.query(sql, job_config=config, retry=retry, timeout=QUERY_TIMEOUT_S)
-        return job.result(page_size=ROWS_PER_PAGE, retry=retry, timeout=QUERY_TIMEOUT_S)
+        config = bigquery.QueryJobConfig(query_parameters=_parameters(params))
+        retry, timeout = self._retry(), self.call_timeout_s
+        job = self.client.query(sql, job_config=config, retry=retry, timeout=timeout)
+        return job.result(page_size=ROWS_PER_PAGE, retry=retry, timeout=timeout)
 
-    def high_watermark(self, table: str, column: str, not_after: dt.datetime | None = None) -> Any:
-        """The largest value of ``column`` now (None: an empty table).  For a time column, never past
-        ``not_after`` (the export's own start): one row stamped in the future would otherwise move the
-        watermark past every row still to come, and they would never be exported.  Such rows wait for
-        their time, with a warning."""
+    def _one(self, sql: str, params: dict[str, Any]) -> Any:
+        (row,) = list(self._query(sql, params))
+        return row[0]
+
+    def export_range(
+        self,
+        table: str,
+        column: str,
+        after: Any = None,
+        not_after: dt.datetime | None = None,
+        max_rows: int | None = None,
+    ) -> RowRange:
+        """Up to which value of ``column`` the next export goes: the largest value above ``after``
+        (None: no such row).  For a time column, never past ``not_after`` (the export's own start): one
+        row stamped in the future would otherwise move the watermark past every row still to come, and
+        they would never be exported; such rows wait for their time, with a warning.  With ``max_rows``,
+        the value that ends the first ``max_rows`` rows above ``after`` (rows sharing it come along), so
+        that one export job stays bounded however large the backlog."""
         checked = _checked(table, column)
-        (row,) = list(self._query(f"SELECT MAX(`{column}`) AS hi FROM {checked}", {}))
-        hi = row["hi"]
-        if not_after is None or not isinstance(hi, dt.datetime) or hi <= not_after:
-            return hi
-        bound = {"not_after": not_after}
-        below = f"SELECT MAX(`{column}`) AS hi FROM {checked} WHERE `{column}` <= @not_after"
-        (row,) = list(self._query(below, bound))
-        above = f"SELECT COUNT(*) AS n FROM {checked} WHERE `{column}` > @not_after"
-        (late,) = list(self._query(above, bound))
-        log.warning(
-            "%s: %s row(s) have %s after %s (up to %s): they wait for their time",
-            table,
-            late["n"],
-            column,
-            not_after,
-            hi,
-        )
-        return row["hi"]
-
-    def rows(
-        self, table: str, column: str | None = None, after: Any = None, through: Any = None
-    ) -> Iterator[dict[str, Any]]:
-        """Rows with ``after < column <= through`` in ``column`` order (a query), or with no column the
-        whole table in its own order (tabledata.list: no query, no bytes billed); page by page."""
-        if column is None:
-            pages = self.client.list_rows(_checked(table).strip("`"), page_size=ROWS_PER_PAGE)
-            return (dict(row.items()) for row in pages)
-        where, params = f"`{column}` <= @through", {"through": through}
+        where, params = ["TRUE"], {}
         if after is not None:
-            where, params["after"] = f"`{column}` > @after AND {where}", after
-        sql = f"SELECT * FROM {_checked(table, column)} WHERE {where} ORDER BY `{column}`"
-        return (dict(row.items()) for row in self._query(sql, params))
+            where, params = [f"`{column}` > @after"], {"after": after}
+        hi = self._one(f"SELECT MAX(`{column}`) FROM {checked} WHERE {' AND '.join(where)}", params)
+        if not_after is not None and isinstance(hi, dt.datetime) and hi > not_after:
+            late = f"SELECT COUNT(*) FROM {checked} WHERE `{column}` > @not_after"
+            log.warning(
+                "%s: %s row(s) have %s after %s (up to %s): they wait for their time",
+                table,
+                self._one(late, {"not_after": not_after}),
+                column,
+                not_after,
+                hi,
+            )
+            where, params = [*where, f"`{column}` <= @not_after"], {**params, "not_after": not_after}
+            hi = self._one(f"SELECT MAX(`{column}`) FROM {checked} WHERE {' AND '.join(where)}", params)
+        if hi is None or max_rows is None:
+            return RowRange(hi)
+        if max_rows < 1:
+            raise ValueError("max_rows must be at least 1")
+        bounded = " AND ".join(where)
+        if self._one(f"SELECT COUNT(*) FROM {checked} WHERE {bounded}", params) <= max_rows:
+            return RowRange(hi)
+        first = (
+            f"SELECT `{column}` AS v FROM {checked} WHERE {bounded} ORDER BY `{column}` LIMIT {int(max_rows)}"
+        )
+        return RowRange(self._one(f"SELECT MAX(v) FROM ({first})", params), capped=True)
 
-    def export(
-        self, table: str, uri: str, column: str | None = None, after: Any = None, through: Any = None
-    ) -> int:
-        """Write :meth:`rows` to one newline-delimited JSON object at ``uri``, streamed (memory stays at a
-        page); returns the number of rows. The object appears only once every row is written."""
+    def location(self, table: str) -> str:
+        """Where ``table`` lives: its export job must run there, and be read back there."""
+        found = self.client.get_table(
+            _checked(table).strip("`"), retry=self._retry(), timeout=self.call_timeout_s
+        )
+        return str(found.location or "")
+
+    def start_export(self, job: ExportJob, column: str, timeout_s: float) -> None:
+        """Start ``job``: an ``EXPORT DATA`` statement writing the rows in ``(after, through]`` of ``column``
+        as newline-delimited JSON to ``job.destination``, limited to ``timeout_s`` by BigQuery itself
+        (``jobTimeoutMs``).  Its id is the caller's: a job that exists already is left alone (409).
+        Syntax: cloud.google.com/bigquery/docs/reference/standard-sql/export-statements."""
+        from google.api_core.exceptions import Conflict
+        from google.cloud import bigquery
+
+        if not _DESTINATION_RE.fullmatch(job.destination):
+            raise ValueError(f"{job.destination!r} is not a gs:// export destination with one '*'")
+        where, params = f"`{column}` <= @through", {"through": job.through}
+        if job.after is not None:
+            where, params["after"] = f"`{column}` > @after AND {where}", job.after
+        sql = (
+            f"EXPORT DATA OPTIONS (uri = '{job.destination}', format = 'JSON', overwrite = false) AS "
+            f"SELECT * FROM {_checked(job.table, column)} WHERE {where} ORDER BY `{column}`"
+        )
+        config = bigquery.QueryJobConfig(
+            query_parameters=_parameters(params), job_timeout_ms=int(timeout_s * 1000)
+        )
+        try:
+            self.client.query(
+                sql,
+                job_config=config,
+                job_id=job.job_id,
+                location=job.location or None,
+                job_retry=None,  # a job id names one job: a failed one is never retried under it
+                retry=self._retry(),
+                timeout=self.call_timeout_s,
+            )
+        except Conflict:
+            log.info("export job %s exists already", job.job_id)
+
+    def export_status(self, job: ExportJob, wait_s: float = 0.0) -> ExportStatus:
+        """Where ``job`` stands (after waiting up to ``wait_s`` for it to end)."""
+        from google.api_core.exceptions import GoogleAPICallError, NotFound
+
+        try:
+            found = self.client.get_job(
+                job.job_id, location=job.location or None, retry=self._retry(), timeout=self.call_timeout_s
+            )
+        except NotFound:
+            return ExportStatus(ExportState.MISSING)
+        if wait_s > 0 and found.state != "DONE":
+            with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError, GoogleAPICallError):
+                found.result(timeout=wait_s, retry=self._retry())
+            found.reload(retry=self._retry(), timeout=self.call_timeout_s)
+        if found.state != "DONE":
+            return ExportStatus(ExportState.RUNNING)
+        if found.error_result:
+            return ExportStatus(
+                ExportState.FAILED, error=str(found.error_result.get("message", found.error_result))
+            )
+        stats = (found.to_api_repr().get("statistics") or {}).get("query", {}).get("exportDataStatistics", {})
+        files = stats.get("fileCount")
+        return ExportStatus(ExportState.SUCCEEDED, files=None if files is None else int(files))
+
+    def cancel_export(self, job: ExportJob) -> None:
+        """Ask BigQuery to stop ``job`` (it may still finish; either way the caller abandons it)."""
+        from google.api_core.exceptions import NotFound
+
+        with contextlib.suppress(NotFound):
+            self.client.cancel_job(
+                job.job_id, location=job.location or None, retry=self._retry(), timeout=self.call_timeout_s
+            )
+
+    def export_table(self, table: str, uri: str) -> int:
+        """A whole table to one newline-delimited JSON object at ``uri`` (the tokenizer's ``bq://``
+        inputs), streamed page by page through tabledata.list (no query, no bytes billed); returns the
+        number of rows.  The object appears only once every row is written."""
         count = 0
+        pages = self.client.list_rows(_checked(table).strip("`"), page_size=ROWS_PER_PAGE)
         with objects.open_write(uri, "application/jsonl") as out:
-            for row in self.rows(table, column, after, through):
-                out.write(json.dumps(row, default=_json_value, ensure_ascii=False).encode() + b"\n")
+            for row in pages:
+                out.write(
+                    json.dumps(dict(row.items()), default=_json_value, ensure_ascii=False).encode() + b"\n"
+                )
                 count += 1
         return count
 

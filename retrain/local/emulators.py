@@ -20,8 +20,20 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from retrain.local import processes
+
+if TYPE_CHECKING:
+    from retrain.local.bigquery_gcs import ExportsProxy
+
+
+class Service(Protocol):
+    """What a test session or the local stack starts and stops: an emulator process, or one behind a proxy."""
+
+    def start(self, timeout_s: float = 60.0) -> None: ...
+
+    def stop(self, grace_s: float = 10.0) -> None: ...
 
 
 class EmulatorError(RuntimeError):
@@ -248,9 +260,12 @@ def bqemulator_path() -> Path | None:
 
 def bigquery(
     state_dir: Path, port: int | None = None, project: str = "retrain-local"
-) -> tuple[ManagedProcess, str]:
+) -> tuple[ExportsProxy, str]:
     """bqemulator (an optional tier: scripts/test installs it with duckdb 1.5.5 and its spatial
-    extension from PyPI wheels, so it never downloads anything); returns it and BIGQUERY_EMULATOR_HOST."""
+    extension from PyPI wheels, so it never downloads anything), behind the proxy that puts the files
+    its jobs export into the storage emulator; returns it and BIGQUERY_EMULATOR_HOST."""
+    from retrain.local.bigquery_gcs import ExportsProxy
+
     cli = bqemulator_path()
     if cli is None:
         raise EmulatorError("bqemulator is not installed (scripts/test puts it in .tools/bqemulator)")
@@ -258,12 +273,14 @@ def bigquery(
     argv = [str(cli), "start", "--rest-host", "127.0.0.1", "--rest-port", str(port), "--grpc-port", "0"]
     argv += ["--project", project, "--log-level", "warning"]
     url = f"http://127.0.0.1:{port}"
+    export_root = state_dir / "bq-gcs"
     proc = ManagedProcess(
         "bigquery-emulator",
         argv,
         state_dir / "bigquery.log",
         ready_line=None,
-        env={"BQEMU_ENABLE_FORMAT_EXTENSIONS": "false", "BQEMU_GCS_LOCAL_ROOT": str(state_dir / "bq-gcs")},
+        env={"BQEMU_ENABLE_FORMAT_EXTENSIONS": "false", "BQEMU_GCS_LOCAL_ROOT": str(export_root)},
         probe_url=url + "/healthz",
     )
-    return proc, url
+    proxy = ExportsProxy(proc, url, export_root)
+    return proxy, proxy.url

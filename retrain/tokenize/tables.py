@@ -48,7 +48,7 @@ def stage(inputs: Sequence[str], staging: str) -> tuple[list[str], list[StagedTa
             continue
         project, table = table_of(uri)
         target = objects.join(staging, f"{len(staged):04d}-{table}.jsonl")
-        rows = BigQueryWarehouse(project).export(table, target)
+        rows = BigQueryWarehouse(project).export_table(table, target)
         staged.append(StagedTable(uri, target, rows))
         out.append(target)
     return out, staged

@@ -58,7 +58,8 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/datastore.user", "project"),
         ("roles/workflows.invoker", "project"),
         ("roles/storage.objectViewer", "bucket:landing"),
-        ("roles/storage.objectUser", "bucket:artifacts"),  # conditioned: runs/ and bigquery/ only
+        ("roles/storage.objectUser", "bucket:artifacts"),  # conditioned: runs/ only
+        ("roles/storage.objectUser", "managed_folder:bigquery"),  # its EXPORT DATA jobs' files
         ("roles/bigquery.jobUser", "project"),
         ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
         ("custom:cluster_connect", "project"),  # the reaper: the DNS endpoint; RBAC decides the rest
