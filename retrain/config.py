@@ -19,9 +19,14 @@ DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 
-#: BigQuery calls one handler makes at most: advancing an export (its status, the wait's two, a cancel)
-#: and starting one (the range's five queries, the table's location, the job's insert).
-BIGQUERY_CALLS_PER_HANDLER = 11
+#: BigQuery requests one handler makes at most: advancing an export (its status, the wait's two, a
+#: cancel and the status again) and starting one (the table, the range's three queries of two requests
+#: each, the job's insert).  Each may take twice its timeout at worst (a retry may start just before
+#: its deadline), the wait its own time and one request more.
+BIGQUERY_CALLS_PER_HANDLER = 13
+#: Share of a function's timeout its BigQuery requests may take at worst; the rest is the ledger's,
+#: Cloud Storage's and the seal's.
+BIGQUERY_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,10 @@ class Settings:
     bigquery_export_timeout_s: float = 3600.0
     """Time limit of one export job (BigQuery's ``jobTimeoutMs``); one still running after it is cancelled
     by the next write or tick, and its rows exported again."""
-    function_timeout_s: float = 120.0
+    bigquery_watermark_lag_s: float = 60.0
+    """Rows stamped (a time column) less than this before an export's start wait for the next export:
+    a load that stamps its rows when it starts may commit them only later."""
+    function_timeout_s: float = 300.0
     """The functions' request timeout (infra/app's ``function_timeout_seconds`` sets both): a handler's
     BigQuery calls and its wait for an export job fit in it."""
     workflow: str = "retrain"
@@ -191,9 +199,10 @@ class Settings:
 
     @property
     def bigquery_call_timeout_s(self) -> float:
-        """Bound on one BigQuery call of a handler: it makes at most :data:`BIGQUERY_CALLS_PER_HANDLER`,
-        and waits :attr:`bigquery_export_wait_s` once, within :attr:`function_timeout_s`."""
-        return self.function_timeout_s / (BIGQUERY_CALLS_PER_HANDLER + 4)
+        """Bound on one BigQuery request of a handler: at most :data:`BIGQUERY_CALLS_PER_HANDLER` of them
+        (each up to twice this) and one wait for an export (:attr:`bigquery_export_wait_s`, and one
+        request more) take :data:`BIGQUERY_SHARE` of :attr:`function_timeout_s` at worst."""
+        return BIGQUERY_SHARE * self.function_timeout_s / (2 * BIGQUERY_CALLS_PER_HANDLER + 3)
 
     @property
     def bigquery_export_wait_s(self) -> float:

@@ -135,6 +135,8 @@ class ManifestValues:
     """The training Google service account (reads shards, writes checkpoints)."""
     reaper_user: str
     """The Google service account the reaper runs as (the functions'), as Kubernetes RBAC names it."""
+    workflow_user: str
+    """The workflow's Google service account (its Kubernetes API connector calls), as RBAC names it."""
     node_pool: str
     """The DWS GPU node pool (Kueue's ResourceFlavor)."""
     local_queue: str
@@ -173,6 +175,7 @@ def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> Mani
         training_ksa=str(out("training_ksa")),
         training_gsa=str(out("service_accounts", "training")),
         reaper_user=str(out("service_accounts", "functions")),
+        workflow_user=str(out("service_accounts", "workflow")),
         node_pool=str(out("gpu_node_pool")),
         local_queue=str(app.get("local_queue") or "dws-local-queue"),
         gpu_quota=int(out("gpu_max_nodes")) * int(out("gpus_per_node")),

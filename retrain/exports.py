@@ -1,12 +1,15 @@
 """A watched BigQuery table's new rows, exported by bounded jobs.
 
 A write to a watched table starts one ``EXPORT DATA`` job for the rows above the table's watermark
-(never past the export's own start, at most ``bigquery_export_max_rows`` of them) into the artifacts
-bucket, and records it first.  The job outlives no deadline: BigQuery stops it at its own time limit,
-the handler waits for it only a share of its own timeout, and whoever comes next (the table's next
-write, or the Scheduler's tick) finishes it: its files become arrivals and the watermark moves, in one
-transaction.  A failed job (or one past its deadline, cancelled) is forgotten and its range exported
-again; a crash between recording a job and starting it is finished by starting it then.
+(never past the export's own start less a lag, at most ``bigquery_export_max_rows`` of them) into the
+artifacts bucket, and records it first.  The job outlives no deadline: BigQuery stops it at its own
+time limit, the handler waits for it only a share of its own timeout, and whoever comes next (the
+table's next write, or the Scheduler's tick) finishes it: its files become arrivals and the watermark
+moves, in one transaction.  Rows left above it (the job's limit, rows stamped later, a write while it
+ran) make the table due: the tick starts its next export.  A failed job (or one refused, or past its
+deadline and cancelled) is forgotten, and the tick exports its rows again after a backoff, with half
+the rows for each failure in a row; a crash between recording a job and starting it is finished by
+starting it then.
 """
 
 from __future__ import annotations
@@ -22,22 +25,41 @@ from typing import Any
 from retrain.config import Settings
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import iso, now_iso
-from retrain.ports import ExportJob, ExportState, ExportStatus, Ledger, ObjectInfo, ObjectStore, Warehouse
+from retrain.ports import (
+    ExportJob,
+    ExportRefused,
+    ExportState,
+    ExportStatus,
+    Ledger,
+    ObjectInfo,
+    ObjectStore,
+    Warehouse,
+    Watermark,
+)
 
 log = logging.getLogger("retrain.exports")
+
+
+#: Attempts of a start that lost its race (another export moved the watermark meanwhile).
+START_ATTEMPTS = 3
+#: Backoff after a failed export: the first retry after this, doubling with each failure, at most a day.
+RETRY_AFTER_S, RETRY_AFTER_MAX_S = 60.0, 86400.0
 
 
 class Progress(StrEnum):
     """What one step of a table's export did."""
 
     NOTHING_NEW = "nothing-new"
-    """No row above the watermark (up to now)."""
+    """No row above the watermark (up to the export's start)."""
     RUNNING = "running"
     """A job is under way (just started, or still running): the next write or tick finishes it."""
     LANDED = "landed"
     """A job finished: its files are recorded as arrivals of ``dataset`` and the watermark moved."""
     FAILED = "failed"
-    """A job failed or ran past its deadline: forgotten, its rows go with the next export."""
+    """A job failed, ran past its deadline or was refused: forgotten; the tick exports its rows again
+    after a backoff."""
+    DEFERRED = "deferred"
+    """The table's last exports failed: the next one waits for its backoff (the tick starts it)."""
     TAKEN = "taken"
     """Another invocation finished the job first."""
 
@@ -62,6 +84,12 @@ def _safe_name(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-")[:80] or "x"
 
 
+def retry_after(failures: int, now: datetime) -> str:
+    """When the next export may start after ``failures`` in a row (exponential backoff)."""
+    delay = min(RETRY_AFTER_S * 2 ** max(0, failures - 1), RETRY_AFTER_MAX_S)
+    return iso(now + timedelta(seconds=delay))
+
+
 class TableExports:
     """The export jobs of the watched tables, over the ports alone."""
 
@@ -72,95 +100,142 @@ class TableExports:
         self.store = store
 
     def on_write(self, table: str, dataset: str) -> Step:
-        """A watched table was written: advance its export under way, else start one for its new rows
-        and wait for it a while (a small export lands within the handler)."""
+        """A watched table was written: advance its export under way (whose end leaves what came after it
+        to the next export), else start one for its new rows and wait for it a while (a small export
+        lands within the handler)."""
         job = self.ledger.pending_export(table)
-        if job is not None and self.ledger.want_export(table):  # its rows go with the next one
+        if job is not None and self.ledger.want_export(table):
             return self.advance(job, wait_s=self.settings.bigquery_export_wait_s)
         started = self.start(table, dataset)
         if isinstance(started, Step):
             return started
         return self.advance(started, wait_s=self.settings.bigquery_export_wait_s)
 
-    def backlogged(self) -> list[tuple[str, str]]:
-        """Watched tables (and their datasets) whose last export left rows behind it (it took the most
-        one job may, or the table was written while it ran) and that have no export under way: the
-        Scheduler's tick starts their next one."""
-        return [
-            (table, dataset)
-            for table, dataset in self.settings.watched_tables.items()
-            if self.ledger.export_backlog(table) and self.ledger.pending_export(table) is None
-        ]
+    def due(self) -> list[tuple[str, str]]:
+        """Watched tables (and their datasets) with rows that may wait above the watermark (the last
+        export took the most one job may, rows were stamped after its start, the table was written while
+        it ran, or it failed), no export under way, and no backoff to wait out: the tick starts their
+        next export."""
+        now = iso(datetime.now(UTC))
+        out = []
+        for table, dataset in self.settings.watched_tables.items():
+            mark = self.ledger.export_mark(table)
+            if mark.backlog and mark.retry_after <= now and self.ledger.pending_export(table) is None:
+                out.append((table, dataset))
+        return out
 
     def resume(self, table: str, dataset: str) -> Step:
-        """Start the next export of a backlogged table (the tick leaves it to run)."""
+        """Start the next export of a table that is due (the tick leaves it to run)."""
+        mark = self.ledger.export_mark(table)
         started = self.start(table, dataset)
         if isinstance(started, Step):
             if started.progress == Progress.NOTHING_NEW:
-                self.ledger.end_backlog(table)
+                self.ledger.end_backlog(table, mark.value)
             return started
-        return self._running(started, "started")
+        return self._running(started, "under way")
 
     def start(self, table: str, dataset: str) -> ExportJob | Step:
         """Record, then start, a job exporting ``table``'s rows above its watermark; the Step when there
-        is nothing to export, or the job another invocation recorded first."""
+        is nothing to export, the table waits out a backoff or BigQuery refuses; the job under way when
+        another invocation recorded one first (which then leaves these rows to the next export)."""
         s = self.settings
-        after = self.ledger.watermark(table)
-        now = datetime.now(UTC)
+        for _ in range(START_ATTEMPTS):
+            mark = self.ledger.export_mark(table)
+            now = datetime.now(UTC)
+            if mark.failures and mark.retry_after > iso(now):
+                return Step(
+                    Progress.DEFERRED,
+                    f"{table}: {mark.failures} export(s) failed; the next starts after {mark.retry_after}",
+                )
+            try:
+                job = self._plan(table, dataset, mark, now)
+            except ExportRefused as e:
+                log.error("%s: export refused: %s", table, e)
+                return Step(Progress.FAILED, f"{table}: export refused: {e}")
+            if isinstance(job, Step):
+                return job
+            if self.ledger.begin_export(job):
+                try:
+                    self.warehouse.start_export(job, s.bigquery_watermark_column, s.bigquery_export_timeout_s)
+                except ExportRefused as e:
+                    return self._fail(job, f"refused: {e}")
+                log.info(
+                    "%s: export %s of rows in (%s, %s] started", table, job.job_id, job.after, job.through
+                )
+                return job
+            other = self.ledger.pending_export(table)
+            if other is not None and self.ledger.want_export(table):
+                return other
+            # the watermark moved under us (another export landed): go again from there
+        return Step(Progress.TAKEN, f"{table}: {START_ATTEMPTS} starts lost their race; the tick goes on")
+
+    def _plan(self, table: str, dataset: str, mark: Watermark, now: datetime) -> ExportJob | Step:
+        """The job for ``table``'s rows above ``mark`` up to now (less the lag), at most a job's rows
+        (halved for each failure in a row), or the Step when there are none."""
+        s = self.settings
         column = s.bigquery_watermark_column
+        location = self.warehouse.location(table, column)
         span = self.warehouse.export_range(
-            table, column, after=after, not_after=now, max_rows=s.bigquery_export_max_rows
+            table,
+            column,
+            after=mark.value,
+            not_after=now - timedelta(seconds=s.bigquery_watermark_lag_s),
+            max_rows=max(1, s.bigquery_export_max_rows >> min(mark.failures, 30)),
         )
-        if span.through is None or (after is not None and span.through <= after):
-            return Step(Progress.NOTHING_NEW, f"{table}: no rows after {after}")
+        if span.through is None or (mark.value is not None and span.through <= mark.value):
+            return Step(Progress.NOTHING_NEW, f"{table}: no rows after {mark.value}")
         job_id = f"retrain-export-{uuid.uuid4().hex}"
         folder = f"bigquery/{dataset}/{_safe_name(table)}/{_safe_name(span.through)}-{job_id[-8:]}"
-        job = ExportJob(
+        return ExportJob(
             table=table,
             dataset=dataset,
             job_id=job_id,
-            location=self.warehouse.location(table),
-            after=after,
+            location=location,
+            after=mark.value,
             through=span.through,
             destination=f"gs://{s.artifacts_bucket}/{folder}/*.jsonl",
             started_at=iso(now),
             deadline=iso(now + timedelta(seconds=s.bigquery_export_timeout_s)),
             capped=span.capped,
         )
-        if not self.ledger.begin_export(job):
-            other = self.ledger.pending_export(table)
-            if other is None:  # the watermark moved under us: its rows were exported by another job
-                return Step(Progress.TAKEN, f"{table}: another export moved the watermark past {after}")
-            return other
-        self.warehouse.start_export(job, column, s.bigquery_export_timeout_s)
-        log.info("%s: export %s of rows in (%s, %s] started", table, job_id, after, span.through)
-        return job
 
     def advance(self, job: ExportJob, wait_s: float = 0.0) -> Step:
         """Look at ``job`` (after waiting up to ``wait_s``): finish it when it is done, start it when its
-        start was cut short, forget it when it failed or ran past its deadline."""
+        start was cut short, forget it when it failed, was refused or ran past its deadline."""
+        overdue = datetime.now(UTC) >= datetime.fromisoformat(job.deadline)
         status = self.warehouse.export_status(job, wait_s)
         if status.state == ExportState.MISSING:
-            self.warehouse.start_export(
-                job, self.settings.bigquery_watermark_column, self.settings.bigquery_export_timeout_s
-            )
+            if overdue:
+                return self._fail(job, f"never started by its deadline {job.deadline}")
+            try:
+                s = self.settings
+                self.warehouse.start_export(job, s.bigquery_watermark_column, s.bigquery_export_timeout_s)
+            except ExportRefused as e:
+                return self._fail(job, f"refused: {e}")
             return self._running(job, "started (its first start was cut short)")
         if status.state == ExportState.RUNNING:
-            if datetime.now(UTC) < datetime.fromisoformat(job.deadline):
+            if not overdue:
                 return self._running(job, "running")
             self.warehouse.cancel_export(job)
-            status = ExportStatus(
-                ExportState.FAILED, error=f"still running at its deadline {job.deadline}: cancelled"
-            )
+            status = self.warehouse.export_status(job)  # a cancel may come too late: it may be done
+            if status.state in (ExportState.RUNNING, ExportState.MISSING):
+                return self._fail(job, f"still running at its deadline {job.deadline}: cancelled")
         if status.state == ExportState.FAILED:
-            self._drop_files(job)
-            self.ledger.abandon_export(job, status.error)
-            log.warning("%s: export %s failed: %s", job.table, job.job_id, status.error)
-            return Step(
-                Progress.FAILED,
-                f"{job.table}: export {job.job_id} failed ({status.error}); its rows go with the next export",
-            )
-        return self._finish(job, status)
+            return self._fail(job, status.error)
+        return self._finish(job, status, overdue)
+
+    def _fail(self, job: ExportJob, reason: str) -> Step:
+        """Forget ``job`` (unless another invocation finished it meanwhile), drop what it wrote, and
+        leave its rows to the next export after a backoff."""
+        failures = self.ledger.export_mark(job.table).failures + 1
+        if not self.ledger.abandon_export(job, reason, retry_after(failures, datetime.now(UTC))):
+            return Step(Progress.TAKEN, f"{job.table}: export {job.job_id} was ended by another invocation")
+        self._drop_files(job)
+        log.warning("%s: export %s failed (%d in a row): %s", job.table, job.job_id, failures, reason)
+        return Step(
+            Progress.FAILED,
+            f"{job.table}: export {job.job_id} failed ({reason}); its rows go with the next export",
+        )
 
     def _running(self, job: ExportJob, what: str) -> Step:
         return Step(
@@ -173,9 +248,11 @@ class TableExports:
         listed = self.store.list_objects(job.destination.split("*", 1)[0])
         return [info for info in listed if files.fullmatch(info.uri)]
 
-    def _finish(self, job: ExportJob, status: ExportStatus) -> Step:
+    def _finish(self, job: ExportJob, status: ExportStatus, overdue: bool) -> Step:
         written = self._written(job)
         if status.files is not None and len(written) < status.files:  # a listing can trail the job
+            if overdue:
+                return self._fail(job, f"{len(written)} of its {status.files} files listed by its deadline")
             return self._running(job, f"done; {len(written)} of its {status.files} files listed so far")
         arrivals = []
         for info in written:
@@ -194,9 +271,7 @@ class TableExports:
                 )
             )
         if not self.ledger.finish_export(job, arrivals):
-            return Step(
-                Progress.TAKEN, f"{job.table}: export {job.job_id} was finished by another invocation"
-            )
+            return Step(Progress.TAKEN, f"{job.table}: export {job.job_id} was ended by another invocation")
         log.info(
             "%s: export %s of rows in (%s, %s] landed: %d file(s)",
             job.table,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -79,7 +80,10 @@ class Action(StrEnum):
     """A watched table's new rows are being exported by a BigQuery job; the next write or tick
     finishes it."""
     EXPORT_FAILED = "export-failed"
-    """A watched table's export job failed or ran past its deadline; its rows go with the next one."""
+    """A watched table's export job failed, was refused or ran past its deadline; its rows go with the
+    next one."""
+    EXPORT_DEFERRED = "export-deferred"
+    """A watched table's last exports failed: the next one waits for its backoff (the tick starts it)."""
     ALREADY_TRAINED = "already-trained"
     """Nothing new: every object's content trained before or is in the live or pending run."""
     REFUSED = "refused"
@@ -266,6 +270,7 @@ class Ingest:
         action = {
             Progress.RUNNING: Action.EXPORTING,
             Progress.FAILED: Action.EXPORT_FAILED,
+            Progress.DEFERRED: Action.EXPORT_DEFERRED,
             Progress.TAKEN: Action.DUPLICATE,
         }.get(step.progress, Action.NOTHING_NEW)
         return Outcome(action, step.detail)
@@ -455,11 +460,11 @@ class Ingest:
         return [self.seal(p.dataset, trigger) for p in self.ledger.pending(dataset)]
 
     def sweep(self, now: datetime | None = None) -> list[Outcome]:
-        """What a timer must do, in order: advance BigQuery exports, seal quiet or old batches, finish
-        seals and starts a crash cut short, record executions that died without an outcome (and reap what
-        they left), and start queued runs.  Each item is handled on its own: one failure is logged, and
-        the round goes on."""
-        now = now or datetime.now(UTC)
+        """What a timer must do, in order: seal quiet or old batches, finish seals and starts a crash cut
+        short, record executions that died without an outcome (and reap what they left), start queued
+        runs, and advance BigQuery exports (and start those that are due).  Each item is handled on its
+        own: one failure is logged, and the round goes on."""
+        began, now = time.monotonic(), now or datetime.now(UTC)
         s = self.settings
         stuck_before, quiet_before, old_before = (
             iso(now - timedelta(seconds=x)) for x in (s.stuck_after_s, s.quiet_period_s, s.max_batch_age_s)
@@ -476,12 +481,6 @@ class Ingest:
                 outcomes.append(outcome)
             return outcome
 
-        if self.warehouse is not None:
-            exports = self._exports()
-            for job in self.ledger.pending_exports():
-                each(f"export {job.job_id}", partial(self._export_outcome, exports.advance, job))
-            for table, dataset in exports.backlogged():
-                each(f"export of {table}", partial(self._export_outcome, exports.resume, table, dataset))
         for pending in self.ledger.pending():
             if pending.last_arrival_at < quiet_before:
                 each(f"seal {pending.dataset}", partial(self.seal, pending.dataset, "quiet-period"))
@@ -508,6 +507,24 @@ class Ingest:
             # to its starter: claim_start says so)
             if not run.execution:
                 each(f"start {run.run_id}", partial(self.start, run))
+        if self.warehouse is not None:
+            # Last, and only while the round is within half the function's timeout: BigQuery may be
+            # slow, and what is left waits for the next tick.
+            exports, until = self._exports(), began + s.function_timeout_s / 2
+
+            def within_time(what: str, step: Callable[[], Step]) -> bool:
+                if time.monotonic() > until:
+                    log.warning("sweep: out of time; %s waits for the next tick", what)
+                    return False
+                each(f"export {what}", partial(self._export_outcome, step))
+                return True
+
+            for job in self.ledger.pending_exports():
+                if not within_time(job.job_id, partial(exports.advance, job)):
+                    break
+            for table, dataset in exports.due():  # read after: what just landed may leave rows behind
+                if not within_time(table, partial(exports.resume, table, dataset)):
+                    break
         return outcomes
 
     # --- completions ---

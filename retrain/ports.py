@@ -103,7 +103,7 @@ class ExportJob:
     dataset: str
     """The retrain dataset its rows join."""
     job_id: str
-    """BigQuery job id, derived from the table and the range: starting it twice starts one job."""
+    """BigQuery job id, chosen when the export is recorded: starting it twice starts one job."""
     location: str
     """Where the job runs (the table's location; "" lets the client choose)."""
     after: Any
@@ -128,7 +128,27 @@ class RowRange:
     through: Any
     """The last watermark value it takes (None: no row above the watermark)."""
     capped: bool = False
-    """Rows above ``through`` wait for the next export (the range took the most one job may)."""
+    """Rows above ``through`` wait for the next export (the range took the most one job may, or rows are
+    stamped after the export's start)."""
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """How far a watched table has been exported, and whether (and when) the next export is due."""
+
+    value: Any = None
+    """The last exported value of the watermark column (None: never exported)."""
+    backlog: bool = False
+    """Rows may wait above ``value``: the Scheduler's tick starts the next export."""
+    failures: int = 0
+    """Exports that failed in a row since the last one landed: each halves the next one's rows."""
+    retry_after: str = ""
+    """RFC 3339 time before which no export starts, after a failure (exponential backoff)."""
+
+
+class ExportRefused(Exception):
+    """BigQuery refuses the export as asked (a missing table or column, a column that cannot be a
+    watermark, a forbidden destination): retrying the same request cannot help."""
 
 
 class ExportState(StrEnum):
@@ -184,15 +204,13 @@ class Ledger(Protocol):
 
     def batches_in(self, state: BatchState) -> list[dict[str, Any]]: ...
 
-    def watermark(self, table: str) -> Any: ...
+    def export_mark(self, table: str) -> Watermark: ...
 
     def begin_export(self, job: ExportJob) -> bool: ...
 
-    def export_backlog(self, table: str) -> bool: ...
-
     def want_export(self, table: str) -> bool: ...
 
-    def end_backlog(self, table: str) -> None: ...
+    def end_backlog(self, table: str, value: Any) -> None: ...
 
     def pending_export(self, table: str) -> ExportJob | None: ...
 
@@ -200,7 +218,7 @@ class Ledger(Protocol):
 
     def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool: ...
 
-    def abandon_export(self, job: ExportJob, reason: str) -> None: ...
+    def abandon_export(self, job: ExportJob, reason: str, retry_after: str) -> bool: ...
 
     def claim_start(self, run: Run, stale_after_s: float) -> StartClaim: ...
 
@@ -297,7 +315,7 @@ class Warehouse(Protocol):
         max_rows: int | None = None,
     ) -> RowRange: ...
 
-    def location(self, table: str) -> str: ...
+    def location(self, table: str, column: str) -> str: ...
 
     def start_export(self, job: ExportJob, column: str, timeout_s: float) -> None: ...
 

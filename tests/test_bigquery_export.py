@@ -19,13 +19,13 @@ import requests
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.ledger import FirestoreLedger, _key
 from retrain.adapters.warehouse import BigQueryWarehouse
 from retrain.adapters.workflows import WorkflowsExecutions
-from retrain.domain.runs import RunStatus
+from retrain.domain.runs import RunStatus, iso
 from retrain.exports import Progress, TableExports
 from retrain.ingest import Action, Ingest
-from retrain.ports import ExportJob, ExportState, RowRange
+from retrain.ports import ExportJob, ExportRefused, ExportState, ExportStatus, RowRange, Watermark
 from retrain.workflows import ExecutionsServer
 
 if TYPE_CHECKING:
@@ -155,7 +155,10 @@ def test_an_export_range_stops_at_now_and_at_the_row_bound(warehouse: BigQueryWa
     column, now = "ingested_at", dt.datetime.now(dt.UTC)
     # unbounded, MAX would take the future row and hide every row still to come behind it
     assert warehouse.export_range(table, column) == RowRange(dt.datetime(2099, 1, 1, tzinfo=dt.UTC))
-    assert warehouse.export_range(table, column, not_after=now) == RowRange(T0 + dt.timedelta(seconds=9))
+    # the future row waits for its time: the range says rows wait above it
+    assert warehouse.export_range(table, column, not_after=now) == RowRange(
+        T0 + dt.timedelta(seconds=9), True
+    )
     # at most max_rows rows, but rows sharing the last value come along (rows 0-3, then 4 and 50)
     assert warehouse.export_range(table, column, not_after=now, max_rows=4) == RowRange(
         T0 + dt.timedelta(seconds=3), capped=True
@@ -164,14 +167,22 @@ def test_an_export_range_stops_at_now_and_at_the_row_bound(warehouse: BigQueryWa
         T0 + dt.timedelta(seconds=4), capped=True
     )
     after = T0 + dt.timedelta(seconds=4)
-    assert warehouse.export_range(table, column, after=after, not_after=now, max_rows=5) == RowRange(
-        T0 + dt.timedelta(seconds=9)
+    assert warehouse.export_range(table, column, after=after, max_rows=7) == RowRange(
+        dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
     )
-    assert warehouse.export_range(
-        table, column, after=T0 + dt.timedelta(seconds=9), not_after=now
-    ) == RowRange(None)
+    last = T0 + dt.timedelta(seconds=9)
+    assert warehouse.export_range(table, column, after=last, not_after=now) == RowRange(None, capped=True)
+    assert warehouse.export_range(table, "id", after=9, not_after=now, max_rows=1) == RowRange(50, True)
     with pytest.raises(ValueError, match=r"not project\.dataset\.table"):
         warehouse.export_range("proj.sales.orders`; DROP TABLE x; --", column)
+    # only a TIMESTAMP or INT64 column may be a watermark (one that grows, and that the ledger keeps)
+    assert warehouse.location(table, column) == (warehouse.client.get_table(table).location or "")
+    with pytest.raises(ExportRefused, match=r"ranges\.text is STRING: a watermark is TIMESTAMP or INT64"):
+        warehouse.location(table, "text")
+    with pytest.raises(ExportRefused, match="has no column 'nope'"):
+        warehouse.location(table, "nope")
+    with pytest.raises(ExportRefused, match="Not found"):
+        warehouse.location("proj.sales.never", column)
 
 
 def test_a_table_write_exports_only_new_rows_then_seals(
@@ -214,21 +225,20 @@ def test_a_backlog_is_exported_by_bounded_jobs_in_turn(ingest: Ingest, warehouse
     exports = TableExports(ingest.settings, ledger, warehouse, objects)
     first = exports.on_write(table, "backlog")  # the most one job may take: 3 rows
     assert (first.progress, first.files) == (Progress.LANDED, 1)
-    assert exported_ids(artifacts, "bigquery/backlog/") == [0, 1, 2] and ledger.export_backlog(table)
+    assert exported_ids(artifacts, "bigquery/backlog/") == [0, 1, 2]
+    assert ledger.export_mark(table) == Watermark(T0 + dt.timedelta(seconds=2), backlog=True)
     live = ingest.seal("backlog", "bigquery")
     assert live.action == Action.STARTED
 
     # A tick starts the next bounded job; the next finishes it (its rows join a pending run, which
     # waits behind the live one) and starts the one after.
-    started = ingest.sweep()
-    assert [o.action for o in started] == [Action.EXPORTING] and "started" in started[0].detail
-    second = ingest.sweep()
-    assert [o.action for o in second] == [Action.QUEUED, Action.EXPORTING, Action.QUEUED]
+    assert [o.action for o in ingest.sweep()] == [Action.EXPORTING]
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.EXPORTING]
     assert ledger.watermark(table) == T0 + dt.timedelta(seconds=5)
-    assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.QUEUED]
-    assert ledger.watermark(table) == T0 + dt.timedelta(seconds=6)
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.QUEUED]  # the pending run waits
+    assert ledger.export_mark(table) == Watermark(T0 + dt.timedelta(seconds=6))  # nothing waits
     assert exported_ids(artifacts, "bigquery/backlog/") == list(range(7))  # every row once
-    assert not ledger.export_backlog(table) and ledger.pending_export(table) is None
+    assert ledger.pending_export(table) is None
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED]  # only the pending run, waiting
     (pending,) = [r for r in ledger.list_runs() if r.dataset == "backlog" and r.run_id != live.run_id]
     assert pending.status == RunStatus.PENDING and len(ledger.run_objects(pending)) == 2  # jobs 2 and 3
@@ -253,26 +263,95 @@ def test_an_export_cut_short_before_its_job_started_is_started_then_finished_by_
     assert ingest.ledger.watermark(table) == T0 + dt.timedelta(seconds=1)
 
 
-def test_a_failed_export_is_forgotten_and_its_rows_go_with_the_next_one(
+def test_a_failed_export_is_forgotten_and_its_rows_go_with_the_next_ones_after_a_backoff(
     ingest: Ingest, warehouse: BigQueryWarehouse
 ) -> None:
     table = make_table(warehouse, "proj.sales.gone")
     add_rows(warehouse, table, {1: T0})
     lost = TableExports(ingest.settings, ingest.ledger, StartLost("proj", warehouse.client), objects)
     assert lost.on_write(table, "gone").progress == Progress.RUNNING  # recorded; its start never arrived
+    job = ingest.ledger.pending_export(table)
+    assert job is not None
+    partial = job.destination.replace("*", "000000000000")  # what a failing job may leave behind
+    objects.write_bytes(partial, b'{"id": 1, "text": "half"}\n')
     warehouse.client.delete_table(table)  # so the job BigQuery runs now fails
-    (restarted,) = ingest.sweep()
-    assert restarted.action == Action.EXPORTING
+    assert [o.action for o in ingest.sweep()] == [Action.EXPORTING]
     (failed,) = ingest.sweep()
     assert failed.action == Action.EXPORT_FAILED and "its rows go with the next export" in failed.detail
     assert ingest.ledger.pending_export(table) is None and ingest.ledger.watermark(table) is None
     assert list(objects.list_objects(f"gs://{ingest.settings.artifacts_bucket}/bigquery/gone/")) == []
+    mark = ingest.ledger.export_mark(table)
+    assert (mark.backlog, mark.failures) == (True, 1) and mark.retry_after > iso(dt.datetime.now(dt.UTC))
 
     make_table(warehouse, table)
     add_rows(warehouse, table, {1: T0, 2: T0 + dt.timedelta(seconds=1)})
-    landed = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_write(table, "gone")
-    assert landed.progress == Progress.LANDED
+    exports = TableExports(ingest.settings, ingest.ledger, warehouse, objects)
+    deferred = exports.on_write(table, "gone")  # within the backoff: nothing starts
+    assert deferred.progress == Progress.DEFERRED and mark.retry_after in deferred.detail
+    assert ingest.sweep() == []
+    # The backoff over, the tick exports the rows, half as many per job after one failure.
+    ingest.ledger.db.collection("watermarks").document(_key(table)).update({"retry_after": iso(T0)})
+    assert [o.action for o in ingest.sweep()] == [Action.EXPORTING]
+    # row 1 landed (1 row of 3: halved), so row 2 waits, and its export starts at once
+    assert [o.action for o in ingest.sweep()] == [Action.STARTED, Action.EXPORTING]
+    mark = ingest.ledger.export_mark(table)
+    assert (mark.value, mark.failures) == (T0, 0)  # landed: the failures are forgotten
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED]  # row 2, behind the live run
     assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/gone/") == [1, 2]
+
+
+def test_an_export_refused_by_bigquery_says_why(ingest: Ingest, warehouse: BigQueryWarehouse) -> None:
+    from google.cloud import bigquery
+
+    table = "proj.sales.gone"
+    warehouse.client.delete_table(table, not_found_ok=True)
+    schema = [bigquery.SchemaField("text", "STRING"), bigquery.SchemaField("ingested_at", "STRING")]
+    warehouse.client.create_table(bigquery.Table(table, schema=schema))
+    refused = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_write(table, "gone")
+    assert refused.progress == Progress.FAILED
+    assert "gone.ingested_at is STRING: a watermark is TIMESTAMP or INT64" in refused.detail
+    assert ingest.ledger.pending_export(table) is None
+
+
+class Overdue(BigQueryWarehouse):
+    """BigQuery reports the job running (past its deadline) until it is cancelled; ``cancel_too_late``:
+    the job had finished all the same (a cancel may lose that race)."""
+
+    cancelled: list[str]
+    cancel_too_late = False
+
+    def export_status(self, job: ExportJob, wait_s: float = 0.0) -> ExportStatus:
+        if self.cancel_too_late and job.job_id in self.cancelled:
+            return super().export_status(job, wait_s)
+        return ExportStatus(ExportState.RUNNING)
+
+    def cancel_export(self, job: ExportJob) -> None:
+        self.cancelled.append(job.job_id)
+        super().cancel_export(job)
+
+
+@pytest.mark.parametrize("cancel_too_late", [False, True])
+def test_an_export_past_its_deadline_is_cancelled(
+    ingest: Ingest, warehouse: BigQueryWarehouse, cancel_too_late: bool
+) -> None:
+    table = make_table(warehouse, "proj.sales.backlog")
+    add_rows(warehouse, table, {1: T0})
+    bigquery = Overdue("proj", warehouse.client)
+    bigquery.cancelled, bigquery.cancel_too_late = [], cancel_too_late
+    exports = TableExports(ingest.settings, ingest.ledger, bigquery, objects)
+    started = exports.start(table, "backlog")
+    assert isinstance(started, ExportJob)
+    assert exports.advance(started).progress == Progress.RUNNING and bigquery.cancelled == []
+    overdue = dataclasses.replace(started, deadline=iso(T0))
+    step = exports.advance(overdue)
+    assert bigquery.cancelled == [started.job_id]
+    folder = f"gs://{ingest.settings.artifacts_bucket}/bigquery/backlog/"
+    if cancel_too_late:  # it had finished: what it wrote lands
+        assert step.progress == Progress.LANDED and ingest.ledger.watermark(table) == T0
+        assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/backlog/") == [1]
+    else:  # forgotten, and what it wrote dropped: its rows go with the next export
+        assert step.progress == Progress.FAILED and "still running at its deadline" in step.detail
+        assert ingest.ledger.watermark(table) is None and list(objects.list_objects(folder)) == []
 
 
 def test_rows_written_while_an_export_is_under_way_go_with_the_next_one(
@@ -283,12 +362,16 @@ def test_rows_written_while_an_export_is_under_way_go_with_the_next_one(
     lost = TableExports(ingest.settings, ingest.ledger, StartLost("proj", warehouse.client), objects)
     assert lost.on_write(table, "gone").progress == Progress.RUNNING  # under way: rows up to T0
     add_rows(warehouse, table, {2: T0 + dt.timedelta(seconds=1)})
-    second = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_write(table, "gone")
+    exports = TableExports(ingest.settings, ingest.ledger, warehouse, objects)
+    under_way = ingest.ledger.pending_export(table)
+    assert exports.start(table, "gone") == under_way  # a start racing it takes it, and wants more
+    assert (ingest.ledger.db.collection("exports").document(_key(table)).get().to_dict() or {})["wanted"]
+    second = exports.on_write(table, "gone")
     assert second.progress == Progress.RUNNING and "first start was cut short" in second.detail
 
     # The tick lands the first job's row and, the table having been written meanwhile, starts the next.
     assert [o.action for o in ingest.sweep()] == [Action.STARTED, Action.EXPORTING]
-    assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.QUEUED]
+    assert [o.action for o in ingest.sweep()] == [Action.QUEUED]  # row 2 landed, behind the live run
     assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/gone/") == [1, 2]
-    assert not ingest.ledger.export_backlog(table)
+    assert ingest.ledger.export_mark(table) == Watermark(T0 + dt.timedelta(seconds=1))
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED]

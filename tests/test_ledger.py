@@ -14,7 +14,7 @@ import pytest
 
 from retrain.adapters.ledger import FirestoreLedger, _key
 from retrain.domain.events import ObjectArrival
-from retrain.ports import ExportJob, SealVerdict, StartVerdict
+from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
 
 pytestmark = pytest.mark.emulators
 
@@ -223,27 +223,28 @@ def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(led
     first = export_job(table, None, 10)
     assert ledger.begin_export(first)
     assert ledger.pending_export(table) == first and ledger.pending_exports() == [first]
-    # one export under way per table; one that read another watermark is refused too
+    # one export under way per table
     assert not ledger.begin_export(export_job(table, None, 11, "job-2"))
-    assert not ledger.begin_export(export_job(table, 5, 11, "job-3"))
     # only the job under way can finish
     assert not ledger.finish_export(export_job(table, None, 10, "job-2"), [arrival("bq-x")])
     assert ledger.finish_export(first, [arrival("bq-1"), arrival("bq-2")])
     assert not ledger.finish_export(first, [arrival("bq-1")])  # finished once
-    assert ledger.watermark(table) == 10 and ledger.pending_export(table) is None
-    assert not ledger.export_backlog(table)
-    assert not ledger.begin_export(export_job(table, None, 12, "job-4"))  # the watermark moved
+    assert ledger.export_mark(table) == Watermark(10)
+    assert ledger.pending_export(table) is None
+    assert not ledger.begin_export(export_job(table, None, 12, "job-4"))  # it read another watermark
     capped = dataclasses.replace(export_job(table, 10, 12, "job-5"), capped=True)
     assert ledger.begin_export(capped) and ledger.finish_export(capped, [arrival("bq-3")])
-    assert ledger.watermark(table) == 12 and ledger.export_backlog(table)
-    ledger.end_backlog(table)
-    assert not ledger.export_backlog(table) and ledger.watermark(table) == 12
+    assert ledger.export_mark(table) == Watermark(12, backlog=True)
+    ledger.end_backlog(table, 10)  # read before the watermark moved to 12: the backlog stays
+    assert ledger.export_mark(table).backlog
+    ledger.end_backlog(table, 12)
+    assert ledger.export_mark(table) == Watermark(12)
     # a write while an export is under way leaves a backlog behind it too
     assert not ledger.want_export(table)  # none under way
     written_meanwhile = export_job(table, 12, 13, "job-6")
     assert ledger.begin_export(written_meanwhile) and ledger.want_export(table)
     assert ledger.pending_export(table) == written_meanwhile
-    assert ledger.finish_export(written_meanwhile, []) and ledger.export_backlog(table)
+    assert ledger.finish_export(written_meanwhile, []) and ledger.export_mark(table).backlog
     sealed = ledger.seal("ds", "t")
     assert uris(sealed.objects) == tuple(f"gs://land/incoming/bq-{i}" for i in (1, 2, 3))
     assert ledger.watermark(table) == 13
@@ -253,15 +254,22 @@ def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: Fires
     table = "p.sales.returns"
     failed = export_job(table, None, 10)
     assert ledger.begin_export(failed)
-    ledger.abandon_export(export_job(table, None, 10, "someone-else"), "not ours")  # ignored
+    assert not ledger.abandon_export(export_job(table, None, 10, "someone-else"), "not ours", "")
     assert ledger.pending_export(table) == failed
-    ledger.abandon_export(failed, "Not found: Table p:sales.returns")
-    assert ledger.pending_export(table) is None and ledger.watermark(table) is None
+    assert ledger.abandon_export(failed, "Not found: Table p:sales.returns", "2026-11-25T00:01:00+00:00")
+    assert not ledger.abandon_export(failed, "again", "")  # once
+    assert ledger.pending_export(table) is None
+    assert ledger.export_mark(table) == Watermark(None, True, 1, "2026-11-25T00:01:00+00:00")
     mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
     assert mark["last_failure"]["job_id"] == "job-1" and "Not found" in mark["last_failure"]["reason"]
-    again = export_job(table, None, 10, "job-2")
+    second = export_job(table, None, 10, "job-2")
+    assert ledger.begin_export(second) and ledger.abandon_export(
+        second, "timeout", "2026-11-25T00:03:00+00:00"
+    )
+    assert ledger.export_mark(table).failures == 2  # counted in a row
+    again = export_job(table, None, 10, "job-3")
     assert ledger.begin_export(again) and ledger.finish_export(again, [arrival("bq-r")])
-    assert ledger.watermark(table) == 10
+    assert ledger.export_mark(table) == Watermark(10)  # landed: the failures are forgotten
     mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
     assert "last_failure" not in mark
 

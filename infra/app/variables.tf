@@ -96,8 +96,8 @@ variable "function_memory" {
 
 variable "function_timeout_seconds" {
   type        = number
-  description = "Request timeout of the functions (event-driven gen2 functions allow at most 540 s)."
-  default     = 120
+  description = "Request timeout of the functions (event-driven gen2 functions allow at most 540 s). A BigQuery write's handler plans its requests and its wait for an export job within it."
+  default     = 300
 
   validation {
     condition     = var.function_timeout_seconds >= 1 && var.function_timeout_seconds <= 540
@@ -169,6 +169,17 @@ variable "bigquery_watermark_column" {
   type        = string
   description = "Column of every watched table whose value only grows as rows are added (a load timestamp or a sequence number)."
   default     = "ingested_at"
+}
+
+variable "bigquery_watermark_lag_s" {
+  type        = number
+  description = "Rows stamped (a time watermark column) less than this before an export's start wait for the next export: a load that stamps its rows when it starts may commit them only later."
+  default     = 60
+
+  validation {
+    condition     = var.bigquery_watermark_lag_s >= 0
+    error_message = "bigquery_watermark_lag_s must not be negative."
+  }
 }
 
 variable "bigquery_export_max_rows" {

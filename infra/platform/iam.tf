@@ -185,10 +185,18 @@ resource "google_project_iam_member" "workflow_dataflow_developer" {
   member  = "serviceAccount:${google_service_account.workflow.email}"
 }
 
-# Kubernetes API connector (gke.request): ProvisioningRequests and JobSets in the cluster.
-resource "google_project_iam_member" "workflow_container_developer" {
+# Kubernetes API connector (gke.request): ProvisioningRequests, pod templates and JobSets in the
+# retrain namespace, and the GPU pool's nodes. Google's connector page grants roles/container.developer
+# (every Kubernetes verb in every namespace) and adds that Kubernetes RBAC gives "fine-grained
+# permissions for every object and operation within your cluster" (cloud.google.com/workflows/docs/
+# access-kubernetes-api). GKE needs only container.clusters.get to authenticate a caller, which "does
+# not authorize them to perform any actions inside those clusters. Authorization can then be provided by
+# IAM or Kubernetes RBAC" (cloud.google.com/kubernetes-engine/docs/role-based-access-control, its zh-CN
+# rendering translated); .connect lets it through the DNS-based endpoint. What it may do inside is
+# k8s/workflow.yaml's RBAC.
+resource "google_project_iam_member" "workflow_cluster_connect" {
   project = var.project_id
-  role    = "roles/container.developer"
+  role    = google_project_iam_custom_role.cluster_connect.name
   member  = "serviceAccount:${google_service_account.workflow.email}"
 }
 

@@ -78,6 +78,7 @@ from retrain.ports import (
     SealVerdict,
     StartClaim,
     StartVerdict,
+    Watermark,
 )
 
 ARRIVED_AT = "arrived_at"
@@ -117,6 +118,15 @@ def _arrival_fields(arrival: ObjectArrival, content_hash: str) -> dict[str, str 
         "time": arrival.time,
         "event_id": arrival.event_id,
     }
+
+
+def _watermark(doc: Mapping[str, Any]) -> Watermark:
+    return Watermark(
+        value=doc.get("value"),
+        backlog=bool(doc.get("backlog")),
+        failures=int(doc.get("failures") or 0),
+        retry_after=str(doc.get("retry_after") or ""),
+    )
 
 
 def _export_job(doc: Mapping[str, Any]) -> ExportJob:
@@ -548,23 +558,23 @@ class FirestoreLedger:
 
     # --- BigQuery exports ---
 
-    def watermark(self, table: str) -> Any:
-        """How far ``table`` has been exported (None: never)."""
-        return (self.db.collection("watermarks").document(_key(table)).get().to_dict() or {}).get("value")
-
-    def export_backlog(self, table: str) -> bool:
-        """Whether rows may wait above ``table``'s watermark: its last export took the most one job may,
-        or the table was written while it ran."""
-        doc = self.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
-        return bool(doc.get("backlog"))
+    def _mark_ref(self, table: str) -> firestore.DocumentReference:
+        return self.db.collection("watermarks").document(_key(table))
 
     def _export_ref(self, table: str) -> firestore.DocumentReference:
         return self.db.collection("exports").document(_key(table))
 
+    def watermark(self, table: str) -> Any:
+        """How far ``table`` has been exported (None: never)."""
+        return self.export_mark(table).value
+
+    def export_mark(self, table: str) -> Watermark:
+        return _watermark(self._mark_ref(table).get().to_dict() or {})
+
     def begin_export(self, job: ExportJob) -> bool:
         """Record ``job`` as ``job.table``'s export under way, before it starts; False (nothing written)
         when another export is under way or moved the watermark from ``job.after`` first."""
-        mark, ref = self.db.collection("watermarks").document(_key(job.table)), self._export_ref(job.table)
+        mark, ref = self._mark_ref(job.table), self._export_ref(job.table)
 
         @firestore.transactional
         def begin(tx: firestore.Transaction) -> bool:
@@ -593,24 +603,31 @@ class FirestoreLedger:
             return False
         return True
 
-    def end_backlog(self, table: str) -> None:
-        """Nothing waits above ``table``'s watermark any more."""
-        self.db.collection("watermarks").document(_key(table)).set({"backlog": False}, merge=True)
+    def end_backlog(self, table: str, value: Any) -> None:
+        """Nothing waits above ``value``: unless the watermark moved on meanwhile, no export is due."""
+        mark = self._mark_ref(table)
+
+        @firestore.transactional
+        def end(tx: firestore.Transaction) -> None:
+            if (mark.get(transaction=tx).to_dict() or {}).get("value") == value:
+                tx.set(mark, {"backlog": False}, merge=True)
+
+        end(self.db.transaction())
 
     def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool:
         """Record the objects ``job`` wrote and move the watermark to ``job.through``, atomically; False
         (nothing written) when ``job`` is no longer its table's export (another invocation finished it)."""
         self._ensure_dataset(job.dataset)
-        mark, ref = self.db.collection("watermarks").document(_key(job.table)), self._export_ref(job.table)
+        mark, ref = self._mark_ref(job.table), self._export_ref(job.table)
 
         @firestore.transactional
         def finish(tx: firestore.Transaction) -> bool:
             under_way = ref.get(transaction=tx).to_dict() or {}
             if under_way.get("job_id") != job.job_id:
                 return False
-            fields = {"table": job.table, "value": job.through, "job_id": job.job_id, "at": now_iso()}
             backlog = job.capped or bool(under_way.get("wanted"))
-            tx.set(mark, {**fields, "objects": len(arrivals), "backlog": backlog})
+            fields = {"table": job.table, "value": job.through, "job_id": job.job_id, "at": now_iso()}
+            tx.set(mark, {**fields, "objects": len(arrivals), "backlog": backlog})  # failures reset
             for arrival in arrivals:
                 self._add_arrival(tx, arrival, job.dataset, arrival.content_hash)
             tx.delete(ref)
@@ -618,20 +635,24 @@ class FirestoreLedger:
 
         return bool(finish(self.db.transaction()))
 
-    def abandon_export(self, job: ExportJob, reason: str) -> None:
-        """Forget ``job`` (it failed, or ran past its deadline); the watermark stays, so the next export
-        takes its rows again.  The reason stays on the watermark's record."""
-        mark, ref = self.db.collection("watermarks").document(_key(job.table)), self._export_ref(job.table)
+    def abandon_export(self, job: ExportJob, reason: str, retry_after: str) -> bool:
+        """Forget ``job`` (it failed, or ran past its deadline): the watermark stays, the table is due
+        again after ``retry_after``, and the failure is counted and kept with its reason.  False when
+        ``job`` is no longer its table's export (another invocation finished or forgot it)."""
+        mark, ref = self._mark_ref(job.table), self._export_ref(job.table)
 
         @firestore.transactional
-        def abandon(tx: firestore.Transaction) -> None:
+        def abandon(tx: firestore.Transaction) -> bool:
             if (ref.get(transaction=tx).to_dict() or {}).get("job_id") != job.job_id:
-                return
+                return False
+            failures = _watermark(mark.get(transaction=tx).to_dict() or {}).failures + 1
             failure = {"job_id": job.job_id, "reason": reason[:1000], "at": now_iso()}
-            tx.set(mark, {"table": job.table, "last_failure": failure}, merge=True)
+            fields = {"table": job.table, "last_failure": failure, "failures": failures}
+            tx.set(mark, {**fields, "backlog": True, "retry_after": retry_after}, merge=True)
             tx.delete(ref)
+            return True
 
-        abandon(self.db.transaction())
+        return bool(abandon(self.db.transaction()))
 
     # --- runs ---
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from retrain.adapters import objects
 from retrain.config import TABLE_RE
-from retrain.ports import ExportJob, ExportState, ExportStatus, RowRange
+from retrain.ports import ExportJob, ExportRefused, ExportState, ExportStatus, RowRange
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ CALL_TIMEOUT_S = 60.0
 """Bound on every call, so a stuck one fails its invocation (which is retried)."""
 #: Where an export job may write: BigQuery's one ``*`` wildcard, names that need no quoting in SQL.
 _DESTINATION_RE = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,220}/[A-Za-z0-9._/-]*\*[A-Za-z0-9._-]*")
+#: Column types a watermark may have (the REST API's legacy names and the SQL ones).
+WATERMARK_TYPES = frozenset({"TIMESTAMP", "INTEGER", "INT64"})
 
 
 def _checked(table: str, column: str | None = None) -> str:
@@ -103,9 +105,9 @@ class BigQueryWarehouse:
         job = self.client.query(sql, job_config=config, retry=retry, timeout=timeout)
         return job.result(page_size=ROWS_PER_PAGE, retry=retry, timeout=timeout)
 
-    def _one(self, sql: str, params: dict[str, Any]) -> Any:
+    def _row(self, sql: str, params: dict[str, Any]) -> Any:
         (row,) = list(self._query(sql, params))
-        return row[0]
+        return row
 
     def export_range(
         self,
@@ -116,57 +118,68 @@ class BigQueryWarehouse:
         max_rows: int | None = None,
     ) -> RowRange:
         """Up to which value of ``column`` the next export goes: the largest value above ``after``
-        (None: no such row).  For a time column, never past ``not_after`` (the export's own start): one
-        row stamped in the future would otherwise move the watermark past every row still to come, and
-        they would never be exported; such rows wait for their time, with a warning.  With ``max_rows``,
-        the value that ends the first ``max_rows`` rows above ``after`` (rows sharing it come along), so
-        that one export job stays bounded however large the backlog."""
+        (None: no such row), in at most three queries.  For a time column, never past ``not_after`` (the
+        export's start, less a lag): one row stamped in the future would otherwise move the watermark
+        past every row still to come, and they would never be exported; such rows wait for their time,
+        with a warning.  With ``max_rows``, the value that ends the first ``max_rows`` rows above
+        ``after`` (rows sharing it come along), so that one export job stays bounded however large the
+        backlog.  Either way the range says rows wait above it."""
         checked = _checked(table, column)
-        where, params = ["TRUE"], {}
+        where, params = "TRUE", {}
         if after is not None:
-            where, params = [f"`{column}` > @after"], {"after": after}
-        hi = self._one(f"SELECT MAX(`{column}`) FROM {checked} WHERE {' AND '.join(where)}", params)
-        if not_after is not None and isinstance(hi, dt.datetime) and hi > not_after:
-            late = f"SELECT COUNT(*) FROM {checked} WHERE `{column}` > @not_after"
-            log.warning(
-                "%s: %s row(s) have %s after %s (up to %s): they wait for their time",
-                table,
-                self._one(late, {"not_after": not_after}),
-                column,
-                not_after,
-                hi,
+            where, params = f"`{column}` > @after", {"after": after}
+        top, rows = self._row(f"SELECT MAX(`{column}`), COUNT(*) FROM {checked} WHERE {where}", params)
+        late = 0
+        if not_after is not None and isinstance(top, dt.datetime) and top > not_after:
+            bounded = {**params, "not_after": not_after}
+            now_sql = (
+                f"MAX(IF(`{column}` <= @not_after, `{column}`, NULL)), COUNTIF(`{column}` <= @not_after)"
             )
-            where, params = [*where, f"`{column}` <= @not_after"], {**params, "not_after": not_after}
-            hi = self._one(f"SELECT MAX(`{column}`) FROM {checked} WHERE {' AND '.join(where)}", params)
-        if hi is None or max_rows is None:
-            return RowRange(hi)
+            late_sql = f"COUNTIF(`{column}` > @not_after)"
+            hi, rows, late = self._row(f"SELECT {now_sql}, {late_sql} FROM {checked} WHERE {where}", bounded)
+            log.warning(
+                "%s: %s row(s) have %s after %s (up to %s): they wait", table, late, column, not_after, top
+            )
+            where, params, top = f"{where} AND `{column}` <= @not_after", bounded, hi
+        if top is None or max_rows is None or rows <= max_rows:
+            return RowRange(top, capped=late > 0)
         if max_rows < 1:
             raise ValueError("max_rows must be at least 1")
-        bounded = " AND ".join(where)
-        if self._one(f"SELECT COUNT(*) FROM {checked} WHERE {bounded}", params) <= max_rows:
-            return RowRange(hi)
         first = (
-            f"SELECT `{column}` AS v FROM {checked} WHERE {bounded} ORDER BY `{column}` LIMIT {int(max_rows)}"
+            f"SELECT `{column}` AS v FROM {checked} WHERE {where} ORDER BY `{column}` LIMIT {int(max_rows)}"
         )
-        return RowRange(self._one(f"SELECT MAX(v) FROM ({first})", params), capped=True)
+        return RowRange(self._row(f"SELECT MAX(v) FROM ({first})", params)[0], capped=True)
 
-    def location(self, table: str) -> str:
-        """Where ``table`` lives: its export job must run there, and be read back there."""
-        found = self.client.get_table(
-            _checked(table).strip("`"), retry=self._retry(), timeout=self.call_timeout_s
-        )
+    def location(self, table: str, column: str) -> str:
+        """Where ``table`` lives (its export job runs there, and is read back there); ExportRefused when
+        the table or ``column`` is missing, or ``column`` is no TIMESTAMP or INT64: only those grow as
+        rows are added and round-trip through the ledger as they are."""
+        from google.api_core.exceptions import NotFound
+
+        try:
+            found = self.client.get_table(
+                _checked(table, column).strip("`"), retry=self._retry(), timeout=self.call_timeout_s
+            )
+        except NotFound as e:
+            raise ExportRefused(f"{table}: {e.message}") from e
+        types = {f.name: f.field_type for f in found.schema}
+        if column not in types:
+            raise ExportRefused(f"{table} has no column {column!r} (the watermark column)")
+        if types[column] not in WATERMARK_TYPES:
+            raise ExportRefused(f"{table}.{column} is {types[column]}: a watermark is TIMESTAMP or INT64")
         return str(found.location or "")
 
     def start_export(self, job: ExportJob, column: str, timeout_s: float) -> None:
         """Start ``job``: an ``EXPORT DATA`` statement writing the rows in ``(after, through]`` of ``column``
         as newline-delimited JSON to ``job.destination``, limited to ``timeout_s`` by BigQuery itself
         (``jobTimeoutMs``).  Its id is the caller's: a job that exists already is left alone (409).
+        ExportRefused when BigQuery refuses the request (4xx).
         Syntax: cloud.google.com/bigquery/docs/reference/standard-sql/export-statements."""
-        from google.api_core.exceptions import Conflict
+        from google.api_core.exceptions import ClientError, Conflict
         from google.cloud import bigquery
 
         if not _DESTINATION_RE.fullmatch(job.destination):
-            raise ValueError(f"{job.destination!r} is not a gs:// export destination with one '*'")
+            raise ExportRefused(f"{job.destination!r} is not a gs:// export destination with one '*'")
         where, params = f"`{column}` <= @through", {"through": job.through}
         if job.after is not None:
             where, params["after"] = f"`{column}` > @after AND {where}", job.after
@@ -189,6 +202,8 @@ class BigQueryWarehouse:
             )
         except Conflict:
             log.info("export job %s exists already", job.job_id)
+        except ClientError as e:
+            raise ExportRefused(f"export job {job.job_id}: {e.message}") from e
 
     def export_status(self, job: ExportJob, wait_s: float = 0.0) -> ExportStatus:
         """Where ``job`` stands (after waiting up to ``wait_s`` for it to end)."""
@@ -210,12 +225,14 @@ class BigQueryWarehouse:
             return ExportStatus(
                 ExportState.FAILED, error=str(found.error_result.get("message", found.error_result))
             )
-        stats = (found.to_api_repr().get("statistics") or {}).get("query", {}).get("exportDataStatistics", {})
+        # exportDataStatistics (JobStatistics2, the discovery document): the client library keeps the
+        # job's statistics only in its resource, which to_api_repr() leaves out.
+        stats = (found._properties.get("statistics") or {}).get("query", {}).get("exportDataStatistics", {})
         files = stats.get("fileCount")
         return ExportStatus(ExportState.SUCCEEDED, files=None if files is None else int(files))
 
     def cancel_export(self, job: ExportJob) -> None:
-        """Ask BigQuery to stop ``job`` (it may still finish; either way the caller abandons it)."""
+        """Ask BigQuery to stop ``job`` (it may still finish: the caller reads its state again)."""
         from google.api_core.exceptions import NotFound
 
         with contextlib.suppress(NotFound):

@@ -43,8 +43,11 @@ class _Mirror:
                 version = (stat.st_size, stat.st_mtime_ns)
                 if self.seen.get(path) == version:
                     continue
-                bucket, name = path.relative_to(self.root).as_posix().split("/", 1)
-                objects.write_bytes(f"gs://{bucket}/{name}", path.read_bytes())
+                bucket, _, name = path.relative_to(self.root).as_posix().partition("/")
+                try:
+                    objects.write_bytes(f"gs://{bucket}/{name}", path.read_bytes())
+                except Exception:  # a missing bucket, a file at the root: BigQuery would have failed
+                    log.exception("could not put %s into the storage emulator", path)
                 self.seen[path] = version
 
 
@@ -82,6 +85,9 @@ class ExportsProxy:
             protocol_version = "HTTP/1.1"
 
             def _forward(self) -> None:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    self.send_error(411, "send a Content-Length")  # the client libraries always do
+                    return
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP | {"host"}}
                 conn = http.client.HTTPConnection(proxy.upstream.netloc, timeout=300)
@@ -92,15 +98,18 @@ class ExportsProxy:
                     proxy.mirror.sync()  # the files of every job the answer reports done are in the bucket
                 finally:
                     conn.close()
-                self.send_response(answer.status, answer.reason)
+                self.send_response(answer.status, answer.reason)  # (with its own Date and Server)
                 for k, v in answer.getheaders():
-                    if k.lower() not in _HOP_BY_HOP | {"content-length"}:
+                    if k.lower() not in _HOP_BY_HOP | {"content-length", "date", "server"}:
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(payload)))
+                bodiless = answer.status in (204, 304) or self.command == "HEAD"
+                if not bodiless:
+                    self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
-                self.wfile.write(payload)
+                if not bodiless:
+                    self.wfile.write(payload)
 
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
             def log_message(self, format: str, *args: object) -> None:
                 log.debug(format, *args)

@@ -221,9 +221,15 @@ class KubeEndpoint:
         return cls(cluster["server"], cfg["users"][0]["user"]["token"], cluster["certificate-authority"])
 
 
-def gke_request_binding(kube: KubeEndpoint) -> Callable[[Args, Args], Any]:
+def gke_request_binding(kube: KubeEndpoint, as_user: str | None = None) -> Callable[[Args, Args], Any]:
+    """``gke.request`` against the local API server; with ``as_user``, every call is made as that user
+    (Kubernetes impersonation: ``Impersonate-User``, and the group every authenticated caller has), so
+    that RBAC decides it as GKE decides the workflow's account's calls."""
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {kube.token}"
+    if as_user is not None:
+        session.headers["Impersonate-User"] = as_user
+        session.headers["Impersonate-Group"] = "system:authenticated"
 
     def request(args: Args, _: Args) -> Any:
         path = str(args["path"])
@@ -247,9 +253,11 @@ def local_registry(
     firestore_host: str,
     pubsub_host: str,
     kube: KubeEndpoint,
+    kube_user: str,
     dataflow: LocalDataflow,
 ) -> ConnectorRegistry:
-    """Every connector workflows/retrain.yaml calls, bound to the local stack."""
+    """Every connector workflows/retrain.yaml calls, bound to the local stack; its Kubernetes API calls
+    are made as ``kube_user`` (the workflow's account, as GKE names it to RBAC)."""
     registry = ConnectorRegistry()
     for name, fn in firestore_bindings(firestore_host).items():
         registry.register(name, fn)
@@ -258,5 +266,5 @@ def local_registry(
     registry.register("googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch", dataflow.launch)
     registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.get", dataflow.get)
     registry.register("googleapis.dataflow.v1b3.projects.locations.jobs.update", dataflow.update)
-    registry.register("gke.request", gke_request_binding(kube))
+    registry.register("gke.request", gke_request_binding(kube, as_user=kube_user))
     return registry

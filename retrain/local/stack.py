@@ -340,8 +340,8 @@ class LocalStack:
         api = control_plane.api_client()
         self.kube_api = api
         # What Terraform applies in the cluster, rendered by the same code from infra/'s values: the
-        # Kueue queues, the service accounts, the notifier's and the reaper's RBAC, and the settings
-        # ConfigMap (Terraform writes it from local.retrain_env).
+        # Kueue queues, the service accounts, the notifier's, the reaper's and the workflow's RBAC, and
+        # the settings ConfigMap (Terraform writes it from local.retrain_env).
         from retrain.k8s.manifests import documents
         from retrain.local.envtest import apply_documents
 
@@ -415,6 +415,7 @@ class LocalStack:
             firestore_host=ep.firestore,
             pubsub_host=ep.pubsub,
             kube=kube,
+            kube_user=values.workflow_user,
             dataflow=dataflow,
         )
         workflow = load_workflow(WORKFLOW_FILE)

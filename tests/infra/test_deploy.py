@@ -112,6 +112,7 @@ OUTPUTS: dict[str, dict[str, Any]] = {
                 "functions": f"retrain-functions@{PROJECT}.iam.gserviceaccount.com",
                 "notifier": f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com",
                 "training": f"retrain-training@{PROJECT}.iam.gserviceaccount.com",
+                "workflow": f"retrain-workflow@{PROJECT}.iam.gserviceaccount.com",
             }
         ),
         "k8s_namespace": _out("retrain"),
@@ -358,7 +359,7 @@ def test_manifests_are_rendered_from_the_platform_outputs(
     assert rc == 0, err
     rendered = checkout / deploy.K8S_BUILD_DIR
     assert sorted(p.name for p in rendered.glob("*.yaml")) == sorted(
-        ["kueue.yaml", "notifier.yaml", "reaper.yaml", "training.yaml"]
+        ["kueue.yaml", "notifier.yaml", "reaper.yaml", "training.yaml", "workflow.yaml"]
     )
     notifier = (rendered / "notifier.yaml").read_text()
     assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in notifier

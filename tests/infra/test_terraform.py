@@ -75,7 +75,10 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
     },
     "workflow": {
         ("roles/dataflow.developer", "project"),
-        ("roles/container.developer", "project"),
+        (
+            "custom:cluster_connect",
+            "project",
+        ),  # the connector authenticates; k8s/workflow.yaml's RBAC decides
         ("roles/datastore.user", "project"),
         ("roles/logging.logWriter", "project"),
         ("roles/iam.serviceAccountUser", "service_account:dataflow"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,83 @@ def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) 
     assert not may("create", "jobsets", "jobset.x-k8s.io")
     assert not may("list", "secrets", "")
     assert not may("delete", "jobsets", "jobset.x-k8s.io", ns="kube-system")
+
+
+def workflow_calls() -> set[tuple[str, str, str, bool]]:
+    """(verb, API group, resource, namespaced) of every Kubernetes call workflows/retrain.yaml makes
+    (its steps calling kube, kube_create or kube_delete), read from the file."""
+    methods = {"kube_create": "POST", "kube_delete": "DELETE"}
+    found = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("call") in ("kube", "kube_create", "kube_delete") and "path" in node.get("args", {}):
+                args = node["args"]
+                method = methods.get(node["call"]) or args["method"]
+                path = str(args["path"])
+                if path in ("${path}",):  # the helpers passing their own parameters on
+                    return
+                api_path = r'"?/(?:apis/([a-z0-9.-]+)/v[0-9a-z]+|api/v1)/(?:namespaces/"[^"]*"/)?([a-z]+)'
+                m = re.search(api_path, path)
+                assert m is not None, f"an unreadable path in workflows/retrain.yaml: {path}"
+                group, resource = m.group(1) or "", m.group(2)
+                named = path.rstrip("}").rstrip().endswith(("name", "_name"))
+                verb = {"POST": "create", "DELETE": "delete"}.get(method, "get" if named else "list")
+                found.add((verb, group, resource, "namespaces/" in path))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(yaml.safe_load((REPO / "workflows" / "retrain.yaml").read_text()))
+    return found
+
+
+def test_workflow_rbac_allows_its_connector_calls_and_nothing_more(api: Any, namespace: str) -> None:
+    """The workflow's Google account, as GKE names it to RBAC, may make every gke.request call
+    workflows/retrain.yaml makes, in its namespace, and nothing else: IAM gives it only
+    container.clusters.get/.connect, so this RBAC is all it may do in the cluster."""
+    from retrain.local.envtest import apply_documents
+
+    docs = rendered("workflow.yaml", namespace)
+    apply_documents(api, docs)
+    user = docs[1]["subjects"][0]["name"]
+    assert user.startswith("retrain-workflow@") and user.endswith(".iam.gserviceaccount.com")
+
+    def may(verb: str, resource: str, group: str, ns: str | None = namespace) -> bool:
+        return allowed(api, user, ["system:authenticated"], ns, verb, resource, group)
+
+    calls = workflow_calls()
+    assert calls == {
+        ("create", "", "podtemplates", True),
+        ("delete", "", "podtemplates", True),
+        ("create", "autoscaling.x-k8s.io", "provisioningrequests", True),
+        ("get", "autoscaling.x-k8s.io", "provisioningrequests", True),
+        ("delete", "autoscaling.x-k8s.io", "provisioningrequests", True),
+        ("create", "jobset.x-k8s.io", "jobsets", True),
+        ("get", "jobset.x-k8s.io", "jobsets", True),
+        ("delete", "jobset.x-k8s.io", "jobsets", True),
+        ("list", "", "nodes", False),
+    }
+    for verb, group, resource, namespaced in calls:
+        assert may(verb, resource, group, namespace if namespaced else None), (verb, resource)
+    granted = {
+        (verb, group, rule_resource)
+        for doc in docs
+        if doc["kind"] in ("Role", "ClusterRole")
+        for rule in doc["rules"]
+        for group in rule["apiGroups"]
+        for rule_resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == {(v, g, r) for v, g, r, _ in calls}
+    assert not may("create", "jobsets", "jobset.x-k8s.io", ns="kube-system")  # its namespace only
+    assert not may("update", "jobsets", "jobset.x-k8s.io")
+    assert not may("list", "jobsets", "jobset.x-k8s.io")
+    assert not may("create", "pods", "")
+    assert not may("list", "secrets", "")
+    assert not may("delete", "nodes", "", ns=None)
 
 
 @pytest.mark.parametrize("tcpx", [False, True])

@@ -12,7 +12,7 @@ import yaml
 
 from retrain.local.connectors import KubeEndpoint, gke_request_binding
 from retrain.local.envtest import ControlPlane
-from retrain.workflows import ConnectorRegistry, load_workflow
+from retrain.workflows import ConnectorRegistry, WorkflowError, load_workflow
 
 pytestmark = pytest.mark.envtest
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
@@ -68,3 +68,51 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
     run = {"project": "p", "region": "r", "cluster": "c"}
     result = load_workflow(yaml.safe_dump(source)).run(run, connectors=registry)
     assert result == ["created", "exists", "deleted", "absent"]
+
+
+def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
+    control_plane: ControlPlane, api: Any, namespace: str
+) -> None:
+    """As on GKE, the connector's calls are the workflow's account's: allowed in its namespace once
+    k8s/workflow.yaml's RBAC is applied there, refused (403) anywhere else."""
+    import dataclasses
+
+    from retrain.deployment import Deployment
+    from retrain.k8s.manifests import render
+    from retrain.local.envtest import apply_documents, ensure_service_account
+
+    values = dataclasses.replace(Deployment().manifest_values(), namespace=namespace)
+    apply_documents(api, list(yaml.safe_load_all(render(values)["workflow.yaml"])))
+    elsewhere = f"{namespace}-other"
+    ensure_service_account(api, elsewhere)
+    source = yaml.safe_load(WORKFLOW.read_text())
+    body = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "mine"},
+        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
+    }
+
+    def create_in(ns: str) -> Any:
+        steps = [
+            {
+                "make": {
+                    "call": "kube_create",
+                    "args": {"run": "${run}", "path": f"/api/v1/namespaces/{ns}/podtemplates", "body": body},
+                    "result": "r",
+                }
+            },
+            {"done": {"return": "${r}"}},
+        ]
+        source["main"] = {"params": ["run"], "steps": steps}
+        registry = ConnectorRegistry()
+        kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
+        registry.register("gke.request", gke_request_binding(kube, as_user=values.workflow_user))
+        return load_workflow(yaml.safe_dump(source)).run(
+            {"project": "p", "region": "r", "cluster": "c"}, connectors=registry
+        )
+
+    assert create_in(namespace) == "created"
+    with pytest.raises(WorkflowError) as refused:
+        create_in(elsewhere)
+    assert refused.value.value["code"] == 403 and "forbidden" in str(refused.value).lower()
