@@ -19,11 +19,11 @@ DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 
-#: BigQuery requests one handler makes at most: advancing an export (its status, the wait's two, a
+#: BigQuery requests one handler makes at most besides its wait: advancing an export (its status, a
 #: cancel and the status again) and starting one (the table, the range's three queries of two requests
-#: each, the job's insert).  Each may take twice its timeout at worst (a retry may start just before
-#: its deadline), the wait its own time and one request more.
-BIGQUERY_CALLS_PER_HANDLER = 13
+#: each, the job's insert).  Each may take twice its timeout at worst (a retry may start just before its
+#: deadline); the wait polls until its own end, and its last poll may take two timeouts more.
+BIGQUERY_CALLS_PER_HANDLER = 11
 #: Share of a function's timeout its BigQuery requests may take at worst; the rest is the ledger's,
 #: Cloud Storage's and the seal's.
 BIGQUERY_SHARE = 0.8
@@ -200,9 +200,9 @@ class Settings:
     @property
     def bigquery_call_timeout_s(self) -> float:
         """Bound on one BigQuery request of a handler: at most :data:`BIGQUERY_CALLS_PER_HANDLER` of them
-        (each up to twice this) and one wait for an export (:attr:`bigquery_export_wait_s`, and one
-        request more) take :data:`BIGQUERY_SHARE` of :attr:`function_timeout_s` at worst."""
-        return BIGQUERY_SHARE * self.function_timeout_s / (2 * BIGQUERY_CALLS_PER_HANDLER + 3)
+        (each up to twice this) and one wait for an export (:attr:`bigquery_export_wait_s`, and its last
+        poll) take :data:`BIGQUERY_SHARE` of :attr:`function_timeout_s` at worst."""
+        return BIGQUERY_SHARE * self.function_timeout_s / (2 * BIGQUERY_CALLS_PER_HANDLER + 4)
 
     @property
     def bigquery_export_wait_s(self) -> float:

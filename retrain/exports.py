@@ -4,12 +4,12 @@ A write to a watched table starts one ``EXPORT DATA`` job for the rows above the
 (never past the export's own start less a lag, at most ``bigquery_export_max_rows`` of them) into the
 artifacts bucket, and records it first.  The job outlives no deadline: BigQuery stops it at its own
 time limit, the handler waits for it only a share of its own timeout, and whoever comes next (the
-table's next write, or the Scheduler's tick) finishes it: its files become arrivals and the watermark
-moves, in one transaction.  Rows left above it (the job's limit, rows stamped later, a write while it
-ran) make the table due: the tick starts its next export.  A failed job (or one refused, or past its
-deadline and cancelled) is forgotten, and the tick exports its rows again after a backoff, with half
-the rows for each failure in a row; a crash between recording a job and starting it is finished by
-starting it then.
+job's own end in the audit log, the table's next write, or the Scheduler's tick) finishes it: its
+files become arrivals and the watermark moves, in one transaction.  Rows left above it (the job's
+limit, rows stamped later, a write while it ran) make the table due: the tick starts its next export.
+A failed job (or one refused, or past its deadline and cancelled once it has stopped) is forgotten,
+and the tick exports its rows again after a backoff, with half the rows for each failure in a row; a
+crash between recording a job and starting it is finished by starting it then.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from enum import StrEnum
 from typing import Any
 
 from retrain.config import Settings
+from retrain.domain.bigquery_events import EXPORT_JOB_PREFIX
+from retrain.domain.errors import Retry
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import iso, now_iso
 from retrain.ports import (
@@ -59,7 +61,8 @@ class Progress(StrEnum):
     """A job failed, ran past its deadline or was refused: forgotten; the tick exports its rows again
     after a backoff."""
     DEFERRED = "deferred"
-    """The table's last exports failed: the next one waits for its backoff (the tick starts it)."""
+    """The next export waits (the tick starts it): the last ones failed and it waits out its backoff,
+    or the new rows are stamped too recently to take yet."""
     TAKEN = "taken"
     """Another invocation finished the job first."""
 
@@ -111,6 +114,23 @@ class TableExports:
             return started
         return self.advance(started, wait_s=self.settings.bigquery_export_wait_s)
 
+    def on_job_done(self, job_id: str) -> Step:
+        """BigQuery says export job ``job_id`` ended: finish (or forget) its export now.  Retry when
+        BigQuery does not say so yet (the event is redelivered); the export's landing again when it
+        landed already but a crash may have cut its seal short (sealing again is harmless)."""
+        job = next((j for j in self.ledger.pending_exports() if j.job_id == job_id), None)
+        if job is None:
+            for table in self.settings.watched_tables:
+                mark = self.ledger.export_mark(table)
+                if mark.job_id == job_id:
+                    detail = f"{table}: export {job_id} landed already"
+                    return Step(Progress.LANDED, detail, mark.dataset, mark.objects)
+            return Step(Progress.TAKEN, f"export job {job_id} is no export under way")
+        step = self.advance(job)
+        if step.progress == Progress.RUNNING:
+            raise Retry(f"{step.detail}; its end is not visible yet")
+        return step
+
     def due(self) -> list[tuple[str, str]]:
         """Watched tables (and their datasets) with rows that may wait above the watermark (the last
         export took the most one job may, rows were stamped after its start, the table was written while
@@ -129,7 +149,7 @@ class TableExports:
         mark = self.ledger.export_mark(table)
         started = self.start(table, dataset)
         if isinstance(started, Step):
-            if started.progress == Progress.NOTHING_NEW:
+            if started.progress == Progress.NOTHING_NEW:  # (rows too recent to take keep it due)
                 self.ledger.end_backlog(table, mark.value)
             return started
         return self._running(started, "under way")
@@ -183,8 +203,11 @@ class TableExports:
             max_rows=max(1, s.bigquery_export_max_rows >> min(mark.failures, 30)),
         )
         if span.through is None or (mark.value is not None and span.through <= mark.value):
+            if span.capped:  # every new row is stamped within the lag (or ahead): the tick takes them
+                self.ledger.mark_backlog(table)
+                return Step(Progress.DEFERRED, f"{table}: its new rows are too recent to export yet")
             return Step(Progress.NOTHING_NEW, f"{table}: no rows after {mark.value}")
-        job_id = f"retrain-export-{uuid.uuid4().hex}"
+        job_id = f"{EXPORT_JOB_PREFIX}{uuid.uuid4().hex}"
         folder = f"bigquery/{dataset}/{_safe_name(table)}/{_safe_name(span.through)}-{job_id[-8:]}"
         return ExportJob(
             table=table,
@@ -218,11 +241,19 @@ class TableExports:
                 return self._running(job, "running")
             self.warehouse.cancel_export(job)
             status = self.warehouse.export_status(job)  # a cancel may come too late: it may be done
+            if status.state == ExportState.RUNNING and not self._given_up(job):
+                # forgotten only once it has stopped, so that nothing it writes is left behind
+                return self._running(job, f"past its deadline {job.deadline}: cancelled, stopping")
             if status.state in (ExportState.RUNNING, ExportState.MISSING):
                 return self._fail(job, f"still running at its deadline {job.deadline}: cancelled")
         if status.state == ExportState.FAILED:
             return self._fail(job, status.error)
         return self._finish(job, status, overdue)
+
+    def _given_up(self, job: ExportJob) -> bool:
+        """A cancelled job still running this long after its deadline is forgotten all the same."""
+        deadline = datetime.fromisoformat(job.deadline)
+        return datetime.now(UTC) >= deadline + timedelta(seconds=self.settings.bigquery_export_timeout_s)
 
     def _fail(self, job: ExportJob, reason: str) -> Step:
         """Forget ``job`` (unless another invocation finished it meanwhile), drop what it wrote, and

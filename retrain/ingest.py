@@ -4,8 +4,8 @@ Arrivals are recorded in the ledger (deduplicated, contention-free); a seal cuts
 timeline, and a sealed batch whose snapshot is new becomes one run: its object list is written as the
 run's manifest and one workflow execution starts.  A write to a watched BigQuery table is first
 exported (its new rows, by a bounded BigQuery job into the artifacts bucket: ``retrain.exports``) and
-its files recorded like any arrival.  JobSet
-completions come back the other way and are relayed to the waiting execution's callback.
+its files recorded like any arrival.  JobSet completions come back the other way and are relayed to the
+waiting execution's callback.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ from retrain.contracts import (
     SchedulerJob,
     SchedulerTick,
 )
-from retrain.domain.bigquery_events import ExportFinished, NotRelevant, TableWritten, parse_bigquery_audit
+from retrain.domain.bigquery_events import (
+    ExportFinished,
+    NotRelevant,
+    OwnExportDone,
+    TableWritten,
+    parse_bigquery_audit,
+)
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Champion, Run, RunStatus, iso, now_iso
@@ -83,7 +89,8 @@ class Action(StrEnum):
     """A watched table's export job failed, was refused or ran past its deadline; its rows go with the
     next one."""
     EXPORT_DEFERRED = "export-deferred"
-    """A watched table's last exports failed: the next one waits for its backoff (the tick starts it)."""
+    """A watched table's next export waits (the tick starts it): a backoff after failures, or rows
+    stamped too recently to take yet."""
     ALREADY_TRAINED = "already-trained"
     """Nothing new: every object's content trained before or is in the live or pending run."""
     REFUSED = "refused"
@@ -206,6 +213,10 @@ class Ingest:
             return Outcome(Action.IGNORED, change.reason)
         if isinstance(change, ExportFinished):
             return self._take_export(change)
+        if isinstance(change, OwnExportDone):
+            if self.warehouse is None:
+                return Outcome(Action.IGNORED, f"export job {change.job_id}: no BigQuery warehouse here")
+            return self._export_outcome(self._exports().on_job_done, change.job_id)
         return self._export_new_rows(change)
 
     def _landing_name(self, uri: str) -> str:

@@ -144,6 +144,12 @@ class Watermark:
     """Exports that failed in a row since the last one landed: each halves the next one's rows."""
     retry_after: str = ""
     """RFC 3339 time before which no export starts, after a failure (exponential backoff)."""
+    job_id: str = ""
+    """The export job that moved the watermark last."""
+    dataset: str = ""
+    """The dataset its files joined."""
+    objects: int = 0
+    """How many files it landed."""
 
 
 class ExportRefused(Exception):
@@ -211,6 +217,8 @@ class Ledger(Protocol):
     def want_export(self, table: str) -> bool: ...
 
     def end_backlog(self, table: str, value: Any) -> None: ...
+
+    def mark_backlog(self, table: str) -> None: ...
 
     def pending_export(self, table: str) -> ExportJob | None: ...
 

@@ -12,6 +12,7 @@ import pytest
 from retrain.domain.bigquery_events import (
     ExportFinished,
     NotRelevant,
+    OwnExportDone,
     TableWritten,
     parse_bigquery_audit,
     table_id,
@@ -137,3 +138,24 @@ def test_the_functions_own_jobs_do_not_trigger_it_again(name: str) -> None:
     )
     ignored = parse_bigquery_audit(attributes, data, own_principal=caller)
     assert isinstance(ignored, NotRelevant) and caller in ignored.reason
+
+
+def test_the_end_of_one_of_retrains_own_export_jobs_is_recognised() -> None:
+    """Of the functions' own jobs, the end of an export job matters: its export is finished at once."""
+    attributes, data = recorded("export_data_done")
+    own = data["protoPayload"]["authenticationInfo"]["principalEmail"]
+    assert parse_bigquery_audit(attributes, data, own_principal=own) == OwnExportDone(
+        attributes["id"], "retrain-export-0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+    )
+    # anyone else's EXPORT DATA job writes no table: nothing to do
+    assert isinstance(
+        parse_bigquery_audit(attributes, data, own_principal="x@p.iam.gserviceaccount.com"), NotRelevant
+    )
+    # still running, or another of its own jobs (a watermark query): nothing to do
+    running = copy.deepcopy(data)
+    running["protoPayload"]["metadata"]["jobChange"]["after"] = "RUNNING"
+    running["protoPayload"]["metadata"]["jobChange"]["job"]["jobStatus"]["jobState"] = "RUNNING"
+    assert isinstance(parse_bigquery_audit(attributes, running, own_principal=own), NotRelevant)
+    query = copy.deepcopy(data)
+    query["protoPayload"]["metadata"]["jobChange"]["job"]["jobName"] = "projects/proj/jobs/bquxjob_1a2b"
+    assert isinstance(parse_bigquery_audit(attributes, query, own_principal=own), NotRelevant)

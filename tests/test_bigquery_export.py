@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -22,6 +23,7 @@ from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger, _key
 from retrain.adapters.warehouse import BigQueryWarehouse
 from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.domain.errors import Retry
 from retrain.domain.runs import RunStatus, iso
 from retrain.exports import Progress, TableExports
 from retrain.ingest import Action, Ingest
@@ -36,6 +38,11 @@ pytestmark = pytest.mark.emulators
 EVENTS = Path(__file__).parent / "events" / "bigquery"
 TABLE = "proj.sales.orders"  # the table the recorded events name
 T0 = dt.datetime(2026, 11, 20, 12, 0, tzinfo=dt.UTC)
+
+
+def progress(mark: Watermark) -> tuple[object, bool, int, str]:
+    """What a watermark says of the next export: (value, backlog, failures, retry_after)."""
+    return (mark.value, mark.backlog, mark.failures, mark.retry_after)
 
 
 def post(url: str, name: str) -> requests.Response:
@@ -226,7 +233,7 @@ def test_a_backlog_is_exported_by_bounded_jobs_in_turn(ingest: Ingest, warehouse
     first = exports.on_write(table, "backlog")  # the most one job may take: 3 rows
     assert (first.progress, first.files) == (Progress.LANDED, 1)
     assert exported_ids(artifacts, "bigquery/backlog/") == [0, 1, 2]
-    assert ledger.export_mark(table) == Watermark(T0 + dt.timedelta(seconds=2), backlog=True)
+    assert progress(ledger.export_mark(table)) == (T0 + dt.timedelta(seconds=2), True, 0, "")
     live = ingest.seal("backlog", "bigquery")
     assert live.action == Action.STARTED
 
@@ -236,7 +243,12 @@ def test_a_backlog_is_exported_by_bounded_jobs_in_turn(ingest: Ingest, warehouse
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.EXPORTING]
     assert ledger.watermark(table) == T0 + dt.timedelta(seconds=5)
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED, Action.QUEUED]  # the pending run waits
-    assert ledger.export_mark(table) == Watermark(T0 + dt.timedelta(seconds=6))  # nothing waits
+    assert progress(ledger.export_mark(table)) == (
+        T0 + dt.timedelta(seconds=6),
+        False,
+        0,
+        "",
+    )  # nothing waits
     assert exported_ids(artifacts, "bigquery/backlog/") == list(range(7))  # every row once
     assert ledger.pending_export(table) is None
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED]  # only the pending run, waiting
@@ -342,14 +354,18 @@ def test_an_export_past_its_deadline_is_cancelled(
     started = exports.start(table, "backlog")
     assert isinstance(started, ExportJob)
     assert exports.advance(started).progress == Progress.RUNNING and bigquery.cancelled == []
-    overdue = dataclasses.replace(started, deadline=iso(T0))
-    step = exports.advance(overdue)
+    just_past = dataclasses.replace(started, deadline=iso(dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+    first = exports.advance(just_past)
     assert bigquery.cancelled == [started.job_id]
     folder = f"gs://{ingest.settings.artifacts_bucket}/bigquery/backlog/"
     if cancel_too_late:  # it had finished: what it wrote lands
-        assert step.progress == Progress.LANDED and ingest.ledger.watermark(table) == T0
+        assert first.progress == Progress.LANDED and ingest.ledger.watermark(table) == T0
         assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/backlog/") == [1]
-    else:  # forgotten, and what it wrote dropped: its rows go with the next export
+    else:  # kept until it stops, so that nothing it still writes is left behind
+        assert first.progress == Progress.RUNNING and "cancelled, stopping" in first.detail
+        assert ingest.ledger.pending_export(table) == started
+        long_past = dataclasses.replace(started, deadline=iso(T0))  # forgotten all the same
+        step = exports.advance(long_past)
         assert step.progress == Progress.FAILED and "still running at its deadline" in step.detail
         assert ingest.ledger.watermark(table) is None and list(objects.list_objects(folder)) == []
 
@@ -373,5 +389,81 @@ def test_rows_written_while_an_export_is_under_way_go_with_the_next_one(
     assert [o.action for o in ingest.sweep()] == [Action.STARTED, Action.EXPORTING]
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED]  # row 2 landed, behind the live run
     assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/gone/") == [1, 2]
-    assert ingest.ledger.export_mark(table) == Watermark(T0 + dt.timedelta(seconds=1))
+    assert progress(ingest.ledger.export_mark(table)) == (T0 + dt.timedelta(seconds=1), False, 0, "")
     assert [o.action for o in ingest.sweep()] == [Action.QUEUED]
+
+
+def test_the_end_of_an_export_job_finishes_its_export_at_once(
+    ingest: Ingest, warehouse: BigQueryWarehouse
+) -> None:
+    """The export job's own jobChange to DONE (its audit log, recorded in export_data_done.json) lands
+    its rows without waiting for the tick."""
+    table = make_table(warehouse, "proj.sales.backlog")
+    add_rows(warehouse, table, {1: T0})
+    delivery = json.loads((EVENTS / "export_data_done.json").read_text())
+    attributes = {k[3:]: v for k, v in delivery["headers"].items() if k.startswith("ce-")}
+    job_id = attributes["resourcename"].rsplit("/", 1)[1]
+    # the export, as a write's handler records and starts it (under the id the recorded event names)
+    location = warehouse.location(table, "ingested_at")
+    job = ExportJob(
+        table=table,
+        dataset="backlog",
+        job_id=job_id,
+        location=location,
+        after=None,
+        through=T0,
+        destination=f"gs://{ingest.settings.artifacts_bucket}/bigquery/backlog/done/*.jsonl",
+        started_at=iso(dt.datetime.now(dt.UTC)),
+        deadline=iso(dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)),
+    )
+    assert ingest.ledger.begin_export(job)
+    warehouse.start_export(job, "ingested_at", 3600)
+    own = delivery["body"]["protoPayload"]["authenticationInfo"]["principalEmail"]
+    handler = Ingest(
+        dataclasses.replace(ingest.settings, functions_service_account=own),
+        ingest.ledger,
+        ingest.orchestrator,
+        objects,
+        warehouse,
+    )
+    landed = handler.on_bigquery_event(attributes, delivery["body"])
+    assert landed.action == Action.STARTED and ingest.ledger.watermark(table) == T0
+    assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/backlog/") == [1]
+    # delivered again (as after a crash before the seal): sealed again, which finds it sealed
+    again = handler.on_bigquery_event(attributes, delivery["body"])
+    assert again.action == Action.NOTHING_TO_SEAL
+
+
+def test_an_export_jobs_end_that_bigquery_does_not_show_yet_is_retried(
+    ingest: Ingest, warehouse: BigQueryWarehouse
+) -> None:
+    table = make_table(warehouse, "proj.sales.backlog")
+    add_rows(warehouse, table, {1: T0})
+    still = Overdue("proj", warehouse.client)  # BigQuery still reports it running
+    still.cancelled = []
+    exports = TableExports(ingest.settings, ingest.ledger, still, objects)
+    job = exports.start(table, "backlog")
+    assert isinstance(job, ExportJob)
+    with pytest.raises(Retry, match="its end is not visible yet"):  # the event is delivered again
+        exports.on_job_done(job.job_id)
+    assert ingest.ledger.pending_export(table) == job
+    landed = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_job_done(job.job_id)
+    assert landed.progress == Progress.LANDED
+
+
+def test_rows_stamped_within_the_lag_wait_and_the_tick_takes_them(
+    ingest: Ingest, warehouse: BigQueryWarehouse
+) -> None:
+    """A load stamps its rows as it starts and its event comes seconds later: rows that recent wait
+    (another writer may still commit rows stamped before them), and the table stays due."""
+    table = make_table(warehouse, "proj.sales.backlog")
+    settings = dataclasses.replace(ingest.settings, bigquery_watermark_lag_s=1.0)
+    lagging = Ingest(settings, ingest.ledger, ingest.orchestrator, objects, warehouse)
+    add_rows(warehouse, table, {1: dt.datetime.now(dt.UTC)})
+    waiting = TableExports(settings, ingest.ledger, warehouse, objects).on_write(table, "backlog")
+    assert waiting.progress == Progress.DEFERRED and "too recent" in waiting.detail
+    assert progress(ingest.ledger.export_mark(table)) == (None, True, 0, "")
+    time.sleep(1.5)  # the lag passes
+    assert [o.action for o in lagging.sweep()] == [Action.EXPORTING]
+    assert [o.action for o in lagging.sweep()] == [Action.STARTED]
+    assert exported_ids(settings.artifacts_bucket, "bigquery/backlog/") == [1]

@@ -19,6 +19,11 @@ from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
 pytestmark = pytest.mark.emulators
 
 
+def progress(mark: Watermark) -> tuple[object, bool, int, str]:
+    """What a watermark says of the next export: (value, backlog, failures, retry_after)."""
+    return (mark.value, mark.backlog, mark.failures, mark.retry_after)
+
+
 def uris(versions: Any) -> tuple[str, ...]:
     """The object names of object versions (what these tests compare)."""
     return tuple(v.uri for v in versions)
@@ -229,16 +234,16 @@ def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(led
     assert not ledger.finish_export(export_job(table, None, 10, "job-2"), [arrival("bq-x")])
     assert ledger.finish_export(first, [arrival("bq-1"), arrival("bq-2")])
     assert not ledger.finish_export(first, [arrival("bq-1")])  # finished once
-    assert ledger.export_mark(table) == Watermark(10)
+    assert progress(ledger.export_mark(table)) == (10, False, 0, "")
     assert ledger.pending_export(table) is None
     assert not ledger.begin_export(export_job(table, None, 12, "job-4"))  # it read another watermark
     capped = dataclasses.replace(export_job(table, 10, 12, "job-5"), capped=True)
     assert ledger.begin_export(capped) and ledger.finish_export(capped, [arrival("bq-3")])
-    assert ledger.export_mark(table) == Watermark(12, backlog=True)
+    assert progress(ledger.export_mark(table)) == (12, True, 0, "")
     ledger.end_backlog(table, 10)  # read before the watermark moved to 12: the backlog stays
     assert ledger.export_mark(table).backlog
     ledger.end_backlog(table, 12)
-    assert ledger.export_mark(table) == Watermark(12)
+    assert progress(ledger.export_mark(table)) == (12, False, 0, "")
     # a write while an export is under way leaves a backlog behind it too
     assert not ledger.want_export(table)  # none under way
     written_meanwhile = export_job(table, 12, 13, "job-6")
@@ -259,7 +264,7 @@ def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: Fires
     assert ledger.abandon_export(failed, "Not found: Table p:sales.returns", "2026-11-25T00:01:00+00:00")
     assert not ledger.abandon_export(failed, "again", "")  # once
     assert ledger.pending_export(table) is None
-    assert ledger.export_mark(table) == Watermark(None, True, 1, "2026-11-25T00:01:00+00:00")
+    assert progress(ledger.export_mark(table)) == (None, True, 1, "2026-11-25T00:01:00+00:00")
     mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
     assert mark["last_failure"]["job_id"] == "job-1" and "Not found" in mark["last_failure"]["reason"]
     second = export_job(table, None, 10, "job-2")
@@ -269,7 +274,7 @@ def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: Fires
     assert ledger.export_mark(table).failures == 2  # counted in a row
     again = export_job(table, None, 10, "job-3")
     assert ledger.begin_export(again) and ledger.finish_export(again, [arrival("bq-r")])
-    assert ledger.export_mark(table) == Watermark(10)  # landed: the failures are forgotten
+    assert progress(ledger.export_mark(table)) == (10, False, 0, "")  # landed: the failures are forgotten
     mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
     assert "last_failure" not in mark
 

@@ -147,7 +147,7 @@ variable "bigquery_method_name" {
 
 variable "bigquery_resource_pattern" {
   type        = string
-  description = "Optional path pattern on resourceName narrowing the BigQuery trigger; empty: every resource. A table pattern (projects/P/datasets/D/tables/*) matches only tableDataChange entries: finished extract and load jobs are named by their job (projects/P/jobs/J)."
+  description = "Optional path pattern on resourceName narrowing the BigQuery trigger; empty: every resource. A table pattern (projects/P/datasets/D/tables/*) matches only tableDataChange entries: finished extract and load jobs, and retrain's own export jobs (whose end then waits for the sweeper's tick), are named by their job (projects/P/jobs/J)."
   default     = ""
 }
 

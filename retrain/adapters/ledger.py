@@ -126,6 +126,9 @@ def _watermark(doc: Mapping[str, Any]) -> Watermark:
         backlog=bool(doc.get("backlog")),
         failures=int(doc.get("failures") or 0),
         retry_after=str(doc.get("retry_after") or ""),
+        job_id=str(doc.get("job_id") or ""),
+        dataset=str(doc.get("dataset") or ""),
+        objects=int(doc.get("objects") or 0),
     )
 
 
@@ -614,6 +617,11 @@ class FirestoreLedger:
 
         end(self.db.transaction())
 
+    def mark_backlog(self, table: str) -> None:
+        """Rows wait above ``table``'s watermark (stamped too recently to export yet): the tick exports
+        them once they may be."""
+        self._mark_ref(table).set({"table": table, "backlog": True}, merge=True)
+
     def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool:
         """Record the objects ``job`` wrote and move the watermark to ``job.through``, atomically; False
         (nothing written) when ``job`` is no longer its table's export (another invocation finished it)."""
@@ -627,7 +635,8 @@ class FirestoreLedger:
                 return False
             backlog = job.capped or bool(under_way.get("wanted"))
             fields = {"table": job.table, "value": job.through, "job_id": job.job_id, "at": now_iso()}
-            tx.set(mark, {**fields, "objects": len(arrivals), "backlog": backlog})  # failures reset
+            landed = {"dataset": job.dataset, "objects": len(arrivals), "backlog": backlog}
+            tx.set(mark, {**fields, **landed})  # the failures are forgotten
             for arrival in arrivals:
                 self._add_arrival(tx, arrival, job.dataset, arrival.content_hash)
             tx.delete(ref)

@@ -10,7 +10,6 @@ Table and column names come from settings, never from events, and are checked be
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import contextlib
 import datetime as dt
 import decimal
@@ -18,6 +17,7 @@ import json
 import logging
 import os
 import re
+import time
 from typing import Any
 
 from retrain.adapters import objects
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 _COLUMN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,299}$")
 ROWS_PER_PAGE = 5000
 CALL_TIMEOUT_S = 60.0
+#: How often a wait for an export job asks for its state.
+POLL_S = 1.0
 """Bound on every call, so a stuck one fails its invocation (which is retried)."""
 #: Where an export job may write: BigQuery's one ``*`` wildcard, names that need no quoting in SQL.
 _DESTINATION_RE = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,220}/[A-Za-z0-9._/-]*\*[A-Za-z0-9._-]*")
@@ -207,7 +209,7 @@ class BigQueryWarehouse:
 
     def export_status(self, job: ExportJob, wait_s: float = 0.0) -> ExportStatus:
         """Where ``job`` stands (after waiting up to ``wait_s`` for it to end)."""
-        from google.api_core.exceptions import GoogleAPICallError, NotFound
+        from google.api_core.exceptions import NotFound
 
         try:
             found = self.client.get_job(
@@ -215,9 +217,9 @@ class BigQueryWarehouse:
             )
         except NotFound:
             return ExportStatus(ExportState.MISSING)
-        if wait_s > 0 and found.state != "DONE":
-            with contextlib.suppress(TimeoutError, concurrent.futures.TimeoutError, GoogleAPICallError):
-                found.result(timeout=wait_s, retry=self._retry())
+        until = time.monotonic() + wait_s  # polled against its own clock: result() may overrun it
+        while found.state != "DONE" and time.monotonic() < until:
+            time.sleep(min(POLL_S, max(0.0, until - time.monotonic())))
             found.reload(retry=self._retry(), timeout=self.call_timeout_s)
         if found.state != "DONE":
             return ExportStatus(ExportState.RUNNING)

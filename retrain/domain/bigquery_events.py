@@ -8,6 +8,9 @@ Two things matter, both logged under ``google.cloud.bigquery.v2.JobService.Inser
   ``destinationTable`` is it.  One load produces both, so handling them must be idempotent.
 * :class:`ExportFinished` -- an extract job (``jobConfig.type: EXPORT``) finished, successfully or not.
 
+Of the jobs the functions' own account runs, one thing matters: :class:`OwnExportDone`, one of
+retrain's export jobs ended (``retrain.exports`` finishes its export at once, not at the next tick).
+
 Everything else (job insertions, jobs still running, reads, other services) is :class:`NotRelevant`,
 acknowledged without work.  Malformed events raise :class:`~retrain.domain.events.Rejected`.
 Field names and enum spellings follow Google's BigQueryAuditMetadata reference; 64-bit counts arrive
@@ -35,6 +38,8 @@ _TABLE_RE = re.compile(
     r"^projects/(?P<p>[a-z0-9.:-]{1,100})/datasets/(?P<d>[A-Za-z0-9_]{1,1024})/tables/(?P<t>[^/\x00-\x1f]{1,1024})$"
 )
 _JOB_RE = re.compile(r"^projects/[a-z0-9.:-]{1,100}/jobs/[A-Za-z0-9_-]{1,1024}$")
+#: The job ids retrain gives its export jobs (``retrain.exports``).
+EXPORT_JOB_PREFIX = "retrain-export-"
 _WRITING_JOB_TYPES = {"IMPORT": "loadConfig", "QUERY": "queryConfig", "COPY": "tableCopyConfig"}
 
 
@@ -63,17 +68,40 @@ class ExportFinished:
 
 
 @dataclass(frozen=True)
+class OwnExportDone:
+    """One of retrain's own export jobs ended (its ``jobChange`` to DONE): its export can be finished."""
+
+    event_id: str
+    job_id: str
+
+
+@dataclass(frozen=True)
 class NotRelevant:
     reason: str
 
 
-BigQueryChange = TableWritten | ExportFinished | NotRelevant
+BigQueryChange = TableWritten | ExportFinished | OwnExportDone | NotRelevant
 
 
 def _mapping(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise Rejected(f"{what} is not a JSON object")
     return value
+
+
+def _own_export_done(event_id: str, payload: Mapping[str, Any]) -> OwnExportDone | None:
+    """The end of one of retrain's export jobs, from its own ``jobChange``; None for anything else."""
+    metadata = payload.get("metadata")
+    change = metadata.get("jobChange") if isinstance(metadata, Mapping) else None
+    job = change.get("job") if isinstance(change, Mapping) else None
+    if not isinstance(change, Mapping) or not isinstance(job, Mapping):
+        return None
+    name, status = job.get("jobName"), job.get("jobStatus")
+    state = status.get("jobState") if isinstance(status, Mapping) else None
+    if not isinstance(name, str) or not _JOB_RE.match(name) or "DONE" not in (change.get("after"), state):
+        return None
+    job_id = name.rsplit("/", 1)[1]
+    return OwnExportDone(event_id, job_id) if job_id.startswith(EXPORT_JOB_PREFIX) else None
 
 
 def parse_bigquery_audit(attributes: Mapping[str, Any], data: Any, own_principal: str = "") -> BigQueryChange:
@@ -93,7 +121,8 @@ def parse_bigquery_audit(attributes: Mapping[str, Any], data: Any, own_principal
     method = payload.get("methodName")
     principal = _mapping(payload.get("authenticationInfo") or {}, "authenticationInfo").get("principalEmail")
     if own_principal and principal == own_principal:
-        return NotRelevant(f"a job of retrain's own account {own_principal}")
+        done = _own_export_done(event_id, payload)
+        return done or NotRelevant(f"a job of retrain's own account {own_principal}")
     if method not in (INSERT_JOB, QUERY):
         return NotRelevant(f"method {str(method)[:100]} writes no rows")
     metadata = _mapping(payload.get("metadata"), "protoPayload.metadata")

@@ -46,8 +46,9 @@ class _Mirror:
                 bucket, _, name = path.relative_to(self.root).as_posix().partition("/")
                 try:
                     objects.write_bytes(f"gs://{bucket}/{name}", path.read_bytes())
-                except Exception:  # a missing bucket, a file at the root: BigQuery would have failed
+                except Exception:  # a missing bucket, a file at the root: tried again next time
                     log.exception("could not put %s into the storage emulator", path)
+                    continue
                 self.seen[path] = version
 
 

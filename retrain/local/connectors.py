@@ -223,13 +223,12 @@ class KubeEndpoint:
 
 def gke_request_binding(kube: KubeEndpoint, as_user: str | None = None) -> Callable[[Args, Args], Any]:
     """``gke.request`` against the local API server; with ``as_user``, every call is made as that user
-    (Kubernetes impersonation: ``Impersonate-User``, and the group every authenticated caller has), so
+    (Kubernetes impersonation, ``Impersonate-User``; the API server adds ``system:authenticated``), so
     that RBAC decides it as GKE decides the workflow's account's calls."""
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {kube.token}"
     if as_user is not None:
         session.headers["Impersonate-User"] = as_user
-        session.headers["Impersonate-Group"] = "system:authenticated"
 
     def request(args: Args, _: Args) -> Any:
         path = str(args["path"])
