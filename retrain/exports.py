@@ -42,8 +42,6 @@ from retrain.ports import (
 log = logging.getLogger("retrain.exports")
 
 
-#: Attempts of a start that lost its race (another export moved the watermark meanwhile).
-START_ATTEMPTS = 3
 #: Backoff after a failed export: the first retry after this, doubling with each failure, at most a day.
 RETRY_AFTER_S, RETRY_AFTER_MAX_S = 60.0, 86400.0
 
@@ -115,16 +113,10 @@ class TableExports:
         return self.advance(started, wait_s=self.settings.bigquery_export_wait_s)
 
     def on_job_done(self, job_id: str) -> Step:
-        """BigQuery says export job ``job_id`` ended: finish (or forget) its export now.  Retry when
-        BigQuery does not say so yet (the event is redelivered); the export's landing again when it
-        landed already but a crash may have cut its seal short (sealing again is harmless)."""
+        """BigQuery says export job ``job_id`` ended: finish (or forget) its export now; Retry when
+        BigQuery does not show it yet (the event is redelivered)."""
         job = next((j for j in self.ledger.pending_exports() if j.job_id == job_id), None)
-        if job is None:
-            for table in self.settings.watched_tables:
-                mark = self.ledger.export_mark(table)
-                if mark.job_id == job_id:
-                    detail = f"{table}: export {job_id} landed already"
-                    return Step(Progress.LANDED, detail, mark.dataset, mark.objects)
+        if job is None:  # landed already (a seal it missed is the quiet period's), or forgotten
             return Step(Progress.TAKEN, f"export job {job_id} is no export under way")
         step = self.advance(job)
         if step.progress == Progress.RUNNING:
@@ -159,35 +151,33 @@ class TableExports:
         is nothing to export, the table waits out a backoff or BigQuery refuses; the job under way when
         another invocation recorded one first (which then leaves these rows to the next export)."""
         s = self.settings
-        for _ in range(START_ATTEMPTS):
-            mark = self.ledger.export_mark(table)
-            now = datetime.now(UTC)
-            if mark.failures and mark.retry_after > iso(now):
-                return Step(
-                    Progress.DEFERRED,
-                    f"{table}: {mark.failures} export(s) failed; the next starts after {mark.retry_after}",
-                )
+        mark = self.ledger.export_mark(table)
+        now = datetime.now(UTC)
+        if mark.failures and mark.retry_after > iso(now):
+            return Step(
+                Progress.DEFERRED,
+                f"{table}: {mark.failures} export(s) failed; the next starts after {mark.retry_after}",
+            )
+        try:
+            job = self._plan(table, dataset, mark, now)
+        except ExportRefused as e:
+            log.error("%s: export refused: %s", table, e)
+            return Step(Progress.FAILED, f"{table}: export refused: {e}")
+        if isinstance(job, Step):
+            return job
+        if self.ledger.begin_export(job):
             try:
-                job = self._plan(table, dataset, mark, now)
+                self.warehouse.start_export(job, s.bigquery_watermark_column, s.bigquery_export_timeout_s)
             except ExportRefused as e:
-                log.error("%s: export refused: %s", table, e)
-                return Step(Progress.FAILED, f"{table}: export refused: {e}")
-            if isinstance(job, Step):
-                return job
-            if self.ledger.begin_export(job):
-                try:
-                    self.warehouse.start_export(job, s.bigquery_watermark_column, s.bigquery_export_timeout_s)
-                except ExportRefused as e:
-                    return self._fail(job, f"refused: {e}")
-                log.info(
-                    "%s: export %s of rows in (%s, %s] started", table, job.job_id, job.after, job.through
-                )
-                return job
-            other = self.ledger.pending_export(table)
-            if other is not None and self.ledger.want_export(table):
-                return other
-            # the watermark moved under us (another export landed): go again from there
-        return Step(Progress.TAKEN, f"{table}: {START_ATTEMPTS} starts lost their race; the tick goes on")
+                return self._fail(job, f"refused: {e}")
+            log.info("%s: export %s of rows in (%s, %s] started", table, job.job_id, job.after, job.through)
+            return job
+        other = self.ledger.pending_export(table)
+        if other is not None and self.ledger.want_export(table):
+            return other
+        # Another export landed meanwhile and moved the watermark: what waits above it is the tick's.
+        self.ledger.mark_backlog(table)
+        return Step(Progress.TAKEN, f"{table}: another export moved the watermark; the tick goes on")
 
     def _plan(self, table: str, dataset: str, mark: Watermark, now: datetime) -> ExportJob | Step:
         """The job for ``table``'s rows above ``mark`` up to now (less the lag), at most a job's rows
@@ -203,9 +193,10 @@ class TableExports:
             max_rows=max(1, s.bigquery_export_max_rows >> min(mark.failures, 30)),
         )
         if span.through is None or (mark.value is not None and span.through <= mark.value):
-            if span.capped:  # every new row is stamped within the lag (or ahead): the tick takes them
-                self.ledger.mark_backlog(table)
-                return Step(Progress.DEFERRED, f"{table}: its new rows are too recent to export yet")
+            if span.later is not None:  # every new row is stamped within the lag (or ahead)
+                due_at = span.later + timedelta(seconds=s.bigquery_watermark_lag_s)
+                self.ledger.mark_backlog(table, retry_after=iso(due_at))
+                return Step(Progress.DEFERRED, f"{table}: its new rows are too recent; due at {iso(due_at)}")
             return Step(Progress.NOTHING_NEW, f"{table}: no rows after {mark.value}")
         job_id = f"{EXPORT_JOB_PREFIX}{uuid.uuid4().hex}"
         folder = f"bigquery/{dataset}/{_safe_name(table)}/{_safe_name(span.through)}-{job_id[-8:]}"

@@ -130,6 +130,8 @@ class RowRange:
     capped: bool = False
     """Rows above ``through`` wait for the next export (the range took the most one job may, or rows are
     stamped after the export's start)."""
+    later: Any = None
+    """The earliest stamp of the rows that wait for their time (None: none wait for it)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ class Ledger(Protocol):
 
     def end_backlog(self, table: str, value: Any) -> None: ...
 
-    def mark_backlog(self, table: str) -> None: ...
+    def mark_backlog(self, table: str, retry_after: str = "") -> None: ...
 
     def pending_export(self, table: str) -> ExportJob | None: ...
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import time
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -161,24 +160,23 @@ def test_an_export_range_stops_at_now_and_at_the_row_bound(warehouse: BigQueryWa
     add_rows(warehouse, table, {99: dt.datetime(2099, 1, 1, tzinfo=dt.UTC)})  # stamped far in the future
     column, now = "ingested_at", dt.datetime.now(dt.UTC)
     # unbounded, MAX would take the future row and hide every row still to come behind it
-    assert warehouse.export_range(table, column) == RowRange(dt.datetime(2099, 1, 1, tzinfo=dt.UTC))
-    # the future row waits for its time: the range says rows wait above it
+    future = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
+    assert warehouse.export_range(table, column) == RowRange(future)
+    # the future row waits for its time: the range says rows wait above it, and from when
     assert warehouse.export_range(table, column, not_after=now) == RowRange(
-        T0 + dt.timedelta(seconds=9), True
+        T0 + dt.timedelta(seconds=9), True, future
     )
     # at most max_rows rows, but rows sharing the last value come along (rows 0-3, then 4 and 50)
     assert warehouse.export_range(table, column, not_after=now, max_rows=4) == RowRange(
-        T0 + dt.timedelta(seconds=3), capped=True
+        T0 + dt.timedelta(seconds=3), capped=True, later=future
     )
     assert warehouse.export_range(table, column, not_after=now, max_rows=5) == RowRange(
-        T0 + dt.timedelta(seconds=4), capped=True
+        T0 + dt.timedelta(seconds=4), capped=True, later=future
     )
     after = T0 + dt.timedelta(seconds=4)
-    assert warehouse.export_range(table, column, after=after, max_rows=7) == RowRange(
-        dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
-    )
+    assert warehouse.export_range(table, column, after=after, max_rows=7) == RowRange(future)
     last = T0 + dt.timedelta(seconds=9)
-    assert warehouse.export_range(table, column, after=last, not_after=now) == RowRange(None, capped=True)
+    assert warehouse.export_range(table, column, after=last, not_after=now) == RowRange(None, True, future)
     assert warehouse.export_range(table, "id", after=9, not_after=now, max_rows=1) == RowRange(50, True)
     with pytest.raises(ValueError, match=r"not project\.dataset\.table"):
         warehouse.export_range("proj.sales.orders`; DROP TABLE x; --", column)
@@ -429,9 +427,8 @@ def test_the_end_of_an_export_job_finishes_its_export_at_once(
     landed = handler.on_bigquery_event(attributes, delivery["body"])
     assert landed.action == Action.STARTED and ingest.ledger.watermark(table) == T0
     assert exported_ids(ingest.settings.artifacts_bucket, "bigquery/backlog/") == [1]
-    # delivered again (as after a crash before the seal): sealed again, which finds it sealed
-    again = handler.on_bigquery_event(attributes, delivery["body"])
-    assert again.action == Action.NOTHING_TO_SEAL
+    again = handler.on_bigquery_event(attributes, delivery["body"])  # delivered twice
+    assert again.action == Action.DUPLICATE and "no export under way" in again.detail
 
 
 def test_an_export_jobs_end_that_bigquery_does_not_show_yet_is_retried(
@@ -455,15 +452,20 @@ def test_rows_stamped_within_the_lag_wait_and_the_tick_takes_them(
     ingest: Ingest, warehouse: BigQueryWarehouse
 ) -> None:
     """A load stamps its rows as it starts and its event comes seconds later: rows that recent wait
-    (another writer may still commit rows stamped before them), and the table stays due."""
+    (another writer may still commit rows stamped before them), and the table is due once they may be
+    taken, not before (no query every tick meanwhile)."""
     table = make_table(warehouse, "proj.sales.backlog")
-    settings = dataclasses.replace(ingest.settings, bigquery_watermark_lag_s=1.0)
-    lagging = Ingest(settings, ingest.ledger, ingest.orchestrator, objects, warehouse)
-    add_rows(warehouse, table, {1: dt.datetime.now(dt.UTC)})
-    waiting = TableExports(settings, ingest.ledger, warehouse, objects).on_write(table, "backlog")
+    stamp = dt.datetime.now(dt.UTC)
+    add_rows(warehouse, table, {1: stamp})
+    waiting = TableExports(ingest.settings, ingest.ledger, warehouse, objects).on_write(table, "backlog")
     assert waiting.progress == Progress.DEFERRED and "too recent" in waiting.detail
-    assert progress(ingest.ledger.export_mark(table)) == (None, True, 0, "")
-    time.sleep(1.5)  # the lag passes
-    assert [o.action for o in lagging.sweep()] == [Action.EXPORTING]
-    assert [o.action for o in lagging.sweep()] == [Action.STARTED]
+    due_at = iso(stamp + dt.timedelta(seconds=ingest.settings.bigquery_watermark_lag_s))
+    assert progress(ingest.ledger.export_mark(table)) == (None, True, 0, due_at)
+    assert ingest.sweep() == []  # not due yet
+    # The lag over (the stored time moved back, and the tick's lag is none), the tick takes them.
+    ingest.ledger.db.collection("watermarks").document(_key(table)).update({"retry_after": iso(T0)})
+    settings = dataclasses.replace(ingest.settings, bigquery_watermark_lag_s=0.0)
+    later = Ingest(settings, ingest.ledger, ingest.orchestrator, objects, warehouse)
+    assert [o.action for o in later.sweep()] == [Action.EXPORTING]
+    assert [o.action for o in later.sweep()] == [Action.STARTED]
     assert exported_ids(settings.artifacts_bucket, "bigquery/backlog/") == [1]

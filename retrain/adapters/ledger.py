@@ -617,10 +617,10 @@ class FirestoreLedger:
 
         end(self.db.transaction())
 
-    def mark_backlog(self, table: str) -> None:
-        """Rows wait above ``table``'s watermark (stamped too recently to export yet): the tick exports
-        them once they may be."""
-        self._mark_ref(table).set({"table": table, "backlog": True}, merge=True)
+    def mark_backlog(self, table: str, retry_after: str = "") -> None:
+        """Rows wait above ``table``'s watermark: the tick exports them (not before ``retry_after``, when
+        they are stamped too recently to export yet)."""
+        self._mark_ref(table).set({"table": table, "backlog": True, "retry_after": retry_after}, merge=True)
 
     def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool:
         """Record the objects ``job`` wrote and move the watermark to ``job.through``, atomically; False

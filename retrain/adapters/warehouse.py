@@ -104,7 +104,7 @@ class BigQueryWarehouse:
 
         config = bigquery.QueryJobConfig(query_parameters=_parameters(params))
         retry, timeout = self._retry(), self.call_timeout_s
-        job = self.client.query(sql, job_config=config, retry=retry, timeout=timeout)
+        job = self.client.query(sql, job_config=config, retry=retry, timeout=timeout, job_retry=None)
         return job.result(page_size=ROWS_PER_PAGE, retry=retry, timeout=timeout)
 
     def _row(self, sql: str, params: dict[str, Any]) -> Any:
@@ -131,26 +131,28 @@ class BigQueryWarehouse:
         if after is not None:
             where, params = f"`{column}` > @after", {"after": after}
         top, rows = self._row(f"SELECT MAX(`{column}`), COUNT(*) FROM {checked} WHERE {where}", params)
-        late = 0
         if not_after is not None and isinstance(top, dt.datetime) and top > not_after:
             bounded = {**params, "not_after": not_after}
             now_sql = (
                 f"MAX(IF(`{column}` <= @not_after, `{column}`, NULL)), COUNTIF(`{column}` <= @not_after)"
             )
-            late_sql = f"COUNTIF(`{column}` > @not_after)"
-            hi, rows, late = self._row(f"SELECT {now_sql}, {late_sql} FROM {checked} WHERE {where}", bounded)
+            late_sql = f"COUNTIF(`{column}` > @not_after), MIN(IF(`{column}` > @not_after, `{column}`, NULL))"
+            sql = f"SELECT {now_sql}, {late_sql} FROM {checked} WHERE {where}"
+            hi, rows, late, later = self._row(sql, bounded)
             log.warning(
                 "%s: %s row(s) have %s after %s (up to %s): they wait", table, late, column, not_after, top
             )
             where, params, top = f"{where} AND `{column}` <= @not_after", bounded, hi
+        else:
+            later = None
         if top is None or max_rows is None or rows <= max_rows:
-            return RowRange(top, capped=late > 0)
+            return RowRange(top, capped=later is not None, later=later)
         if max_rows < 1:
             raise ValueError("max_rows must be at least 1")
         first = (
             f"SELECT `{column}` AS v FROM {checked} WHERE {where} ORDER BY `{column}` LIMIT {int(max_rows)}"
         )
-        return RowRange(self._row(f"SELECT MAX(v) FROM ({first})", params)[0], capped=True)
+        return RowRange(self._row(f"SELECT MAX(v) FROM ({first})", params)[0], capped=True, later=later)
 
     def location(self, table: str, column: str) -> str:
         """Where ``table`` lives (its export job runs there, and is read back there); ExportRefused when
