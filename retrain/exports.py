@@ -81,6 +81,26 @@ def bigquery_files(destination: str) -> re.Pattern[str]:
     return re.compile(re.escape(head) + (r"[0-9]{12}" if star else "") + re.escape(tail))
 
 
+def written_files(store: ObjectStore, destination: str) -> list[ObjectInfo]:
+    """The objects a BigQuery job wrote to ``destination`` (see :func:`bigquery_files`), as listed."""
+    files = bigquery_files(destination)
+    return [info for info in store.list_objects(destination.split("*", 1)[0]) if files.fullmatch(info.uri)]
+
+
+def arrival_of(info: ObjectInfo, event: str) -> ObjectArrival:
+    """A listed object as an arrival, its event id ``event/name`` (it had no finalize event of its own)."""
+    bucket, name = info.uri.removeprefix("gs://").split("/", 1)
+    return ObjectArrival(
+        event_id=f"{event}/{name}",
+        bucket=bucket,
+        name=name,
+        generation=int(info.generation or 0),
+        size=info.size,
+        md5_hash=info.md5_hash or "",
+        time=now_iso(),
+    )
+
+
 def _safe_name(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-")[:80] or "x"
 
@@ -265,33 +285,16 @@ class TableExports:
             f"{job.table}: export {job.job_id} of rows in ({job.after}, {job.through}] {what}",
         )
 
-    def _written(self, job: ExportJob) -> list[ObjectInfo]:
-        files = bigquery_files(job.destination)
-        listed = self.store.list_objects(job.destination.split("*", 1)[0])
-        return [info for info in listed if files.fullmatch(info.uri)]
-
     def _finish(self, job: ExportJob, status: ExportStatus, overdue: bool) -> Step:
-        written = self._written(job)
+        written = written_files(self.store, job.destination)
         if status.files is not None and len(written) < status.files:  # a listing can trail the job
             if overdue:
                 return self._fail(job, f"{len(written)} of its {status.files} files listed by its deadline")
             return self._running(job, f"done; {len(written)} of its {status.files} files listed so far")
-        arrivals = []
-        for info in written:
-            if not info.size or info.generation is None:  # no rows (deleted since the range was read)
-                continue
-            bucket, name = info.uri.removeprefix("gs://").split("/", 1)
-            arrivals.append(
-                ObjectArrival(
-                    event_id=f"{job.job_id}/{name}",
-                    bucket=bucket,
-                    name=name,
-                    generation=info.generation,
-                    size=info.size,
-                    md5_hash=info.md5_hash or "",
-                    time=now_iso(),
-                )
-            )
+        # (an empty file holds no rows: they were deleted since the range was read)
+        arrivals = [
+            arrival_of(info, job.job_id) for info in written if info.size and info.generation is not None
+        ]
         if not self.ledger.finish_export(job, arrivals):
             return Step(Progress.TAKEN, f"{job.table}: export {job.job_id} was ended by another invocation")
         log.info(
@@ -307,5 +310,5 @@ class TableExports:
 
     def _drop_files(self, job: ExportJob) -> None:
         """What a failed job wrote before it failed: never recorded, so never trained."""
-        for info in self._written(job):
+        for info in written_files(self.store, job.destination):
             self.store.delete(info.uri)

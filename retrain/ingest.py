@@ -39,7 +39,7 @@ from retrain.domain.bigquery_events import (
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Champion, Run, RunStatus, iso, now_iso
-from retrain.exports import Progress, Step, TableExports, bigquery_files
+from retrain.exports import Progress, Step, TableExports, arrival_of, written_files
 from retrain.plan import (
     Estimate,
     check_before_capacity,
@@ -238,21 +238,11 @@ class Ingest:
             return Outcome(Action.IGNORED, f"export {export.job} failed: {export.error}")
         found = 0
         for destination in export.destination_uris:
-            files = bigquery_files(destination)
-            for info in self.store.list_objects(destination.split("*", 1)[0]):
-                if not files.fullmatch(info.uri) or info.generation is None:
+            for info in written_files(self.store, destination):
+                if info.generation is None:
                     continue
-                bucket, name = info.uri.removeprefix("gs://").split("/", 1)
-                arrival = ObjectArrival(
-                    event_id=f"{export.event_id}/{name}",
-                    bucket=bucket,
-                    name=name,
-                    generation=info.generation,
-                    size=info.size,
-                    md5_hash=info.md5_hash or "",
-                    time=now_iso(),
-                )
-                self._record(arrival, dataset)  # the files' own finalize events may come before or after
+                # the files' own finalize events may come before or after
+                self._record(arrival_of(info, export.event_id), dataset)
                 found += 1
         if not found:
             # Not there yet (a listing can trail the job by moments): fail so the platform retries.

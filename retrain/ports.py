@@ -146,12 +146,6 @@ class Watermark:
     """Exports that failed in a row since the last one landed: each halves the next one's rows."""
     retry_after: str = ""
     """RFC 3339 time before which no export starts, after a failure (exponential backoff)."""
-    job_id: str = ""
-    """The export job that moved the watermark last."""
-    dataset: str = ""
-    """The dataset its files joined."""
-    objects: int = 0
-    """How many files it landed."""
 
 
 class ExportRefused(Exception):

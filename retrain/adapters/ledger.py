@@ -126,9 +126,6 @@ def _watermark(doc: Mapping[str, Any]) -> Watermark:
         backlog=bool(doc.get("backlog")),
         failures=int(doc.get("failures") or 0),
         retry_after=str(doc.get("retry_after") or ""),
-        job_id=str(doc.get("job_id") or ""),
-        dataset=str(doc.get("dataset") or ""),
-        objects=int(doc.get("objects") or 0),
     )
 
 
@@ -635,8 +632,7 @@ class FirestoreLedger:
                 return False
             backlog = job.capped or bool(under_way.get("wanted"))
             fields = {"table": job.table, "value": job.through, "job_id": job.job_id, "at": now_iso()}
-            landed = {"dataset": job.dataset, "objects": len(arrivals), "backlog": backlog}
-            tx.set(mark, {**fields, **landed})  # the failures are forgotten
+            tx.set(mark, {**fields, "objects": len(arrivals), "backlog": backlog})  # failures forgotten
             for arrival in arrivals:
                 self._add_arrival(tx, arrival, job.dataset, arrival.content_hash)
             tx.delete(ref)
