@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from google.cloud import firestore
 
 from retrain.adapters.ledger import FirestoreLedger, _key
 from retrain.domain.events import ObjectArrival
@@ -160,6 +161,45 @@ def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: Firestor
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.CLAIMED
     ledger.attach_execution(run.run_id, "e-1")
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
+
+
+def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(
+    ledger: FirestoreLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every seal of a dataset claims on the dataset's document, so on a loaded emulator one claim can
+    wait out the lock timeout (about 2 s, "Transaction lock timeout") on every one of the client's
+    attempts.  Here one attempt per round and a reader that holds the document's lock for 3 s: a single
+    round gives up, the contended rounds' random backoff carries the claim through."""
+    from retrain.adapters import ledger as module
+
+    rounds_deployed = module.CONTENDED_ROUNDS
+    monkeypatch.setattr(module, "CONTENDED_ATTEMPTS", 1)
+    ledger.record_arrival(arrival("a"), "ds", "h-a")
+    run = ledger.seal("ds", "t").run
+    assert run is not None
+
+    def claim_while_locked(rounds: int) -> StartVerdict | str:
+        monkeypatch.setattr(module, "CONTENDED_ROUNDS", rounds)
+        holding = threading.Event()
+
+        @firestore.transactional
+        def hold(tx: firestore.Transaction) -> None:
+            ledger._dataset("ds").get(transaction=tx)
+            holding.set()
+            time.sleep(3.0)
+
+        holder = threading.Thread(target=hold, args=(ledger.db.transaction(),))
+        holder.start()
+        holding.wait(10)
+        try:
+            return ledger.claim_start(run, stale_after_s=0).verdict
+        except ValueError as e:
+            return str(e)
+        finally:
+            holder.join()
+
+    assert claim_while_locked(rounds=1) == "Failed to commit transaction in 1 attempts."
+    assert claim_while_locked(rounds=rounds_deployed) == StartVerdict.CLAIMED
 
 
 def test_datasets_have_separate_batches(ledger: FirestoreLedger) -> None:

@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.api_core import exceptions
@@ -81,6 +81,8 @@ from retrain.ports import (
     Watermark,
 )
 
+T = TypeVar("T")
+
 ARRIVED_AT = "arrived_at"
 THROUGH = "through"
 #: Arrival collections per dataset; each takes Firestore's ~500 writes/s for a sequentially indexed field.
@@ -89,7 +91,7 @@ ARRIVAL_SHARDS = 16
 CONTENT_CHUNK = 400
 #: Attempts of the transactions every seal of a dataset makes on its document (they contend by design).
 CONTENDED_ATTEMPTS = 20
-#: Rounds of CONTENDED_ATTEMPTS a seal's join makes, with random backoff between them.
+#: Rounds of CONTENDED_ATTEMPTS a contended transaction makes, with random backoff between them.
 CONTENDED_ROUNDS = 5
 
 # Raw protobuf classes behind the client's proto-plus types (see FirestoreLedger._create_stamped).
@@ -462,18 +464,26 @@ class FirestoreLedger:
                     added.append(content[h])
             return added, False
 
-        rounds = 0
         while True:
             held = {snap.id for snap in self.db.get_all(list(refs.values())) if snap.exists}
             try:
-                return join(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS), held)
+                return self._contended(join, held)
             except (AlreadyExists, Conflict):
                 continue  # a concurrent seal gave some of this content to the run first
+
+    def _contended(self, body: Callable[..., T], *args: Any) -> T:
+        """Run the transactional ``body(tx, *args)`` that every seal of a dataset runs on the same documents.
+
+        The client retries an aborted transaction at once, CONTENDED_ATTEMPTS times (its
+        base_transaction._EXCEED_ATTEMPTS_TEMPLATE); when as many seals still hold the lock (a loaded
+        emulator answers "Transaction lock timeout"), back off at random and go again, CONTENDED_ROUNDS
+        times, rather than fail the seal."""
+        rounds = 0
+        while True:
+            rounds += 1
+            try:
+                return body(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS), *args)
             except ValueError as e:
-                # The client retries an aborted transaction at once, CONTENDED_ATTEMPTS times (its
-                # base_transaction._EXCEED_ATTEMPTS_TEMPLATE); when as many seals still hold the slot's
-                # lock, back off at random and go again rather than fail the seal.
-                rounds += 1
                 if not str(e).startswith("Failed to commit transaction") or rounds >= CONTENDED_ROUNDS:
                     raise
                 time.sleep(random.uniform(0.0, 0.2 * 2**rounds))
@@ -696,7 +706,7 @@ class FirestoreLedger:
             tx.update(run_ref, {"start_claimed_at": iso(now)})
             return "claimed"
 
-        verdict = take(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS))
+        verdict = self._contended(take)
         if verdict != "claimed":
             return StartClaim(StartVerdict(verdict), ())
         objects = self.run_objects(run)
