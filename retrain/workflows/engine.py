@@ -11,8 +11,9 @@ import copy
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from .callbacks import CallbackHub
 from .discovery import ConnectorCallError, check_call, check_gke_request
 from .errors import (
     ExecutionCancelled,
+    ResourceLimitExceeded,
     WorkflowError,
     WorkflowSyntaxError,
     error,
@@ -53,6 +55,16 @@ log = logging.getLogger("retrain.workflows.engine")
 # or standard-library functions calling others) and at most 100,000 steps per execution.
 MAX_CALL_DEPTH = 20
 MAX_STEPS = 100_000
+# Memory: "The maximum amount of memory that you can use applies to the cumulative size of all variables
+# defined in a single execution" (cloud.google.com/workflows/docs/reference/syntax/variables, "Memory
+# usage", which gives the sizes memory_of counts).  The quotas page's row ("Data size ... 512 KB", the
+# cumulative maximum size of variables, arguments and events) is read through two quotes of it, the
+# Japanese page quoted at qiita.com/tetutetu214/items/7fe89b86ee0238f284f5 and the English one in a
+# 2024 post; Google's pages name MemoryLimitExceededError for it (docs/best-practice, "Store only what you
+# need"; docs/troubleshooting, "Resource limits").  Strings: "unicode <= 256 KB length" (the syntax cheat
+# sheet); the data types page links a string's "maximum length" to the quotas page's resource limits.
+MAX_VARIABLE_MEMORY = 512 * 1024
+MAX_STRING_BYTES = 256 * 1024
 DEFAULT_LOCATION = "local"
 
 ConnectorFn = Callable[[dict[str, Any], dict[str, Any]], Any]
@@ -192,6 +204,27 @@ class _Ctx:
 # --------------------------------------------------------------------------- execution
 
 
+def memory_of(value: Any) -> int:
+    """A value's size as the variables page counts it: 8 bytes for an integer, double or boolean; 8
+    bytes + each element for a string (its UTF-8 bytes), bytes or a list; 8 bytes + each key + each
+    value for a map, recursively.  Null is not in the table; it is counted as a scalar.  Raises
+    ResourceLimitError for a string over MAX_STRING_BYTES."""
+    if isinstance(value, str):
+        size = len(value.encode())
+        if size > MAX_STRING_BYTES:
+            raise ResourceLimitExceeded(
+                f"string of {size} bytes exceeds the {MAX_STRING_BYTES // 1024} KB limit"
+            )
+        return 8 + size
+    if isinstance(value, bytes | bytearray):
+        return 8 + len(value)
+    if isinstance(value, list):
+        return 8 + sum(memory_of(v) for v in value)
+    if isinstance(value, dict):
+        return 8 + sum(memory_of(k) + memory_of(v) for k, v in value.items())
+    return 8
+
+
 class _Execution:
     """State of one running execution; also the stdlib's Runtime."""
 
@@ -213,6 +246,31 @@ class _Execution:
         self.cancel = cancel
         self.lock = threading.RLock()
         self.steps_run = 0
+        self.scopes: list[_Scope] = []  # every live scope: what memory counts
+
+    @contextmanager
+    def scope(self, parent: _Scope | None = None, shared: set[str] | None = None) -> Iterator[_Scope]:
+        """A new variable scope, counted in the execution's memory until its frame, iteration or
+        branch ends."""
+        made = _Scope(parent, shared)
+        with self.lock:
+            self.scopes.append(made)
+        try:
+            yield made
+        finally:
+            with self.lock:
+                self.scopes.remove(made)
+
+    def check_memory(self) -> None:
+        """MemoryLimitExceededError once the variables of every live scope (each subworkflow frame,
+        loop iteration and branch) together exceed MAX_VARIABLE_MEMORY; checked after each write."""
+        with self.lock:
+            used = sum(memory_of(v) for s in self.scopes for v in s.vars.values())
+        if used > MAX_VARIABLE_MEMORY:
+            raise error(
+                "MemoryLimitExceededError",
+                f"variables use {used} bytes, over the limit of {MAX_VARIABLE_MEMORY}",
+            )
 
     # -- Runtime interface for stdlib ------------------------------------------------------
 
@@ -232,24 +290,26 @@ class _Execution:
     def call_subworkflow(self, sub: Subworkflow, args: dict[str, Any], depth: int) -> Any:
         if depth + 1 > MAX_CALL_DEPTH:
             raise error("RecursionError", f"maximum call depth {MAX_CALL_DEPTH} exceeded calling {sub.name}")
-        scope = _Scope()
-        for param in sub.params:
-            if param.name in args:
-                scope.vars[param.name] = copy.deepcopy(args[param.name])
-            elif param.has_default:
-                scope.vars[param.name] = self.ev(param.default, scope, depth + 1)
-            else:
-                raise type_error(f"missing argument '{param.name}' for subworkflow {sub.name}")
-        unknown = set(args) - {p.name for p in sub.params}
-        if unknown:
-            raise type_error(f"unknown argument(s) {', '.join(sorted(unknown))} for subworkflow {sub.name}")
-        try:
-            self.run_block(sub.steps, scope, depth + 1, sub.name)
-        except _Return as ret:
-            return ret.value
-        except _End:
+        with self.scope() as scope:
+            for param in sub.params:
+                if param.name in args:
+                    scope.vars[param.name] = copy.deepcopy(args[param.name])
+                elif param.has_default:
+                    scope.vars[param.name] = self.ev(param.default, scope, depth + 1)
+                else:
+                    raise type_error(f"missing argument '{param.name}' for subworkflow {sub.name}")
+            unknown = set(args) - {p.name for p in sub.params}
+            if unknown:
+                names = ", ".join(sorted(unknown))
+                raise type_error(f"unknown argument(s) {names} for subworkflow {sub.name}")
+            self.check_memory()
+            try:
+                self.run_block(sub.steps, scope, depth + 1, sub.name)
+            except _Return as ret:
+                return ret.value
+            except _End:
+                return None
             return None
-        return None
 
     # -- blocks and steps ------------------------------------------------------------------
 
@@ -283,7 +343,7 @@ class _Execution:
         with self.lock:
             self.steps_run += 1
             if self.steps_run > MAX_STEPS:
-                raise error("ResourceLimitError", f"more than {MAX_STEPS} steps executed")
+                raise ResourceLimitExceeded(f"more than {MAX_STEPS} steps executed")
         log.debug(
             "%s: step %s (%s, line %d) in %s", self.execution_name, step.name, step.kind, step.line, routine
         )
@@ -373,6 +433,7 @@ class _Execution:
                     s = s.parent
             if not keys:
                 (owner or scope).vars[target.root] = copy.deepcopy(value)
+                self.check_memory()
                 return
             if owner is None:
                 raise key_error(f"variable '{target.root}' is not defined")
@@ -392,6 +453,7 @@ class _Execution:
                 container[last] = copy.deepcopy(value)
             else:
                 raise type_error(f"cannot assign into {wtype(container)} ({target.text})")
+            self.check_memory()
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -450,17 +512,18 @@ class _Execution:
             scope.vars[spec.value] = copy.deepcopy(value)
         if spec.index:
             scope.vars[spec.index] = index
+        self.check_memory()
 
     def run_for(self, spec: ForSpec, scope: _Scope, depth: int, routine: str) -> None:
         for index, value in self.loop_items(spec, scope, depth):
-            it_scope = _Scope(scope)
-            self._bind_loop(spec, it_scope, index, value)
-            try:
-                self.run_block(spec.steps, it_scope, depth, routine)
-            except _Break:
-                break
-            except _Continue:
-                continue
+            with self.scope(scope) as it_scope:
+                self._bind_loop(spec, it_scope, index, value)
+                try:
+                    self.run_block(spec.steps, it_scope, depth, routine)
+                except _Break:
+                    break
+                except _Continue:
+                    continue
 
     # -- parallel --------------------------------------------------------------------------
 
@@ -480,7 +543,8 @@ class _Execution:
             for branch in spec.branches:
 
                 def run_branch(steps: list[Step] = branch.steps) -> None:
-                    self.run_block(steps, _Scope(scope, shared), depth, routine)
+                    with self.scope(scope, shared) as branch_scope:
+                        self.run_block(steps, branch_scope, depth, routine)
 
                 tasks.append((branch.name, run_branch))
         else:
@@ -489,9 +553,9 @@ class _Execution:
             for index, value in self.loop_items(loop, scope, depth):
 
                 def run_iteration(index: int = index, value: Any = value) -> None:
-                    it_scope = _Scope(scope, shared)
-                    self._bind_loop(loop, it_scope, index, value)
-                    self.run_block(loop.steps, it_scope, depth, routine)
+                    with self.scope(scope, shared) as it_scope:
+                        self._bind_loop(loop, it_scope, index, value)
+                        self.run_block(loop.steps, it_scope, depth, routine)
 
                 tasks.append((str(index), run_iteration))
         if not tasks:
@@ -505,6 +569,9 @@ class _Execution:
                 fn()
             except (_Break, _Continue, _Return, _End):
                 return  # ends this branch/iteration only
+            except ResourceLimitExceeded as exc:  # fails the execution at once, not as a branch's error
+                with self.lock:
+                    fatal.append(exc)
             except WorkflowError as exc:
                 with self.lock:
                     failures.append({"id": branch_id, "error": exc.value})
@@ -574,6 +641,8 @@ class _Execution:
             try:
                 self.run_block(step.try_ or [], scope, depth, routine)
                 return
+            except ResourceLimitExceeded:
+                raise
             except WorkflowError as exc:
                 if step.retry is not None:
                     if plan is None:

@@ -28,6 +28,15 @@ class WorkflowError(Exception):
         return []
 
 
+class ResourceLimitExceeded(WorkflowError):
+    """``ResourceLimitError`` raised by the runtime itself: "When raised internally, this type of error
+    cannot be caught and causes immediate execution failure" (the error tags table,
+    cloud.google.com/workflows/docs/access-execution-results), so no ``try`` retries or catches it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__({"message": message, "tags": ["ResourceLimitError"]})
+
+
 class WorkflowSyntaxError(Exception):
     """The definition is not valid Workflows syntax (a deployment error in the cloud)."""
 

@@ -474,3 +474,88 @@ def test_parallel_shared_read_modify_write_is_atomic() -> None:
 """
     )
     assert wf.run() == [20100, 200]
+
+
+STEP_LIMIT_WF = """\
+main:
+  steps:
+    - guarded:
+        try:
+          steps:
+            - spin:
+                for:
+                  value: i
+                  range: [1, 1000]
+                  steps:
+                    - tick:
+                        assign:
+                          - x: ${i}
+        retry:
+          predicate: ${always}
+          max_retries: 3
+        except:
+          as: e
+          steps:
+            - caught:
+                return: "caught"
+    - unreachable:
+        return: "no limit"
+always:
+  params: [e]
+  steps:
+    - yes:
+        return: true
+"""
+
+
+def test_the_step_limit_fails_the_execution_past_try_retry_and_except(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ResourceLimitError raised by the runtime "cannot be caught and causes immediate execution failure"
+    (error tags table, cloud.google.com/workflows/docs/access-execution-results): neither the retry
+    predicate nor the except block sees it.  The limit is lowered so the test stays fast."""
+    monkeypatch.setattr(engine_mod, "MAX_STEPS", 50)
+    with pytest.raises(WorkflowError) as failed:
+        load_workflow(STEP_LIMIT_WF).run()
+    assert failed.value.tags == ["ResourceLimitError"] and "more than 50 steps" in str(failed.value)
+
+
+def test_the_memory_limit_counts_the_callers_frames_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory counts the variables of every live scope: a subworkflow's own string under the limit
+    exceeds it together with its caller's (MemoryLimitExceededError, catchable like any error), and
+    the same string fits once the caller's frame has returned."""
+    monkeypatch.setattr(engine_mod, "MAX_VARIABLE_MEMORY", 1000)
+    wf = load_workflow(
+        """\
+main:
+  steps:
+    - hold:
+        assign:
+          - tags: null
+          - a: "A_STRING"
+    - inner:
+        try:
+          call: keep
+          result: kept
+        except:
+          as: e
+          steps:
+            - why:
+                assign:
+                  - a: null
+                  - tags: ${e.tags}
+    - again:
+        call: keep
+        result: kept
+    - done:
+        return: ${[tags, kept]}
+keep:
+  steps:
+    - hold:
+        assign:
+          - b: "B_STRING"
+    - give:
+        return: ${len(b)}
+""".replace("A_STRING", "y" * 600).replace("B_STRING", "z" * 600)
+    )
+    assert wf.run() == [["MemoryLimitExceededError"], 600]
