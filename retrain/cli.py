@@ -559,6 +559,7 @@ DELEGATES = {
         "delete JobSets and capacity requests of no live run; report GPU nodes up",
     ),
     "deploy": ("retrain.deploy", "plan and apply the Terraform stages (bootstrap, platform, app)"),
+    "pin": ("retrain.pins", "pin the third-party images and manifests the deployment uses (infra/pins.json)"),
 }
 
 

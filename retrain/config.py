@@ -129,6 +129,10 @@ class Settings:
     bridge_image: str = "nvcr.io/nvidia/nemo:26.08"
     """Container image of the ``megatron-bridge`` profile: a NeMo Framework release carrying
     Megatron-Bridge 0.6 (its docs pair 0.6 with NeMo Framework 26.08)."""
+    tcpx_image: str = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12"
+    """The GPUDirect-TCPX receive-datapath manager (RxDM) sidecar of multi-node runs: the tcpgpudmarxd
+    release paired with the NCCL plugin v3.1.9 that nccl-tcpx-installer.yaml installs
+    (GoogleCloudPlatform/cluster-toolkit, modules/compute/gke-node-pool/gpu_direct.tf)."""
     profile: str = "nemo-24.12"
     """The trainer profile that renders the training command (``retrain.trainers``): ``nemo-24.12``
     or ``megatron-bridge``."""

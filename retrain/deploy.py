@@ -625,6 +625,7 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
             progress.say(f"== stage {name} ({stage.path.relative_to(opts.root)})")
             try:
                 if name == "app":
+                    pin_artifacts(opts.root, progress)
                     progress.say(f"app: build function source -> {FUNCTIONS_BUILD_DIR}/")
                     build_functions_source(opts.root)
 
@@ -709,6 +710,31 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
     else:
         progress.say(f"deployed {', '.join(opts.stages)} to {opts.project} ({opts.region})")
     return 0
+
+
+def pin_artifacts(root: Path, progress: Progress) -> None:
+    """Pin what infra/pins.json does not pin yet (retrain.pins), before the app stage plans: the app
+    stage refuses an image or manifest without its pin.  A pin that cannot be resolved is a UsageError
+    naming the artifact, so nothing is planned."""
+    from retrain import pins
+
+    path = root / "infra" / pins.LOCK.name
+    try:
+        lock = pins.Lock.load(path)
+    except (pins.PinError, OSError, ValueError) as e:
+        raise UsageError(f"infra/{pins.LOCK.name}: {e}") from e
+    if not lock.unpinned():
+        return
+    progress.say(f"app: pin {len(lock.unpinned())} artifact(s) -> infra/{pins.LOCK.name}")
+    try:
+        pins.pin(lock, say=progress.say)
+    except pins.PinError as e:
+        raise UsageError(
+            f"{e} (pin it by hand in infra/{pins.LOCK.name}, or run `retrain pin` where it resolves)"
+        ) from e
+    finally:
+        lock.save(path)  # what did resolve is kept
+    progress.say(f"app: infra/{pins.LOCK.name} pins every artifact now; commit it")
 
 
 def _save_target(project: str, env: Mapping[str, Any], progress: Progress) -> None:

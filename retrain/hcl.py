@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -50,6 +51,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "tonumber": lambda v: float(v) if "." in str(v) else int(v),
     "jsonencode": _jsonencode,
     "jsondecode": json.loads,
+    "file": lambda path: Path(str(path)).read_text(),
+    "abspath": lambda path: os.path.abspath(str(path)),
     "base64encode": lambda s: base64.b64encode(str(s).encode()).decode(),
     "base64decode": lambda s: base64.b64decode(str(s)).decode(),
     "join": lambda sep, items: str(sep).join(_tostring(i) for i in items),

@@ -109,7 +109,7 @@ def render_training(
         node_pool=settings.node_pool,
         namespace=settings.namespace,
         callback_url=callback_url,
-        tcpx=settings.gpudirect_tcpx and plan.shape.nodes > 1,
+        tcpx_image=settings.tcpx_image if settings.gpudirect_tcpx and plan.shape.nodes > 1 else None,
         service_account=settings.training_ksa,
         provisioning_request=provisioning_request_name(plan.run_id),
     )

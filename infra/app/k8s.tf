@@ -20,12 +20,50 @@ check "k8s_manifests_rendered" {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Kueue and JobSet controllers
+# Kueue and JobSet controllers: their release manifests, each checked against the sha256 infra/pins.json
+# holds for it, and applied with every image they name by tag rewritten to tag@digest from the same
+# lock (retrain.pins; `retrain pin` fills it). A document still naming an image by tag alone is refused.
 # ---------------------------------------------------------------------------------------------
+
+locals {
+  controller_manifests = {
+    kueue  = "https://github.com/kubernetes-sigs/kueue/releases/download/${var.kueue_version}/manifests.yaml"
+    jobset = "https://github.com/kubernetes-sigs/jobset/releases/download/${var.jobset_version}/manifests.yaml"
+  }
+  # An `image:` line naming its image by tag alone: (indent and key)(reference)(closing quote).
+  tag_only_image = "(?m)^(\\s*-?\\s*image:\\s*\"?)([^\"@\\s]+)(\"?\\s*)$"
+  # Every fetched document with each such line's reference replaced by its pin (unchanged when the lock
+  # has no digest for it, which the resources' preconditions then refuse).
+  fetched_documents = {
+    kueue  = try(data.kubectl_file_documents.kueue[0].manifests, {})
+    jobset = try(data.kubectl_file_documents.jobset[0].manifests, {})
+    tcpx = merge([
+      for name, docs in data.kubectl_file_documents.tcpx : { for id, body in docs.manifests : "${name}:${id}" => body }
+    ]...)
+  }
+  pinned_documents = {
+    for source, docs in local.fetched_documents : source => {
+      for id, body in docs : id => join("\n", [
+        for line in split("\n", body) : (
+          can(regex(local.tag_only_image, line))
+          ? replace(line, regex(local.tag_only_image, line)[1], lookup(local.pinned_image, regex(local.tag_only_image, line)[1], regex(local.tag_only_image, line)[1]))
+          : line
+        )
+      ])
+    }
+  }
+}
 
 data "http" "kueue" {
   count = local.k8s_enabled ? 1 : 0
-  url   = "https://github.com/kubernetes-sigs/kueue/releases/download/${var.kueue_version}/manifests.yaml"
+  url   = local.controller_manifests.kueue
+
+  lifecycle {
+    postcondition {
+      condition     = sha256(self.response_body) == lookup(local.pins.files, self.url, "unpinned")
+      error_message = "${self.url} is not the file infra/pins.json pins: run `retrain pin` (an unlisted version: `retrain pin --add ${self.url}`)."
+    }
+  }
 }
 
 data "kubectl_file_documents" "kueue" {
@@ -34,17 +72,31 @@ data "kubectl_file_documents" "kueue" {
 }
 
 resource "kubectl_manifest" "kueue" {
-  for_each = local.k8s_enabled ? data.kubectl_file_documents.kueue[0].manifests : {}
+  for_each = local.pinned_documents.kueue
 
   yaml_body         = each.value
   server_side_apply = true
   force_conflicts   = true
   wait              = true
+
+  lifecycle {
+    precondition {
+      condition     = length(regexall(local.tag_only_image, each.value)) == 0
+      error_message = "An image of the Kueue manifest is not pinned by digest (${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}): run `retrain pin --add IMAGE`."
+    }
+  }
 }
 
 data "http" "jobset" {
   count = local.k8s_enabled ? 1 : 0
-  url   = "https://github.com/kubernetes-sigs/jobset/releases/download/${var.jobset_version}/manifests.yaml"
+  url   = local.controller_manifests.jobset
+
+  lifecycle {
+    postcondition {
+      condition     = sha256(self.response_body) == lookup(local.pins.files, self.url, "unpinned")
+      error_message = "${self.url} is not the file infra/pins.json pins: run `retrain pin` (an unlisted version: `retrain pin --add ${self.url}`)."
+    }
+  }
 }
 
 data "kubectl_file_documents" "jobset" {
@@ -53,12 +105,19 @@ data "kubectl_file_documents" "jobset" {
 }
 
 resource "kubectl_manifest" "jobset" {
-  for_each = local.k8s_enabled ? data.kubectl_file_documents.jobset[0].manifests : {}
+  for_each = local.pinned_documents.jobset
 
   yaml_body         = each.value
   server_side_apply = true
   force_conflicts   = true
   wait              = true
+
+  lifecycle {
+    precondition {
+      condition     = length(regexall(local.tag_only_image, each.value)) == 0
+      error_message = "An image of the JobSet manifest is not pinned by digest (${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}): run `retrain pin --add IMAGE`."
+    }
+  }
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -156,13 +215,16 @@ data "kubectl_file_documents" "tcpx" {
 }
 
 resource "kubectl_manifest" "tcpx" {
-  for_each = merge([
-    for name, docs in data.kubectl_file_documents.tcpx : {
-      for id, body in docs.manifests : "${name}:${id}" => body
-    }
-  ]...)
+  for_each = local.pinned_documents.tcpx
 
   yaml_body         = each.value
   server_side_apply = true
   wait              = true
+
+  lifecycle {
+    precondition {
+      condition     = length(regexall(local.tag_only_image, each.value)) == 0
+      error_message = "An image of the GPUDirect-TCPX manifests is not pinned by digest (${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}): run `retrain pin --add IMAGE`."
+    }
+  }
 }

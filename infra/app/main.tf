@@ -14,6 +14,18 @@ locals {
   sa    = local.platform.service_accounts
   sa_id = local.platform.service_account_ids
 
+  # Every third-party image and fetched manifest, pinned: infra/pins.json (retrain.pins; `retrain pin`
+  # fills it). An image of the lock runs as ref@digest; one given with its digest runs as given.
+  pins                  = jsondecode(file("${local.repo_root}/infra/pins.json"))
+  pinned_image          = { for ref, digest in local.pins.images : ref => digest == null ? ref : "${ref}@${digest}" }
+  training_image        = lookup(local.pinned_image, var.training_image, var.training_image)
+  bridge_training_image = lookup(local.pinned_image, var.bridge_training_image, var.bridge_training_image)
+  tcpx_image            = lookup(local.pinned_image, var.tcpx_image, var.tcpx_image)
+  unpinned_images = [
+    for ref in [local.training_image, local.bridge_training_image, local.tcpx_image] : ref
+    if !can(regex("@sha256:[0-9a-f]{64}$", ref))
+  ]
+
   dataflow_image         = var.dataflow_image != "" ? var.dataflow_image : "${local.platform.artifact_registry}/tokenize:latest"
   dataflow_template_path = "gs://${local.platform.artifacts_bucket}/${var.dataflow_template_object}"
   dataflow_temp_location = "gs://${local.platform.artifacts_bucket}/dataflow/tmp"
@@ -52,10 +64,11 @@ locals {
     RETRAIN_NODE_TOKENS_PER_S        = tostring(var.node_tokens_per_s)
     RETRAIN_NODE_OVERHEAD_S          = tostring(var.node_overhead_s)
     RETRAIN_TOKENS_PER_BYTE          = tostring(var.tokens_per_byte)
-    RETRAIN_IMAGE                    = var.training_image
+    RETRAIN_IMAGE                    = local.training_image
     RETRAIN_PROFILE                  = var.trainer_profile
     RETRAIN_PROFILES                 = join(",", [for dataset, name in var.trainer_profiles : "${dataset}=${name}"])
-    RETRAIN_BRIDGE_IMAGE             = var.bridge_training_image
+    RETRAIN_BRIDGE_IMAGE             = local.bridge_training_image
+    RETRAIN_TCPX_IMAGE               = local.tcpx_image
     RETRAIN_STEPS_PER_RUN            = tostring(var.steps_per_run)
     RETRAIN_MICRO_BATCH_SIZE         = tostring(var.micro_batch_size)
     RETRAIN_GLOBAL_BATCH_SIZE        = tostring(var.global_batch_size)
@@ -83,5 +96,18 @@ locals {
     RETRAIN_BIGQUERY_EXPORT_MAX_ROWS  = tostring(var.bigquery_export_max_rows)
     RETRAIN_BIGQUERY_EXPORT_TIMEOUT_S = tostring(var.bigquery_export_timeout_s)
     RETRAIN_FUNCTION_TIMEOUT_S        = tostring(var.function_timeout_seconds)
+  }
+}
+
+# Nothing third-party runs by tag alone: the training images and the TCPX daemon must carry a digest
+# (from infra/pins.json, or given as name@sha256:...) before anything is planned.
+resource "terraform_data" "pinned_images" {
+  input = [local.training_image, local.bridge_training_image, local.tcpx_image]
+
+  lifecycle {
+    precondition {
+      condition     = length(local.unpinned_images) == 0
+      error_message = "Not pinned by digest: ${join(", ", local.unpinned_images)}. Run `retrain pin` (`retrain pin --add IMAGE` for an image infra/pins.json does not list yet), or give the image as name@sha256:..."
+    }
   }
 }

@@ -383,6 +383,12 @@ variable "training_image" {
   default     = "nvcr.io/nvidia/nemo:24.12"
 }
 
+variable "tcpx_image" {
+  type        = string
+  description = "The GPUDirect-TCPX receive-datapath manager (RxDM) sidecar of multi-node runs (RETRAIN_TCPX_IMAGE): the tcpgpudmarxd release paired with the NCCL plugin v3.1.9 the installer puts on the nodes."
+  default     = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12"
+}
+
 variable "trainer_profile" {
   type        = string
   description = "Trainer profile rendering the training command (RETRAIN_PROFILE): nemo-24.12 runs NeMo 1.0's Megatron GPT script of training_image; megatron-bridge runs Megatron-Bridge's run_recipe.py of bridge_training_image."

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from retrain.config import Settings
 from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -114,9 +115,6 @@ class GcsMounts:
         return volumes, mounts
 
 
-#: The RxDM (tcpgpudmarxd) release paired with the NCCL plugin v3.1.9 that nccl-tcpx-installer.yaml
-#: installs (GoogleCloudPlatform/cluster-toolkit, modules/compute/gke-node-pool/gpu_direct.tf).
-TCPX_RXDM_IMAGE = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12"
 #: The GPU networks of an A3 High node: ``Network`` objects vpc1..vpc4 (k8s/tcpx.yaml) on eth1..eth4.
 TCPX_NETWORKS = ("vpc1", "vpc2", "vpc3", "vpc4")
 #: NCCL's GPUDirect-TCPX settings for a3-highgpu-8g, as container-engine-accelerators'
@@ -148,7 +146,9 @@ TCPX_NCCL_ENV = {
 }
 
 
-def _tcpx(pod_spec: dict[str, Any], container: dict[str, Any], annotations: dict[str, str]) -> None:
+def _tcpx(
+    pod_spec: dict[str, Any], container: dict[str, Any], annotations: dict[str, str], rxdm: str
+) -> None:
     """GPUDirect-TCPX on A3 High, the shape of container-engine-accelerators' gpudirect-tcpx/
     nccl-test-latest.yaml: no hostNetwork (eth1..eth4 come from GKE multi-networking), the RxDM daemon with
     NET_ADMIN and its GPUs injected by the NRI device injector, the NCCL plugin from the host's
@@ -172,7 +172,7 @@ def _tcpx(pod_spec: dict[str, Any], container: dict[str, Any], annotations: dict
     pod_spec.setdefault("initContainers", []).append(
         {
             "name": "tcpx-daemon",
-            "image": TCPX_RXDM_IMAGE,
+            "image": rxdm,
             "restartPolicy": "Always",
             "command": ["/tcpgpudmarxd/build/app/tcpgpudmarxd"],
             "args": [
@@ -216,7 +216,7 @@ def render_jobset(
     namespace: str = "default",
     callback_url: str | None = None,
     max_restarts: int = 2,
-    tcpx: bool = False,
+    tcpx_image: str | None = None,
     provisioning_request: str | None = None,
     service_account: str | None = None,
 ) -> dict[str, Any]:
@@ -229,7 +229,8 @@ def render_jobset(
     ``provisioning_request`` names a ProvisioningRequest created outside Kueue that the pods consume
     (GKE's ``consume-provisioning-request`` annotations) and then carries no Kueue queue label, so Kueue
     does not ask for the same capacity again; leave it None when Kueue's ProvisioningRequest admission
-    check provisions the capacity.
+    check provisions the capacity.  ``tcpx_image`` is the RxDM sidecar of a run on GPUDirect-TCPX
+    (``Settings.tcpx_image``); None runs on the nodes' primary network only.
     """
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError("nodes and gpus_per_node must be positive")
@@ -301,8 +302,8 @@ def render_jobset(
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account
-    if tcpx:
-        _tcpx(pod_spec, container, pod_annotations)
+    if tcpx_image:
+        _tcpx(pod_spec, container, pod_annotations, tcpx_image)
 
     pod_meta: dict[str, Any] = {"labels": pod_labels}
     if pod_annotations:
@@ -451,7 +452,7 @@ def example_jobset(file: str = "jobset.example.yaml") -> dict[str, Any]:
         command=profile(name).render(plan, mounts.path),
         mounts=mounts,
         callback_url="https://workflowexecutions.googleapis.com/v1/projects/example-project/locations/us-central1/workflows/retrain/executions/example/callbacks/example",
-        tcpx=True,
+        tcpx_image=Settings().tcpx_image,
         service_account="retrain-trainer",
         provisioning_request=provisioning_request_name(plan.run_id),
     )

@@ -10,6 +10,7 @@ checkout so that the function build folder is written there.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -22,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from retrain import deploy, targets
+from retrain import deploy, pins, targets
 from retrain.deployment import Deployment
+from retrain.local import emulators
 
 hcl2 = pytest.importorskip("hcl2")
 
@@ -201,6 +203,11 @@ def checkout(tmp_path: Path) -> Path:
     )
     shutil.copytree(REPO / "functions", root / "functions", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "k8s", root / "k8s")
+    # An operator's lock, every artifact pinned (the app stage would otherwise resolve them first).
+    lock = pins.Lock.load(root / "infra" / "pins.json")
+    lock.images = {k: v or "sha256:" + hashlib.sha256(k.encode()).hexdigest() for k, v in lock.images.items()}
+    lock.files = {k: v or hashlib.sha256(k.encode()).hexdigest() for k, v in lock.files.items()}
+    lock.save(root / "infra" / "pins.json")
     return root
 
 
@@ -656,3 +663,19 @@ def test_real_terraform_fmt_check() -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_artifact_that_cannot_be_pinned_stops_deploy_before_the_app_stage(
+    tf: FakeTerraform, run: Run, checkout: Path
+) -> None:
+    """The app stage refuses an unpinned image; deploy pins first, and one it cannot resolve (here a
+    registry on a loopback port nothing listens on) ends the run with exit 2 and the image named,
+    before the app stage's Terraform runs."""
+    lock = pins.Lock.load(checkout / "infra" / "pins.json")
+    unreachable = f"127.0.0.1:{emulators.free_port()}/team/trainer:v9"
+    lock.images[unreachable] = None
+    lock.save(checkout / "infra" / "pins.json")
+    rc, _out, err = run("--dry-run")
+    assert rc == 2 and f"cannot pin {unreachable}" in err, err
+    assert [c["cmd"] for c in tf.calls() if c["stage"] == "app"] == []
+    assert [c["stage"] for c in tf.calls() if c["cmd"] == "plan"] == ["bootstrap", "platform"]

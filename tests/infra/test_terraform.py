@@ -428,6 +428,47 @@ def check_no_public_members(model: Model) -> list[str]:
     return problems
 
 
+#: The lock of every third-party image and fetched manifest (retrain.pins).
+PINS = json.loads((INFRA / "pins.json").read_text())
+#: Settings the app stage passes whose values are third-party images, and the local pinning each.
+PINNED_SETTINGS = {
+    "RETRAIN_IMAGE": "local.training_image",
+    "RETRAIN_BRIDGE_IMAGE": "local.bridge_training_image",
+    "RETRAIN_TCPX_IMAGE": "local.tcpx_image",
+}
+
+
+def check_third_party_pinned(model: Model) -> list[str]:
+    """Nothing third-party deploys unpinned: every image variable's default is an image of the lock (or
+    empty: the project's own registry), the settings carry the pinned locals, the plan is refused while
+    one of them has no digest, every fetched manifest is checked against its sha256 in the lock, and
+    every document applied from one is refused while it names an image by tag alone."""
+    problems = []
+    for b in model.of("variable"):
+        default = b.body.get("default")
+        if b.name.endswith("_image") and default and default not in PINS["images"]:
+            problems.append(f"{b.address}: default image {default} is not in infra/pins.json")
+    app = "\n".join(model.sources.get("app", {}).values())
+    for setting, pinned in PINNED_SETTINGS.items():
+        if not re.search(rf"^\s*{setting}\s*=\s*{re.escape(pinned)}\s*$", app, re.M):
+            problems.append(f"app: {setting} is not {pinned}")
+    guards = [b for b in model.of("resource", "terraform_data") if b.name == "pinned_images"]
+    if not guards or "local.unpinned_images" not in json.dumps(guards[0].body.get("lifecycle")):
+        problems.append("app: no terraform_data.pinned_images precondition on local.unpinned_images")
+    for b in model.of("data", "http"):
+        if "sha256(self.response_body)" not in json.dumps(b.body.get("lifecycle")):
+            problems.append(f"{b.address}: fetched without a sha256 postcondition")
+    for b in model.of("resource", "kubectl_manifest"):
+        if b.name == "retrain":
+            continue  # the rendered k8s/ templates: the project's own images
+        body = json.dumps(b.body)
+        if "local.pinned_documents" not in body or "local.tag_only_image" not in json.dumps(
+            b.body.get("lifecycle")
+        ):
+            problems.append(f"{b.address}: applied without pinning its images by digest")
+    return problems
+
+
 def check_no_default_compute_sa(model: Model) -> list[str]:
     problems = []
     for stage, files in model.sources.items():
@@ -707,6 +748,31 @@ def test_every_setting_the_app_stage_passes_is_one_retrain_reads() -> None:
     assert passed - {"RETRAIN_" + f.name.upper() for f in fields(Settings)} == set()
 
 
+def test_third_party_artifacts_are_pinned(model: Model) -> None:
+    assert check_third_party_pinned(model) == []
+
+
+def test_the_tag_only_image_pattern_finds_exactly_the_unpinned_image_lines(model: Model) -> None:
+    """The app stage's pattern (RE2, read here as Terraform reads the HCL string) picks the reference out
+    of an ``image:`` line naming a tag, and leaves digest-pinned lines and schema keys alone."""
+    (literal,) = re.findall(r'tag_only_image = "(.+)"\n', model.sources["app"]["k8s.tf"])
+    pattern = re.compile(literal.replace('\\"', '"').replace("\\\\", "\\"))
+    manifest = "\n".join(
+        [
+            "      containers:",
+            "      - image: registry.k8s.io/kueue/kueue:v0.10.2",
+            '        - image: "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/nccl-plugin:v3.1.9"',
+            '        - image: "gke.gcr.io/pause:3.8@sha256:' + "8" * 64 + '"',
+            "                  image:",
+            "                    description: Container image name.",
+        ]
+    )
+    assert [m.group(2) for m in pattern.finditer(manifest)] == [
+        "registry.k8s.io/kueue/kueue:v0.10.2",
+        "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/nccl-plugin:v3.1.9",
+    ]
+
+
 def test_outputs_the_cli_reads(model: Model) -> None:
     outputs = {(b.stage, b.name) for b in model.of("output")}
     for wanted in [
@@ -885,6 +951,38 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         "variables.tf",
         'variable "trainer_profile" {\n  type        = string\n',
         'variable "trainer_profile" {\n',
+    ),
+    (
+        "a fetched manifest's checksum unchecked",
+        check_third_party_pinned,
+        "app",
+        "k8s.tf",
+        'condition     = sha256(self.response_body) == lookup(local.pins.files, self.url, "unpinned")',
+        "condition     = self.status_code == 200",
+    ),
+    (
+        "the training image by tag",
+        check_third_party_pinned,
+        "app",
+        "main.tf",
+        "RETRAIN_IMAGE                    = local.training_image",
+        "RETRAIN_IMAGE                    = var.training_image",
+    ),
+    (
+        "a default image outside the lock",
+        check_third_party_pinned,
+        "app",
+        "variables.tf",
+        'default     = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.12"',
+        'default     = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpx/tcpgpudmarxd-dev:v2.0.13"',
+    ),
+    (
+        "a controller manifest applied by tag",
+        check_third_party_pinned,
+        "app",
+        "k8s.tf",
+        "  for_each = local.pinned_documents.jobset\n",
+        "  for_each = local.fetched_documents.jobset\n",
     ),
     (
         "run_http invokers unvalidated",

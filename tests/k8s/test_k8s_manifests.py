@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from retrain.config import Settings
 from retrain.k8s.render import render_jobset, render_provisioning_request
 
 pytestmark = pytest.mark.envtest
@@ -264,7 +265,7 @@ def test_rendered_jobset_accepted_unpruned(api: Any, namespace: str, tcpx: bool)
         command=NEMO_24_12.render(example_plan(), mounts.path),
         mounts=mounts,
         namespace=namespace,
-        tcpx=tcpx,
+        tcpx_image=Settings().tcpx_image if tcpx else None,
         callback_url="https://cb.example/x",
     )
     stored = create(api, js, namespace)
