@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -126,6 +127,7 @@ class _Scope:
 
     def __init__(self, parent: _Scope | None = None, shared: set[str] | None = None) -> None:
         self.vars: dict[str, Any] = {}
+        self.sizes: dict[str, int] = {}  # each variable's memory_of, as counted in the execution's total
         self.parent = parent
         self.shared = shared
 
@@ -225,6 +227,28 @@ def memory_of(value: Any) -> int:
     return 8
 
 
+class _Stop(threading.Event):
+    """What ends an execution's steps early: its caller's cancel (``caller``), or this event's own flag,
+    set when a parallel branch hits a resource limit ("immediate execution failure") so its siblings
+    stop at their next step, sleep or callback wait instead of running on."""
+
+    def __init__(self, caller: threading.Event) -> None:
+        super().__init__()
+        self.caller = caller
+
+    def is_set(self) -> bool:
+        return self.caller.is_set() or super().is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = 0.05 if end is None else min(0.05, end - time.monotonic())
+            if left <= 0:
+                return False
+            self.caller.wait(left)
+        return True
+
+
 class _Execution:
     """State of one running execution; also the stdlib's Runtime."""
 
@@ -243,34 +267,56 @@ class _Execution:
         self.env = env
         self.hub = hub
         self.execution_name = execution_name
-        self.cancel = cancel
+        self.cancel = _Stop(cancel)
         self.lock = threading.RLock()
         self.steps_run = 0
-        self.scopes: list[_Scope] = []  # every live scope: what memory counts
+        self.memory = 0  # memory_of every variable of every live scope (frames, iterations, branches)
 
     @contextmanager
     def scope(self, parent: _Scope | None = None, shared: set[str] | None = None) -> Iterator[_Scope]:
-        """A new variable scope, counted in the execution's memory until its frame, iteration or
-        branch ends."""
+        """A new variable scope, whose variables count in the execution's memory until its frame,
+        iteration or branch ends."""
         made = _Scope(parent, shared)
-        with self.lock:
-            self.scopes.append(made)
         try:
             yield made
         finally:
             with self.lock:
-                self.scopes.remove(made)
+                self.memory -= sum(made.sizes.values())
 
-    def check_memory(self) -> None:
-        """MemoryLimitExceededError once the variables of every live scope (each subworkflow frame,
-        loop iteration and branch) together exceed MAX_VARIABLE_MEMORY; checked after each write."""
+    def store(
+        self,
+        scope: _Scope,
+        name: str,
+        value: Any,
+        container: dict[Any, Any] | list[Any] | None = None,
+        slot: Any = None,
+    ) -> None:
+        """``scope.vars[name] = value``, or ``container[slot] = value`` for a container inside that
+        variable, counted: the variable's size is recounted, and a write that would take the
+        execution's variables over MAX_VARIABLE_MEMORY is undone and raises MemoryLimitExceededError
+        (a string over MAX_STRING_BYTES: ResourceLimitError).  Every write to a variable comes here."""
         with self.lock:
-            used = sum(memory_of(v) for s in self.scopes for v in s.vars.values())
-        if used > MAX_VARIABLE_MEMORY:
-            raise error(
-                "MemoryLimitExceededError",
-                f"variables use {used} bytes, over the limit of {MAX_VARIABLE_MEMORY}",
-            )
+            target: Any = scope.vars if container is None else container
+            slot = name if container is None else slot
+            had = isinstance(target, list) or slot in target
+            old = target[slot] if had else None
+            target[slot] = value
+            try:
+                size = memory_of(scope.vars[name])
+                if self.memory + size - scope.sizes.get(name, 0) > MAX_VARIABLE_MEMORY:
+                    raise error(
+                        "MemoryLimitExceededError",
+                        f"variables would use {self.memory + size - scope.sizes.get(name, 0)} bytes, "
+                        f"over the limit of {MAX_VARIABLE_MEMORY}",
+                    )
+            except WorkflowError:
+                if had:
+                    target[slot] = old
+                else:
+                    del target[slot]
+                raise
+            self.memory += size - scope.sizes.get(name, 0)
+            scope.sizes[name] = size
 
     # -- Runtime interface for stdlib ------------------------------------------------------
 
@@ -291,18 +337,17 @@ class _Execution:
         if depth + 1 > MAX_CALL_DEPTH:
             raise error("RecursionError", f"maximum call depth {MAX_CALL_DEPTH} exceeded calling {sub.name}")
         with self.scope() as scope:
-            for param in sub.params:
-                if param.name in args:
-                    scope.vars[param.name] = copy.deepcopy(args[param.name])
-                elif param.has_default:
-                    scope.vars[param.name] = self.ev(param.default, scope, depth + 1)
-                else:
-                    raise type_error(f"missing argument '{param.name}' for subworkflow {sub.name}")
             unknown = set(args) - {p.name for p in sub.params}
             if unknown:
                 names = ", ".join(sorted(unknown))
                 raise type_error(f"unknown argument(s) {names} for subworkflow {sub.name}")
-            self.check_memory()
+            for param in sub.params:
+                if param.name in args:
+                    self.store(scope, param.name, copy.deepcopy(args[param.name]))
+                elif param.has_default:
+                    self.store(scope, param.name, self.ev(param.default, scope, depth + 1))
+                else:
+                    raise type_error(f"missing argument '{param.name}' for subworkflow {sub.name}")
             try:
                 self.run_block(sub.steps, scope, depth + 1, sub.name)
             except _Return as ret:
@@ -427,13 +472,12 @@ class _Execution:
                         # Not shared: the branch gets its own copy (the loader rejects the
                         # obvious cases as deployment errors, like Workflows does).
                         if keys:
-                            scope.vars[target.root] = copy.deepcopy(owner.vars[target.root])
+                            self.store(scope, target.root, copy.deepcopy(owner.vars[target.root]))
                         owner = scope
                         break
                     s = s.parent
             if not keys:
-                (owner or scope).vars[target.root] = copy.deepcopy(value)
-                self.check_memory()
+                self.store(owner or scope, target.root, copy.deepcopy(value))
                 return
             if owner is None:
                 raise key_error(f"variable '{target.root}' is not defined")
@@ -444,16 +488,14 @@ class _Execution:
             if isinstance(container, dict):
                 if not isinstance(last, str):
                     raise type_error(f"map keys must be strings, got {wtype(last)}")
-                container[last] = copy.deepcopy(value)
             elif isinstance(container, list):
                 if isinstance(last, bool) or not isinstance(last, int):
                     raise type_error(f"list index must be an integer, got {wtype(last)}")
                 if last < 0 or last >= len(container):
                     raise index_error(f"list index out of range: {last}")
-                container[last] = copy.deepcopy(value)
             else:
                 raise type_error(f"cannot assign into {wtype(container)} ({target.text})")
-            self.check_memory()
+            self.store(owner, target.root, copy.deepcopy(value), container, last)
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -509,10 +551,9 @@ class _Execution:
 
     def _bind_loop(self, spec: ForSpec, scope: _Scope, index: int, value: Any) -> None:
         if spec.value:
-            scope.vars[spec.value] = copy.deepcopy(value)
+            self.store(scope, spec.value, copy.deepcopy(value))
         if spec.index:
-            scope.vars[spec.index] = index
-        self.check_memory()
+            self.store(scope, spec.index, index)
 
     def run_for(self, spec: ForSpec, scope: _Scope, depth: int, routine: str) -> None:
         for index, value in self.loop_items(spec, scope, depth):
@@ -572,6 +613,7 @@ class _Execution:
             except ResourceLimitExceeded as exc:  # fails the execution at once, not as a branch's error
                 with self.lock:
                     fatal.append(exc)
+                self.cancel.set()  # the siblings stop at their next step, sleep or callback wait
             except WorkflowError as exc:
                 with self.lock:
                     failures.append({"id": branch_id, "error": exc.value})
@@ -584,8 +626,9 @@ class _Execution:
             for branch_id, fn in tasks:
                 pool.submit(guarded, branch_id, fn)
         if fatal:
+            limits = [f for f in fatal if isinstance(f, ResourceLimitExceeded)]
             cancelled = [f for f in fatal if isinstance(f, ExecutionCancelled)]
-            raise cancelled[0] if cancelled else fatal[0]
+            raise limits[0] if limits else cancelled[0] if cancelled else fatal[0]
         if failures:
             failures.sort(key=lambda f: [t[0] for t in tasks].index(f["id"]))
             raise WorkflowError(

@@ -559,3 +559,99 @@ keep:
 """.replace("A_STRING", "y" * 600).replace("B_STRING", "z" * 600)
     )
     assert wf.run() == [["MemoryLimitExceededError"], 600]
+
+
+def test_a_write_over_the_memory_limit_is_undone_so_the_except_block_can_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write that would exceed the limit raises and leaves the variable as it was: the except block
+    binds its error and reads the old value."""
+    monkeypatch.setattr(engine_mod, "MAX_VARIABLE_MEMORY", 1000)
+    wf = load_workflow(
+        """\
+main:
+  steps:
+    - init:
+        assign:
+          - kept: "small"
+          - box: {"a": 1}
+    - too_big:
+        try:
+          assign:
+            - kept: "BIG"
+        except:
+          as: e
+          steps:
+            - report:
+                return: ${[e.tags, kept]}
+""".replace("BIG", "x" * 990)
+    )
+    assert wf.run() == [["MemoryLimitExceededError"], "small"]
+
+
+def test_a_resource_limit_in_one_branch_stops_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "Immediate execution failure": a branch over the string limit ends the execution while its
+    sibling still sleeps, and the caller's cancel stays unset."""
+    monkeypatch.setattr(engine_mod, "MAX_STRING_BYTES", 10)
+    wf = load_workflow(
+        """\
+main:
+  steps:
+    - both:
+        parallel:
+          branches:
+            - long:
+                steps:
+                  - wait:
+                      call: sys.sleep
+                      args: {seconds: 60}
+            - over:
+                steps:
+                  - grow:
+                      assign:
+                        - s: "0123456789abc"
+"""
+    )
+    cancel = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(WorkflowError) as failed:
+        wf.run(cancel=cancel)
+    assert failed.value.tags == ["ResourceLimitError"]
+    assert time.monotonic() - started < 30 and not cancel.is_set()
+
+
+def test_parallel_iterations_binding_subworkflow_arguments_count_memory_safely() -> None:
+    """Every iteration binds its value and its subworkflow's arguments while the others write: each
+    write is counted under the execution's lock (no dictionary changes under a reader)."""
+    wf = load_workflow(
+        """\
+main:
+  steps:
+    - init:
+        assign:
+          - total: 0
+    - fan:
+        parallel:
+          shared: [total]
+          for:
+            value: i
+            range: [1, 40]
+            steps:
+              - call_it:
+                  call: size
+                  args: {a: [1, 2, 3], b: [4, 5, 6], c: [7, 8, 9]}
+                  result: n
+              - add:
+                  assign:
+                    - total: ${total + n}
+    - done:
+        return: ${total}
+size:
+  params: [a, b, c]
+  steps:
+    - count:
+        return: ${len(a) + len(b) + len(c)}
+"""
+    )
+    for _ in range(5):
+        assert wf.run() == 40 * 9
