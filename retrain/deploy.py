@@ -625,7 +625,7 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
             progress.say(f"== stage {name} ({stage.path.relative_to(opts.root)})")
             try:
                 if name == "app":
-                    pin_artifacts(opts.root, progress)
+                    pin_artifacts(opts.root, progress, dry_run=opts.dry_run)
                     progress.say(f"app: build function source -> {FUNCTIONS_BUILD_DIR}/")
                     build_functions_source(opts.root)
 
@@ -712,10 +712,10 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
     return 0
 
 
-def pin_artifacts(root: Path, progress: Progress) -> None:
+def pin_artifacts(root: Path, progress: Progress, *, dry_run: bool = False) -> None:
     """Pin what infra/pins.json does not pin yet (retrain.pins), before the app stage plans: the app
     stage refuses an image or manifest without its pin.  A pin that cannot be resolved is a UsageError
-    naming the artifact, so nothing is planned."""
+    naming the artifact, so nothing is planned.  A dry run writes nothing: it names what is unpinned."""
     from retrain import pins
 
     path = root / "infra" / pins.LOCK.name
@@ -725,6 +725,11 @@ def pin_artifacts(root: Path, progress: Progress) -> None:
         raise UsageError(f"infra/{pins.LOCK.name}: {e}") from e
     if not lock.unpinned():
         return
+    if dry_run:
+        raise UsageError(
+            f"not pinned in infra/{pins.LOCK.name}: {', '.join(lock.unpinned())}; the app stage's plan "
+            "would refuse them, and a dry run writes nothing: run `retrain pin` first"
+        )
     progress.say(f"app: pin {len(lock.unpinned())} artifact(s) -> infra/{pins.LOCK.name}")
     try:
         pins.pin(lock, say=progress.say)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.message import Message
 from pathlib import Path
+from typing import Any
 
 LOCK = Path(__file__).resolve().parents[1] / "infra" / "pins.json"
 DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
@@ -105,6 +107,10 @@ class Lock:
     @classmethod
     def load(cls, path: Path = LOCK) -> Lock:
         raw = json.loads(path.read_text())
+        if not isinstance(raw, dict) or not all(
+            isinstance(raw.get(k, {}), dict) for k in ("images", "files", "sources")
+        ):
+            raise PinError(f"{path}: not a lock (an object of images, files and sources)")
         lock = cls(dict(raw.get("images", {})), dict(raw.get("files", {})), dict(raw.get("sources", {})))
         for ref, digest in lock.images.items():
             ImageRef.parse(ref)
@@ -142,20 +148,51 @@ def default_credentials(host: str) -> str | None:
     """Artifact Registry: ADC's access token as the bearer; nvcr.io's realm: NGC_API_KEY if set."""
     if host.endswith(".pkg.dev"):
         import google.auth
+        import google.auth.exceptions
         import google.auth.transport.requests
 
-        creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-        creds.refresh(google.auth.transport.requests.Request())
+        try:
+            creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+            creds.refresh(google.auth.transport.requests.Request())
+        except google.auth.exceptions.GoogleAuthError:
+            return None  # no usable ADC: a public repository (gce-ai-infra) still answers anonymously
         return f"Bearer {creds.token}"
     if host == "nvcr.io" and (key := os.environ.get("NGC_API_KEY")):
         return "Basic " + base64.b64encode(f"$oauthtoken:{key}".encode()).decode()
     return None
 
 
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to https (or loopback), and never carries ``Authorization`` to
+    another host: a registry's blob store or a release's download host gets no credential."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: http.client.HTTPMessage,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        if not newurl.startswith(("https://", *LOOPBACK)):
+            raise PinError(f"refused a redirect to {newurl[:200]}: not https")
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if (
+            new is not None
+            and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc
+        ):
+            new.remove_header("Authorization")
+        return new
+
+
+_OPENER = urllib.request.build_opener(_Redirects)
+
+
 def _get(url: str, headers: Mapping[str, str]) -> tuple[int, Message, bytes]:
     request = urllib.request.Request(url, headers=dict(headers))
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        with _OPENER.open(request, timeout=TIMEOUT_S) as response:
             return response.status, response.headers, response.read(MAX_BYTES + 1)
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read(64 * 1024)
@@ -180,8 +217,11 @@ def _token(challenge: Mapping[str, str], authorization: str | None) -> str:
     status, _, body = _get(url, {"Authorization": authorization} if authorization else {})
     if status != 200:
         raise PinError(f"token from {realm}: HTTP {status}")
-    answer = json.loads(body)
-    token = answer.get("token") or answer.get("access_token")
+    try:
+        answer = json.loads(body)
+        token = answer.get("token") or answer.get("access_token")
+    except (ValueError, AttributeError):
+        raise PinError(f"token from {realm}: not a JSON object") from None
     if not isinstance(token, str) or not token:
         raise PinError(f"token from {realm}: no token in the answer")
     return token

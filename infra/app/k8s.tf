@@ -35,8 +35,8 @@ locals {
   # Every fetched document with each such line's reference replaced by its pin (unchanged when the lock
   # has no digest for it, which the resources' preconditions then refuse).
   fetched_documents = {
-    kueue  = try(data.kubectl_file_documents.kueue[0].manifests, {})
-    jobset = try(data.kubectl_file_documents.jobset[0].manifests, {})
+    kueue  = local.k8s_enabled ? data.kubectl_file_documents.kueue[0].manifests : {}
+    jobset = local.k8s_enabled ? data.kubectl_file_documents.jobset[0].manifests : {}
     tcpx = merge([
       for name, docs in data.kubectl_file_documents.tcpx : { for id, body in docs.manifests : "${name}:${id}" => body }
     ]...)
@@ -61,7 +61,7 @@ data "http" "kueue" {
   lifecycle {
     postcondition {
       condition     = sha256(self.response_body) == lookup(local.pins.files, self.url, "unpinned")
-      error_message = "${self.url} is not the file infra/pins.json pins: run `retrain pin` (an unlisted version: `retrain pin --add ${self.url}`)."
+      error_message = lookup(local.pins.files, self.url, null) == null ? "${self.url} is not pinned in infra/pins.json yet: run `retrain pin` (a version the lock does not list: `retrain pin --add ${self.url}`)." : "${self.url} is not the file infra/pins.json pins (sha256 ${sha256(self.response_body)}): it changed upstream; review it, then `retrain pin --update`."
     }
   }
 }
@@ -82,7 +82,7 @@ resource "kubectl_manifest" "kueue" {
   lifecycle {
     precondition {
       condition     = length(regexall(local.tag_only_image, each.value)) == 0
-      error_message = "An image of the Kueue manifest is not pinned by digest (${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}): run `retrain pin --add IMAGE`."
+      error_message = "Images of the Kueue manifest not pinned by digest: ${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}. Run `retrain pin` (`retrain pin --add IMAGE` for one infra/pins.json does not list)."
     }
   }
 }
@@ -94,7 +94,7 @@ data "http" "jobset" {
   lifecycle {
     postcondition {
       condition     = sha256(self.response_body) == lookup(local.pins.files, self.url, "unpinned")
-      error_message = "${self.url} is not the file infra/pins.json pins: run `retrain pin` (an unlisted version: `retrain pin --add ${self.url}`)."
+      error_message = lookup(local.pins.files, self.url, null) == null ? "${self.url} is not pinned in infra/pins.json yet: run `retrain pin` (a version the lock does not list: `retrain pin --add ${self.url}`)." : "${self.url} is not the file infra/pins.json pins (sha256 ${sha256(self.response_body)}): it changed upstream; review it, then `retrain pin --update`."
     }
   }
 }
@@ -115,7 +115,7 @@ resource "kubectl_manifest" "jobset" {
   lifecycle {
     precondition {
       condition     = length(regexall(local.tag_only_image, each.value)) == 0
-      error_message = "An image of the JobSet manifest is not pinned by digest (${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}): run `retrain pin --add IMAGE`."
+      error_message = "Images of the JobSet manifest not pinned by digest: ${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}. Run `retrain pin` (`retrain pin --add IMAGE` for one infra/pins.json does not list)."
     }
   }
 }
@@ -224,7 +224,7 @@ resource "kubectl_manifest" "tcpx" {
   lifecycle {
     precondition {
       condition     = length(regexall(local.tag_only_image, each.value)) == 0
-      error_message = "An image of the GPUDirect-TCPX manifests is not pinned by digest (${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}): run `retrain pin --add IMAGE`."
+      error_message = "Images of the GPUDirect-TCPX manifests not pinned by digest: ${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}. Run `retrain pin` (`retrain pin --add IMAGE` for one infra/pins.json does not list)."
     }
   }
 }

@@ -527,8 +527,8 @@ variable "kueue_version" {
 
 variable "jobset_version" {
   type        = string
-  description = "JobSet controller release installed in the cluster."
-  default     = "v0.7.2"
+  description = "JobSet controller release installed in the cluster (v0.8 and later name no kube-rbac-proxy image; v0.7's gcr.io/kubebuilder one is gone)."
+  default     = "v0.8.2"
 }
 
 variable "settings_config_map" {

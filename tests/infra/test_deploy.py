@@ -670,12 +670,19 @@ def test_an_artifact_that_cannot_be_pinned_stops_deploy_before_the_app_stage(
 ) -> None:
     """The app stage refuses an unpinned image; deploy pins first, and one it cannot resolve (here a
     registry on a loopback port nothing listens on) ends the run with exit 2 and the image named,
-    before the app stage's Terraform runs."""
-    lock = pins.Lock.load(checkout / "infra" / "pins.json")
+    before the app stage's Terraform runs.  A dry run resolves nothing and leaves the lock as it was."""
+    path = checkout / "infra" / "pins.json"
+    lock = pins.Lock.load(path)
     unreachable = f"127.0.0.1:{emulators.free_port()}/team/trainer:v9"
     lock.images[unreachable] = None
-    lock.save(checkout / "infra" / "pins.json")
+    lock.save(path)
+    before = path.read_text()
+
     rc, _out, err = run("--dry-run")
+    assert rc == 2 and f"not pinned in infra/pins.json: {unreachable}" in err, err
+    assert path.read_text() == before
+
+    rc, _out, err = run("--auto-approve")
     assert rc == 2 and f"cannot pin {unreachable}" in err, err
     assert [c["cmd"] for c in tf.calls() if c["stage"] == "app"] == []
-    assert [c["stage"] for c in tf.calls() if c["cmd"] == "plan"] == ["bootstrap", "platform"]
+    assert {c["stage"] for c in tf.calls() if c["cmd"] == "plan"} == {"bootstrap", "platform"}

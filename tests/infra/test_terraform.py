@@ -456,17 +456,26 @@ def check_third_party_pinned(model: Model) -> list[str]:
     if not guards or "local.unpinned_images" not in json.dumps(guards[0].body.get("lifecycle")):
         problems.append("app: no terraform_data.pinned_images precondition on local.unpinned_images")
     for b in model.of("data", "http"):
-        if "sha256(self.response_body)" not in json.dumps(b.body.get("lifecycle")):
+        pinned_sum = r"sha256\(self\.response_body\) == (lookup\(local\.pins\.files|each\.value\.sha256)"
+        if not any(re.search(pinned_sum, c) for c in conditions(b, "postcondition")):
             problems.append(f"{b.address}: fetched without a sha256 postcondition")
+    refuses_tags = "length(regexall(local.tag_only_image, each.value)) == 0"
     for b in model.of("resource", "kubectl_manifest"):
         if b.name == "retrain":
             continue  # the rendered k8s/ templates: the project's own images
-        body = json.dumps(b.body)
-        if "local.pinned_documents" not in body or "local.tag_only_image" not in json.dumps(
-            b.body.get("lifecycle")
-        ):
+        refused = any(refuses_tags in c for c in conditions(b, "precondition"))
+        if "local.pinned_documents" not in json.dumps(b.body.get("for_each")) or not refused:
             problems.append(f"{b.address}: applied without pinning its images by digest")
     return problems
+
+
+def conditions(block: Block, kind: str) -> list[str]:
+    """The conditions of a block's lifecycle preconditions or postconditions, as text."""
+    return [
+        str(check.get("condition"))
+        for lifecycle in block.body.get("lifecycle", [])
+        for check in lifecycle.get(kind, [])
+    ]
 
 
 def check_no_default_compute_sa(model: Model) -> list[str]:
