@@ -93,7 +93,10 @@ class ImageRef:
     def manifest_url(self) -> str:
         # A registry on loopback speaks plain HTTP (the local tests' registry); every other one HTTPS.
         scheme = "http" if f"http://{self.registry}".startswith(LOOPBACK) else "https"
-        return f"{scheme}://{self.registry}/v2/{self.repository}/manifests/{self.tag}"
+        # Docker Hub's references say docker.io; "the registry itself is at https://registry-1.docker.io"
+        # (docker/hub-feedback#1253, a Docker maintainer's answer).
+        host = "registry-1.docker.io" if self.registry == "docker.io" else self.registry
+        return f"{scheme}://{host}/v2/{self.repository}/manifests/{self.tag}"
 
 
 @dataclass

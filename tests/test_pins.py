@@ -229,3 +229,20 @@ def test_the_app_stage_hands_out_the_pinned_images(tmp_path: Path) -> None:
     for setting in ("RETRAIN_IMAGE", "RETRAIN_BRIDGE_IMAGE", "RETRAIN_TCPX_IMAGE"):
         ref = Deployment().env[setting]  # the shipped lock: tags the local stack plays with stand-ins
         assert env[setting] == lock.pinned(ref) and env[setting].startswith(ref + "@sha256:"), setting
+
+
+def test_a_reference_names_the_manifest_it_pins() -> None:
+    """The registry host of a reference is explicit; Docker Hub's docker.io is served elsewhere, and
+    only loopback registries are asked over plain HTTP."""
+    assert pins.ImageRef.parse("nvcr.io/nvidia/nemo:24.12").manifest_url == (
+        "https://nvcr.io/v2/nvidia/nemo/manifests/24.12"
+    )
+    assert pins.ImageRef.parse("docker.io/library/busybox:1.36").manifest_url == (
+        "https://registry-1.docker.io/v2/library/busybox/manifests/1.36"
+    )
+    assert pins.ImageRef.parse("127.0.0.1:5000/team/app:v1").manifest_url.startswith(
+        "http://127.0.0.1:5000/v2/"
+    )
+    for bad in ("nemo:24.12", "nvcr.io/nvidia/nemo", "nvcr.io/nvidia/nemo:24.12@sha256:" + "0" * 64):
+        with pytest.raises(pins.PinError):
+            pins.ImageRef.parse(bad)
