@@ -4,9 +4,15 @@ uploads, then manifests), as a build would; pins are the digests of the exact by
 
 from __future__ import annotations
 
+import base64
+import datetime
 import hashlib
+import http.server
 import json
 import shutil
+import threading
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,18 +31,19 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A registry serving plain HTTP on 127.0.0.1, its storage in a temporary folder."""
+def _serve(
+    root: Path, data: Path, auth: dict[str, object] | None = None
+) -> tuple[emulators.ManagedProcess, str]:
     assert REGISTRY is not None
-    root = tmp_path_factory.mktemp("registry")
     port = emulators.free_port()
-    config = {
+    config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": "warn"},
-        "storage": {"filesystem": {"rootdirectory": str(root / "data")}},
+        "storage": {"filesystem": {"rootdirectory": str(data)}},
         "http": {"addr": f"127.0.0.1:{port}"},
     }
+    if auth:
+        config["auth"] = auth
     (root / "config.yml").write_text(yaml.safe_dump(config))
     proc = emulators.ManagedProcess(
         "docker-registry",
@@ -46,8 +53,115 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         probe_url=f"http://127.0.0.1:{port}/v2/",
     )
     proc.start()
-    yield f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def registry_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("registry-data")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory, registry_data: Path) -> Iterator[str]:
+    """A registry serving plain HTTP on 127.0.0.1 with no authentication: where the tests push."""
+    proc, host = _serve(tmp_path_factory.mktemp("registry"), registry_data)
+    yield host
     proc.stop()
+
+
+class TokenRealm:
+    """The token service of the distribution spec's token authentication: a JWT (RS256, its
+    certificate in the ``x5c`` header) granting what the request's ``scope`` asks, signed by a key whose
+    certificate the registry trusts.  Records each request's query and Authorization header."""
+
+    def __init__(self, root: Path) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+
+        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "retrain-test-token-issuer")])
+        now = datetime.datetime.now(datetime.UTC)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self.key.public_key())
+            .serial_number(1)
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.bundle = root / "issuer.pem"
+        self.bundle.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        self.requests: list[tuple[dict[str, str], str | None]] = []
+        realm = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
+                realm.requests.append((query, self.headers.get("Authorization")))
+                body = json.dumps({"token": realm.token(query)}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/token"
+
+    def token(self, query: dict[str, str]) -> str:
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        def b64(raw: bytes) -> str:
+            return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+        kind, name, actions = query["scope"].split(":")
+        now = int(time.time())
+        der = self.cert.public_bytes(serialization.Encoding.DER)
+        header = {"alg": "RS256", "typ": "JWT", "x5c": [base64.b64encode(der).decode()]}
+        claims = {
+            "iss": "retrain-test",
+            "sub": "anonymous",
+            "aud": query["service"],
+            "exp": now + 300,
+            "nbf": now - 10,
+            "iat": now,
+            "jti": f"{now}-{len(self.requests)}",
+            "access": [{"type": kind, "name": name, "actions": actions.split(",")}],
+        }
+        signing = b64(json.dumps(header).encode()) + "." + b64(json.dumps(claims).encode())
+        signature = self.key.sign(signing.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return signing + "." + b64(signature)
+
+
+@pytest.fixture(scope="module")
+def token_registry(
+    tmp_path_factory: pytest.TempPathFactory, registry_data: Path
+) -> Iterator[tuple[str, TokenRealm]]:
+    """The same storage served by a registry that answers 401 with a Bearer challenge to its realm."""
+    root = tmp_path_factory.mktemp("token-registry")
+    realm = TokenRealm(root)
+    auth = {
+        "token": {
+            "realm": realm.url,
+            "service": "retrain-test-registry",
+            "issuer": "retrain-test",
+            "rootcertbundle": str(realm.bundle),
+        }
+    }
+    proc, host = _serve(root, registry_data, auth)
+    yield host, realm
+    proc.stop()
+    realm.server.shutdown()
 
 
 def _send(method: str, url: str, body: bytes = b"", content_type: str = "") -> tuple[int, dict[str, str]]:
@@ -119,6 +233,24 @@ def test_a_multi_platform_image_pins_to_its_index_and_a_single_one_to_its_manife
     assert pins.resolve_image(pins.ImageRef.parse(f"{registry}/team/sidecar:v2"), anonymous) == one
     with pytest.raises(pins.PinError, match="HTTP 404"):
         pins.resolve_image(pins.ImageRef.parse(f"{registry}/team/sidecar:missing"), anonymous)
+
+
+@needs_registry
+def test_a_registry_behind_token_authentication_is_answered_through_its_realm(
+    registry: str, token_registry: tuple[str, TokenRealm]
+) -> None:
+    """The registry answers 401 with ``WWW-Authenticate: Bearer realm=...,service=...,scope=...``; the
+    pin asks that realm for a token with the challenge's service and scope (sending the registry's
+    credential, e.g. NGC's, to the realm only) and reads the manifest with it."""
+    host, realm = token_registry
+    digest = push_image(registry, "nvidia/trainer", "25.01", "tok", ("amd64", "arm64"))
+    ngc = "Basic " + base64.b64encode(b"$oauthtoken:not-a-real-key").decode()
+    assert pins.resolve_image(pins.ImageRef.parse(f"{host}/nvidia/trainer:25.01"), lambda _: ngc) == digest
+    ((query, authorization),) = realm.requests[-1:]
+    assert query == {"service": "retrain-test-registry", "scope": "repository:nvidia/trainer:pull"}
+    assert authorization == ngc
+    with pytest.raises(pins.PinError, match="HTTP 401"):  # a bearer given up front is used as it is
+        pins.resolve_image(pins.ImageRef.parse(f"{host}/nvidia/trainer:25.01"), lambda _: "Bearer stale")
 
 
 @needs_registry
