@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .callbacks import CallbackHub
 from .discovery import ConnectorCallError, check_call, check_gke_request
@@ -69,6 +69,18 @@ MAX_STRING_BYTES = 256 * 1024
 DEFAULT_LOCATION = "local"
 
 ConnectorFn = Callable[[dict[str, Any], dict[str, Any]], Any]
+
+
+class ChildExecutions(Protocol):
+    """Executions of other workflows, for ``experimental.executions``: the executions service."""
+
+    def run_children(
+        self, parent: str, arguments: list[Any], timeout: float, check_cancel: Callable[[], None]
+    ) -> list[Any]:
+        """Start one execution of ``parent`` (``projects/P/locations/L/workflows/W``) per argument, wait
+        for all of them and return their results in the arguments' order; ExecutionError if any did not
+        succeed, TimeoutError after ``timeout`` s; ``check_cancel`` raises when the caller is cancelled."""
+        ...
 
 
 class ConnectorRegistry:
@@ -260,12 +272,14 @@ class _Execution:
         hub: CallbackHub | None,
         execution_name: str,
         cancel: threading.Event,
+        executions: ChildExecutions | None = None,
     ) -> None:
         self.workflow = workflow
         self.definition = workflow.definition
         self.connectors = connectors
         self.env = env
         self.hub = hub
+        self.executions = executions
         self.execution_name = execution_name
         self.cancel = _Stop(cancel)
         self.lock = threading.RLock()
@@ -754,6 +768,7 @@ class Workflow:
         hub: CallbackHub | None = None,
         execution_name: str | None = None,
         cancel: threading.Event | None = None,
+        executions: ChildExecutions | None = None,
     ) -> Any:
         """Run to completion; returns the result or raises WorkflowError / ExecutionCancelled."""
         given_env = dict(env or {})
@@ -772,6 +787,7 @@ class Workflow:
             hub,
             execution_name,
             cancel or threading.Event(),
+            executions,
         )
         main = self.definition.main
         call_args: dict[str, Any] = {}

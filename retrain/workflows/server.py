@@ -8,12 +8,13 @@ included (callback URLs point back at this server).
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,7 +22,7 @@ from urllib.parse import urlparse
 
 from .callbacks import CallbackHub
 from .engine import ConnectorRegistry, Workflow, error_context, load_workflow
-from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, format_error
+from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, error, format_error
 
 log = logging.getLogger("retrain.workflows.server")
 
@@ -215,6 +216,7 @@ class ExecutionsServer:
                 hub=self.hub,
                 execution_name=rec.name,
                 cancel=rec.cancel,
+                executions=self,
             )
             result = json.dumps(value)
         except ExecutionCancelled:
@@ -286,6 +288,43 @@ class ExecutionsServer:
                 rec.end_time = _now()
             rec.cancel.set()
             return rec.resource()
+
+    def run_children(
+        self, parent: str, arguments: Sequence[Any], timeout: float, check_cancel: Callable[[], None]
+    ) -> builtins.list[Any]:
+        """``experimental.executions``: one execution of ``parent`` per argument, waited for together.
+        A cancelled caller cancels its children; a timeout leaves them running, as a caller's own
+        TimeoutError says nothing of them."""
+        workflow_id = parent.rsplit("/", 1)[-1]
+        try:
+            workflow = self.resolve(workflow_id)
+        except KeyError:
+            raise error("ValueError", f"workflow {parent} not found") from None
+        names = [self.start_execution(workflow, argument, parent=parent) for argument in arguments]
+        deadline = time.monotonic() + timeout
+        try:
+            for name in names:
+                while self.get(name)["state"] == "ACTIVE":
+                    check_cancel()
+                    if time.monotonic() >= deadline:
+                        raise error(
+                            "TimeoutError", f"executions of {parent} still running after {timeout:g}s"
+                        )
+                    with self._lock:
+                        done = self._records[name].done
+                    done.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        except ExecutionCancelled:
+            for name in names:
+                self.cancel(name)
+            raise
+        results = []
+        for name in names:
+            child = self.get(name)
+            if child["state"] != "SUCCEEDED":
+                detail = (child.get("error") or {}).get("payload", "")
+                raise error("ExecutionError", f"execution {name} {child['state']}: {detail}".rstrip(": "))
+            results.append(json.loads(child["result"]) if child.get("result") else None)
+        return results
 
     def forget(self, name: str) -> None:
         """Lose an execution, as a crashed service would: it stops where it is (no except, no release)

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+import regex as _regex
 import requests
 
 from .errors import WorkflowError, error, http_error, key_error, type_error, value_error
@@ -37,6 +38,7 @@ class Runtime(Protocol):
     env: Mapping[str, str]
     execution_name: str
     hub: Any
+    executions: Any
 
     def sleep(self, seconds: float) -> None: ...
 
@@ -195,19 +197,6 @@ def _string(rt: Runtime, value: Any) -> Any:
     return to_display_string(value)
 
 
-@_register("bool", "value")
-def _bool(rt: Runtime, value: Any) -> Any:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        if value.lower() == "true":
-            return True
-        if value.lower() == "false":
-            return False
-        raise value_error(f"bool: cannot convert '{value}'")
-    raise type_error(f"bool: cannot convert {wtype(value)}")
-
-
 @_register("get_type", "value")
 def _get_type(rt: Runtime, value: Any) -> Any:
     return wtype(value)
@@ -299,9 +288,11 @@ def _text_replace_all(rt: Runtime, source: Any, substr: Any, repl: Any) -> Any:
 
 @_register("text.replace_all_regex", "source,regexp,repl")
 def _text_replace_all_regex(rt: Runtime, source: Any, regexp: Any, repl: Any) -> Any:
+    """ "regular expression backreferences are not supported and you can't refer to text previously
+    matched by a capturing group": ``repl`` is inserted as written (.../stdlib/text/replace_all_regex)."""
     for arg, v in (("source", source), ("regexp", regexp), ("repl", repl)):
         _want(v, "string", "text.replace_all_regex", arg)
-    return _compile(regexp).sub(re.sub(r"\\(\d)", r"\\g<\1>", repl), source)
+    return _compile(regexp, longest=True).sub(lambda _match: repl, source)
 
 
 @_register("text.find_all", "source,substr")
@@ -319,10 +310,23 @@ def _text_find_all(rt: Runtime, source: Any, substr: Any) -> Any:
     return out
 
 
-def _compile(regexp: str) -> re.Pattern[str]:
+#: What RE2 refuses that Python's engines accept: lookarounds, backreferences, atomic groups and
+#: conditionals are struck out in RE2's syntax reference (github.com/google/re2/wiki/Syntax), and the
+#: text functions "Use RE2 syntax" (cloud.google.com/workflows/docs/reference/stdlib/text/find_all_regex).
+#: Escapes and character classes are consumed whole, so only a construct outside them matches a group.
+_RE2_TOKENS = re.compile(r"\\([1-9])|\\.|\[\^?\]?(?:\\.|[^\]])*\]|(\(\?(?:=|!|<=|<!|>|P=|\())|.", re.DOTALL)
+
+
+def _compile(regexp: str, longest: bool = False) -> Any:
+    """``regexp`` as RE2 reads it; ``longest``: "if multiple matches start at the same index, then the
+    longest one" is taken (.../stdlib/text/replace_all_regex, find_all_regex), POSIX's leftmost-longest
+    rule, which the ``regex`` module's POSIX flag implements."""
+    for token in _RE2_TOKENS.finditer(regexp):
+        if token.group(1) or token.group(2):
+            raise value_error(f"invalid regular expression: RE2 does not support '{token.group(0)}'")
     try:
-        return re.compile(regexp)
-    except re.error as exc:
+        return _regex.compile(regexp, _regex.POSIX | _regex.VERSION0 if longest else _regex.VERSION0)
+    except _regex.error as exc:
         raise value_error(f"invalid regular expression: {exc}") from None
 
 
@@ -337,7 +341,9 @@ def _text_match_regex(rt: Runtime, source: Any, regexp: Any) -> Any:
 def _text_find_all_regex(rt: Runtime, source: Any, regexp: Any) -> Any:
     _want(source, "string", "text.find_all_regex", "source")
     _want(regexp, "string", "text.find_all_regex", "regexp")
-    return [{"index": m.start(), "match": m.group(0)} for m in _compile(regexp).finditer(source)]
+    return [
+        {"index": m.start(), "match": m.group(0)} for m in _compile(regexp, longest=True).finditer(source)
+    ]
 
 
 @_register("text.to_lower", "source")
@@ -404,10 +410,15 @@ def _text_url_encode_plus(rt: Runtime, source: Any) -> Any:
 
 @_register("text.url_decode", "source")
 def _text_url_decode(rt: Runtime, source: Any) -> Any:
-    from urllib.parse import unquote
+    """ "Plus signs (+) are replaced with spaces. Percent-encoded sequences are converted into UTF-8";
+    ValueError "If source contains any % not followed by two hexadecimal characters"
+    (cloud.google.com/workflows/docs/reference/stdlib/text/url_decode)."""
+    from urllib.parse import unquote_plus
 
     _want(source, "string", "text.url_decode", "source")
-    return unquote(source)
+    if re.search(r"%(?![0-9A-Fa-f]{2})", source):
+        raise value_error(f"text.url_decode: a '%' not followed by two hexadecimal digits in '{source}'")
+    return unquote_plus(source)
 
 
 # --------------------------------------------------------------------------- json / base64
@@ -566,18 +577,27 @@ def _sys_get_env(rt: Runtime, name: Any, default: Any = None) -> Any:
     return rt.env.get(name, default)
 
 
+#: "Maximum is 31536000 (one year)" (.../stdlib/sys/sleep); "The latest allowed time is one year from
+#: now" (.../stdlib/sys/sleep_until).
+MAX_SLEEP_S = 31_536_000
+
+
 @_register("sys.sleep", "seconds", blocking=True)
 def _sys_sleep(rt: Runtime, seconds: Any) -> Any:
     _want(seconds, "number", "sys.sleep", "seconds")
-    if seconds < 0:
-        raise value_error("sys.sleep: seconds must be non-negative")
+    if not 0 <= seconds <= MAX_SLEEP_S:
+        raise value_error(f"sys.sleep: seconds must be between 0 and {MAX_SLEEP_S}, got {seconds}")
     rt.sleep(float(seconds))
     return None
 
 
 @_register("sys.sleep_until", "time", blocking=True)
 def _sys_sleep_until(rt: Runtime, time: Any) -> Any:
+    """TypeError "If time is not a string", ValueError "If time is not ISO 8601-compatible"; a time
+    already past returns at once (.../stdlib/sys/sleep_until)."""
     target = _time_parse(rt, time)
+    if target - _time.time() > MAX_SLEEP_S:
+        raise value_error(f"sys.sleep_until: {time} is more than a year from now")
     rt.sleep(max(0.0, target - _time.time()))
     return None
 
@@ -604,7 +624,18 @@ def _sys_log(
     json: Any = None,
     timeout: Any = None,
 ) -> Any:
-    payload = next((v for v in (text, json, data) if v is not None), None)
+    """ "Writes one of data, text, or json"; TypeError when more than one or none of them is given, when
+    json is not a map, or data or text is not one of the listed types (.../stdlib/sys/log)."""
+    given = [v for v in (text, json, data) if v is not None]
+    if len(given) != 1:
+        raise type_error(f"sys.log: give exactly one of data, text or json, got {len(given)}")
+    if json is not None:
+        _want(json, "map", "sys.log", "json")
+    if text is not None and not isinstance(text, str | int | float | bool | list | dict):
+        raise type_error(f"sys.log: text cannot be {wtype(text)}")
+    if data is not None and not isinstance(data, str | int | float | bool | list | dict):
+        raise type_error(f"sys.log: data cannot be {wtype(data)}")
+    payload = given[0]
     level = _SEVERITIES.get(str(severity).upper())
     if level is None:
         raise value_error(f"sys.log: unknown severity '{severity}'")
@@ -619,18 +650,24 @@ def _math_abs(rt: Runtime, x: Any) -> Any:
     return check_int(abs(x)) if isinstance(x, int) else abs(x)
 
 
+def _int_or_float(x: Any, y: Any, pick: Any) -> Any:
+    """ "If both numbers are integers, returns an integer; otherwise, a floating-point number"
+    (cloud.google.com/workflows/docs/reference/stdlib/math/max, .../math/min)."""
+    return pick if isinstance(x, int) and isinstance(y, int) else float(pick)
+
+
 @_register("math.max", "x,y")
 def _math_max(rt: Runtime, x: Any, y: Any) -> Any:
     _want(x, "number", "math.max", "x")
     _want(y, "number", "math.max", "y")
-    return x if x >= y else y
+    return _int_or_float(x, y, x if x >= y else y)
 
 
 @_register("math.min", "x,y")
 def _math_min(rt: Runtime, x: Any, y: Any) -> Any:
     _want(x, "number", "math.min", "x")
     _want(y, "number", "math.min", "y")
-    return x if x <= y else y
+    return _int_or_float(x, y, x if x <= y else y)
 
 
 @_register("math.floor", "x")
@@ -687,17 +724,25 @@ def _http_default_retry_predicate_non_idempotent(rt: Runtime, e: Any) -> Any:
 
 # --------------------------------------------------------------------------- http
 
+MAX_HTTP_TIMEOUT_S = 1800
+
 
 def _encode_body(body: Any, headers: dict[str, str]) -> bytes | None:
     if body is None:
         return None
-    if isinstance(body, bytes | bytearray):
-        return bytes(body)
+    """ "If a Content-Type header is not specified and if the body value is bytes, the header is set to
+    Content-Type: application/octet-stream; otherwise, the body is JSON-encoded and the header is set to
+    Content-type: application/json; charset=utf-8" (cloud.google.com/workflows/docs/reference/stdlib/
+    http/request)."""
     ctype = next((v for k, v in headers.items() if k.lower() == "content-type"), None)
+    if isinstance(body, bytes | bytearray):
+        if ctype is None:
+            headers["Content-Type"] = "application/octet-stream"
+        return bytes(body)
     if isinstance(body, str) and ctype is not None and "json" not in ctype.lower():
         return body.encode("utf-8")
     if ctype is None:
-        headers["Content-Type"] = "application/json"
+        headers["Content-Type"] = "application/json; charset=utf-8"
     return _json_text(body).encode("utf-8")
 
 
@@ -746,6 +791,12 @@ def http_request(
         _want(headers, "map", "http.request", "headers")
         hdrs = {str(k): to_display_string(v) for k, v in headers.items()}
     data = _encode_body(body, hdrs)
+    # "default: 300.0 ... The maximum allowed timeout is 1800 seconds"; ValueError "If timeout is > 1800"
+    # (cloud.google.com/workflows/docs/reference/stdlib/http/request, .../http/get).
+    if timeout is not None:
+        _want(timeout, "number", "http.request", "timeout")
+        if timeout > MAX_HTTP_TIMEOUT_S:
+            raise value_error(f"http.request: timeout {timeout} is over {MAX_HTTP_TIMEOUT_S} seconds")
     seconds = 300.0 if timeout is None else float(timeout)
     rt.check_cancel()
     return send(method.upper(), url, headers=hdrs, params=_query(query), data=data, timeout=seconds)
@@ -767,7 +818,10 @@ def send(method: str, url: str, session: requests.Session | None = None, **kwarg
     except requests.exceptions.RequestException as exc:
         raise error("ConnectionError", f"request to {url} failed: {exc}") from None
     result = {"body": _decode_body(resp), "code": resp.status_code, "headers": dict(resp.headers)}
-    if not 200 <= resp.status_code < 300:
+    # "Workflows considers any HTTP request that returns status code 400 or greater failed"
+    # (cloud.google.com/workflows/docs/reference/syntax/catching-errors); HttpError "If the response
+    # status is >= 400" (.../stdlib/http/get).
+    if resp.status_code >= 400:
         raise WorkflowError(http_error(resp.status_code, body=result["body"], headers=result["headers"]))
     return result
 
@@ -809,6 +863,63 @@ def _await_callback(rt: Runtime, callback: Any, timeout: Any = 43200) -> Any:
         raise key_error("events.await_callback: callback has no url")
     _want(timeout, "number", "events.await_callback", "timeout")
     return rt.hub.await_callback(callback, float(timeout), cancel=getattr(rt, "cancel", None))
+
+
+# --------------------------------------------------------------------------- experimental.executions
+
+
+@_register(
+    "experimental.executions.map",
+    "workflow_id,arguments,timeout,location,project_id",
+    required=2,
+    blocking=True,
+)
+def _executions_map(
+    rt: Runtime,
+    workflow_id: Any,
+    arguments: Any,
+    timeout: Any = 1800.0,
+    location: Any = None,
+    project_id: Any = None,
+) -> Any:
+    """ "Starts workflow executions and waits for all of them to finish": one per element of
+    ``arguments``; "A list where each element is the result of a workflow execution"; ExecutionError "If
+    any of the executions finish unsuccessfully", TimeoutError past ``timeout`` (default 1800.0); the
+    caller's location and project by default (cloud.google.com/workflows/docs/reference/stdlib/
+    experimental.executions/map). The results keep the arguments' order, as the migration page's example
+    output does (.../docs/migrate-function-to-parallel)."""
+    _want(workflow_id, "string", "experimental.executions.map", "workflow_id")
+    _want(arguments, "list", "experimental.executions.map", "arguments")
+    _want(timeout, "number", "experimental.executions.map", "timeout")
+    for name, value in (("location", location), ("project_id", project_id)):
+        if value is not None:
+            _want(value, "string", "experimental.executions.map", name)
+    if rt.executions is None:
+        raise error("SystemError", "experimental.executions needs the executions service (ExecutionsServer)")
+    project = project_id or rt.env.get("GOOGLE_CLOUD_PROJECT_ID", "")
+    where = location or rt.env.get("GOOGLE_CLOUD_LOCATION", "")
+    parent = f"projects/{project}/locations/{where}/workflows/{workflow_id}"
+    return rt.executions.run_children(parent, list(arguments), float(timeout), rt.check_cancel)
+
+
+@_register(
+    "experimental.executions.run",
+    "workflow_id,argument,timeout,location,project_id",
+    required=1,
+    blocking=True,
+)
+def _executions_run(
+    rt: Runtime,
+    workflow_id: Any,
+    argument: Any = None,
+    timeout: Any = 1800.0,
+    location: Any = None,
+    project_id: Any = None,
+) -> Any:
+    """ "Starts a workflow execution and waits for it to finish" (the stdlib overview). Its own page could
+    not be read here: its arguments are map's, with one ``argument``, as the connector that replaces it
+    names them (.../googleapis/workflowexecutions/v1/projects.locations.workflows.executions/run)."""
+    return _executions_map(rt, workflow_id, [argument], timeout, location, project_id)[0]
 
 
 def resolve_object(name: str) -> Any:

@@ -6,17 +6,26 @@ The cases are organised by the documentation page that states the behaviour: one
 ``# expect_error: JSON``, ``# expect_deploy_error: "message"`` for what Google refuses when the workflow
 is deployed, and optionally ``# args: JSON``); JSON definitions use a ``.expect`` sidecar holding the same
 keys.
+
+Every case runs with callbacks served over real HTTP (the local executions service's hub), and starts
+other executions (``experimental.executions``) of the workflows in ``CHILDREN`` there. A case with
+``# serve: echo`` also gets ``args.echo``, the base URL of a loopback server that echoes each request as
+JSON (``/status/NNN`` answers with that status instead), so the HTTP functions meet a real peer.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from retrain.workflows import WorkflowError, load_workflow
+from retrain.workflows import ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
 from retrain.workflows.errors import WorkflowSyntaxError
 
 HERE = Path(__file__).parent / "conformance"
@@ -34,11 +43,77 @@ def expectations(path: Path) -> dict[str, Any]:
             break
         if line.startswith("# source:"):
             out["source"] = line.removeprefix("# source:").strip()
+        if line.startswith("# serve:"):
+            out["serve"] = line.removeprefix("# serve:").strip()
         for key in ("args", "expect", "expect_error", "expect_deploy_error"):
             prefix = f"# {key}:"
             if line.startswith(prefix):
                 out[key] = json.loads(line[len(prefix) :])
     return out
+
+
+class Echo(BaseHTTPRequestHandler):
+    """The HTTP peer of the ``serve: echo`` cases."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _answer(self) -> None:
+        url = urlparse(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        code, payload = 200, b""
+        if url.path.startswith("/status/"):
+            code = int(url.path.rsplit("/", 1)[1])
+            payload = json.dumps({"status": code}).encode()
+        else:
+            payload = json.dumps(
+                {
+                    "method": self.command,
+                    "path": url.path,
+                    "query": parse_qs(url.query),
+                    "content_type": self.headers.get("Content-Type"),
+                    "body": body.decode("utf-8", "replace"),
+                }
+            ).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _answer
+
+
+@pytest.fixture(scope="module")
+def echo_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+#: The workflows the ``experimental.executions`` cases start, by workflow id.
+CHILDREN = {
+    "double": "main:\n  params: [n]\n  steps:\n    - r:\n        return: ${n * 2}\n",
+    "fail_on_two": (
+        "main:\n  params: [n]\n  steps:\n    - check:\n        switch:\n          - condition: ${n == 2}\n"
+        "            raise: two\n    - r:\n        return: ${n}\n"
+    ),
+    "sleepy": "- nap:\n    call: sys.sleep\n    args:\n      seconds: 30\n",
+}
+
+
+@pytest.fixture(scope="module")
+def executions() -> Iterator[ExecutionsServer]:
+    """Serves the cases' callback endpoints over HTTP and runs the executions they start, as Workflows
+    does."""
+    children = {name: load_workflow(source, name) for name, source in CHILDREN.items()}
+    with ExecutionsServer(children.__getitem__, ConnectorRegistry(), {}) as server:
+        yield server
 
 
 def same(a: Any, b: Any) -> bool:
@@ -67,8 +142,11 @@ def test_cases_exist() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_conformance(case: Path) -> None:
+def test_conformance(case: Path, executions: ExecutionsServer, echo_url: str) -> None:
     exp = expectations(case)
+    args = exp.get("args")
+    if exp.get("serve") == "echo":
+        args = {**(args or {}), "echo": echo_url}
     if "expect_deploy_error" in exp:
         with pytest.raises(WorkflowSyntaxError) as refused:
             load_workflow(case)
@@ -76,11 +154,11 @@ def test_conformance(case: Path) -> None:
         return
     wf = load_workflow(case)
     if "expect" in exp:
-        result = wf.run(exp.get("args"), execution_name=EXECUTION)
+        result = wf.run(args, execution_name=EXECUTION, hub=executions.hub, executions=executions)
         assert same(result, exp["expect"]), f"{case.name}: got {result!r}, expected {exp['expect']!r}"
         return
     with pytest.raises(WorkflowError) as info:
-        wf.run(exp.get("args"), execution_name=EXECUTION)
+        wf.run(args, execution_name=EXECUTION, hub=executions.hub, executions=executions)
     want, got = exp["expect_error"], info.value.value
     if isinstance(want, str):
         assert got == want

@@ -180,6 +180,24 @@ def test_cancel_during_sleep_python_api(harness: Harness) -> None:
     assert harness.server.wait(name, timeout=1)["state"] == "CANCELLED"
 
 
+def test_a_cancelled_caller_of_experimental_executions_cancels_its_children(harness: Harness) -> None:
+    harness.workflows["mapper"] = load_workflow(
+        "- m:\n    call: experimental.executions.map\n    args:\n      workflow_id: sleepy\n"
+        "      arguments: [1, 2]\n"
+    )
+    parent = harness.server.start_execution("mapper", None)
+    children_of = "projects/p/locations/local/workflows/sleepy"
+    deadline = time.monotonic() + 5
+    while len(harness.server.list(children_of)) < 2:
+        assert time.monotonic() < deadline, "the map started no executions"
+        time.sleep(0.02)
+    assert {c["state"] for c in harness.server.list(children_of)} == {"ACTIVE"}
+    harness.server.cancel(parent)
+    assert harness.server.wait(parent, timeout=2)["state"] == "CANCELLED"
+    for child in harness.server.list(children_of):
+        assert harness.server.wait(child["name"], timeout=2)["state"] == "CANCELLED"
+
+
 def test_failed_execution_error_payload(harness: Harness) -> None:
     name = harness.server.start_execution("failing", {})
     rec = harness.server.wait(name, timeout=2)
