@@ -241,6 +241,24 @@ class Deployment:
             raise KeyError(f"no local value for the workflow's {sorted(missing)}")
         return dict(values)
 
+    def execution_env(self, values: Mapping[str, str]) -> dict[str, str]:
+        """What an execution reads with ``sys.get_env`` beyond what its name carries: the built-ins Google
+        derives from the deployed workflow, then its ``user_env_vars`` (``values`` as in ``workflow_env``).
+
+        ``GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME`` is "The name of the workflow execution's service account"
+        (cloud.google.com/workflows/docs/reference/environment-variables): the workflow resource's
+        ``service_account`` as deployed, here ``projects/P/serviceAccounts/EMAIL``, the form Google's own
+        demo hands on to Cloud Build's ``serviceAccount`` (GoogleCloudPlatform/workflows-demos
+        workflows-executes-commands/using-cloudbuild-api/workflow-gcloud.yaml at d373ee6), which takes
+        "projects/{PROJECT_ID}/serviceAccounts/{ACCOUNT}" only."""
+        workflow = self.app.resource("google_workflows_workflow", "retrain")
+        return {
+            "GOOGLE_CLOUD_PROJECT_ID": self.project,
+            "GOOGLE_CLOUD_PROJECT_NUMBER": str(self.app.local("retrain_env")["RETRAIN_PROJECT_NUMBER"]),
+            "GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME": str(self.app.evaluate(workflow["service_account"])),
+            **self.workflow_env(values),
+        }
+
     def topic(self, output: str) -> str:
         """A topic's full id from the platform stage's outputs (``jobset_topic_id`` ...)."""
         return str(self.platform.output(output))

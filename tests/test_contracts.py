@@ -247,6 +247,32 @@ def test_the_workflow_reads_only_the_environment_terraform_gives_it(tmp_path: Pa
     ]
 
 
+def test_an_execution_sees_the_built_ins_of_the_deployed_workflow() -> None:
+    """sys.get_env in the local executions: the project, its number and the workflow's own service account
+    as infra/app/workflow.tf deploys it, beside its user variables; nothing else."""
+    from retrain.workflows import load_workflow
+
+    deployment = Deployment()
+    env = deployment.execution_env({"RETRAIN_STEPS_URL": "http://127.0.0.1:1/steps"})
+    assert set(env) == {
+        "GOOGLE_CLOUD_PROJECT_ID",
+        "GOOGLE_CLOUD_PROJECT_NUMBER",
+        "GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME",
+        "RETRAIN_STEPS_URL",
+    }
+    account = deployment.manifest_values().workflow_user
+    reads = load_workflow(
+        "- r:\n    return:\n"
+        '      - ${sys.get_env("GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME")}\n'
+        '      - ${sys.get_env("RETRAIN_STEPS_URL")}\n'
+    )
+    assert reads.run(env=env) == [
+        f"projects/{deployment.project}/serviceAccounts/{account}",
+        "http://127.0.0.1:1/steps",
+    ]
+    assert env["GOOGLE_CLOUD_PROJECT_NUMBER"] == local_settings().project_number
+
+
 # --- Dataflow: the launch body against Google's API definition --------------------------------------
 
 

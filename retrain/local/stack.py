@@ -419,16 +419,10 @@ class LocalStack:
             dataflow=dataflow,
         )
         workflow = load_workflow(WORKFLOW_FILE)
-        workflow_env = self._deployment.workflow_env({"RETRAIN_STEPS_URL": ep.steps_function})
         server = ExecutionsServer(
             lambda _name: workflow,
             registry,
-            # sys.get_env's built-ins the execution name does not carry (the rest come from it)
-            {
-                "GOOGLE_CLOUD_PROJECT_ID": s.project,
-                "GOOGLE_CLOUD_PROJECT_NUMBER": s.project_number,
-                **workflow_env,
-            },
+            self._deployment.execution_env({"RETRAIN_STEPS_URL": ep.steps_function}),
         )
         server.start()
         self._closers.append(server.stop)
