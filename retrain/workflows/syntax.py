@@ -8,6 +8,7 @@ halfway through a retraining run.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,41 @@ class LList(list[Any]):
     line: int = 0
 
 
+class WorkflowsYaml(yaml.SafeLoader):
+    """YAML with the core schema of YAML 1.2 (yaml.org/spec/1.2.2, 10.3.2 "Tag Resolution"), not PyYAML's
+    1.1: Workflows' booleans are "true/false, True/False, TRUE/FALSE" only
+    (cloud.google.com/workflows/docs/reference/syntax/datatypes), exactly 1.2's, so ``yes``, ``on`` and
+    ``off`` stay strings, ``010`` is ten and ``1e3`` a double."""
+
+
+#: Each tag's pattern and the first characters a plain scalar of it can start with ("" for the empty null).
+_CORE_SCHEMA = {
+    "tag:yaml.org,2002:null": (r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    "tag:yaml.org,2002:bool": (r"true|True|TRUE|false|False|FALSE", list("tTfF")),
+    "tag:yaml.org,2002:int": (r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
+    "tag:yaml.org,2002:float": (
+        r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+        list("-+0123456789."),
+    ),
+}
+WorkflowsYaml.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _CORE_SCHEMA]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _tag, (_pattern, _first) in _CORE_SCHEMA.items():
+    WorkflowsYaml.add_implicit_resolver(_tag, re.compile(f"^(?:{_pattern})$"), _first)
+
+
+def _core_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text)
+
+
+WorkflowsYaml.add_constructor("tag:yaml.org,2002:int", _core_int)
+
+
 def _convert(node: yaml.Node, loader: yaml.SafeLoader) -> Any:
     if isinstance(node, yaml.MappingNode):
         out = LDict()
@@ -58,9 +94,10 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader) -> Any:
         out.key_lines = {}
         loader.flatten_mapping(node)
         for key_node, value_node in node.value:
-            key = _convert(key_node, loader)
-            if isinstance(key, dict | list):
+            if not isinstance(key_node, yaml.ScalarNode):
                 raise WorkflowSyntaxError("mapping keys must be scalars", line=key_node.start_mark.line + 1)
+            # A map's keys are strings, as in the JSON form of every definition: ``1: one`` is the key "1".
+            key = key_node.value
             if key in out:
                 raise WorkflowSyntaxError(f"duplicate key {key!r}", line=key_node.start_mark.line + 1)
             out.key_lines[key] = key_node.start_mark.line + 1
@@ -75,7 +112,7 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader) -> Any:
 
 def parse_source(text: str) -> Any:
     """YAML (a superset of JSON) with line numbers; plain JSON as a fallback for odd JSON."""
-    loader = yaml.SafeLoader(text)
+    loader = WorkflowsYaml(text)
     try:
         root = loader.get_single_node()
         if root is None:
