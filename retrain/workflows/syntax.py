@@ -276,6 +276,12 @@ MAX_ASSIGNMENTS = 50
 MAX_CONDITIONS = 50
 MAX_BRANCHES = 10
 MAX_PARAMS = 10
+#: "There is a limit to the expression length" (cloud.google.com/workflows/docs/reference/syntax/
+#: expressions, linking the quotas page's resource limits, whose table these tools could not read past its
+#: quotas). The number is that table's as third-party copies give it: 400 characters
+#: (lemonberrylabs/gcw-emulator docs/src/reference/limits.md at fcfc511, beside the 128 KB source, 512 KB
+#: memory and 256 KB string rows Google's own pages confirm). Counted between ``${`` and ``}``.
+MAX_EXPRESSION_LENGTH = 400
 
 
 class _Builder:
@@ -296,6 +302,12 @@ class _Builder:
         return compiled
 
     def check_expression(self, expr: Expr, step: str, line: int) -> None:
+        if len(expr.source) - 3 > MAX_EXPRESSION_LENGTH:
+            raise self.fail(
+                f"expression is {len(expr.source) - 3} characters long; the limit is {MAX_EXPRESSION_LENGTH}",
+                step,
+                line,
+            )
         for node in walk(expr.node):
             if isinstance(node, Call):
                 fn = FUNCTIONS.get(node.name)
