@@ -37,7 +37,11 @@ class FunctionRef:
 
 
 def wtype(value: Any) -> str:
-    """The Workflows type name of a runtime value."""
+    """The Workflows type name of a runtime value, as ``get_type`` returns it. Google's list of those
+    names (the expression helpers page, "Type functions") could not be read past its if() section here;
+    these are the data types page's names, lower-cased, as aajanki/ts2workflows declares get_type's
+    result ('boolean' | 'bytes' | 'double' | 'integer' | 'list' | 'map' | 'string' | 'null',
+    types/workflowslib.d.ts at c58222f)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -202,9 +202,6 @@ def _get_type(rt: Runtime, value: Any) -> Any:
     return wtype(value)
 
 
-FUNCTIONS["type"] = StdFunction("type", _get_type, ("value",), 1)
-
-
 # --------------------------------------------------------------------------- list / map
 
 
