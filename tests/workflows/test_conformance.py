@@ -10,7 +10,8 @@ keys.
 Every case runs with callbacks served over real HTTP (the local executions service's hub), and starts
 other executions (``experimental.executions``) of the workflows in ``CHILDREN`` there. A case with
 ``# serve: echo`` also gets ``args.echo``, the base URL of a loopback server that echoes each request as
-JSON (``/status/NNN`` answers with that status instead), so the HTTP functions meet a real peer.
+JSON (``/status/NNN`` answers with that status instead, ``/flaky/CODE/N/KEY`` with CODE to KEY's first N
+requests), so the HTTP functions meet a real peer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -56,6 +57,8 @@ class Echo(BaseHTTPRequestHandler):
     """The HTTP peer of the ``serve: echo`` cases."""
 
     protocol_version = "HTTP/1.1"
+    attempts: ClassVar[dict[str, int]] = {}
+    lock = threading.Lock()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -67,6 +70,12 @@ class Echo(BaseHTTPRequestHandler):
         if url.path.startswith("/status/"):
             code = int(url.path.rsplit("/", 1)[1])
             payload = json.dumps({"status": code}).encode()
+        elif url.path.startswith("/flaky/"):  # /flaky/CODE/N/KEY: CODE for KEY's first N requests, then 200
+            _, _, failing, times, key = url.path.split("/")
+            with Echo.lock:
+                Echo.attempts[key] = attempt = Echo.attempts.get(key, 0) + 1
+            code = int(failing) if attempt <= int(times) else 200
+            payload = json.dumps({"attempts": attempt}).encode()
         else:
             payload = json.dumps(
                 {
