@@ -23,11 +23,12 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import regex as _regex
 import requests
 
 from .errors import WorkflowError, error, http_error, key_error, type_error, value_error
 from .expressions import FunctionRef, check_int, is_number, json_safe, to_display_string, wtype
+from .re2 import RE2Error, compile_re2
+from .re2 import matches as re2_matches
 
 log = logging.getLogger("retrain.workflows.sys.log")
 
@@ -289,7 +290,11 @@ def _text_replace_all_regex(rt: Runtime, source: Any, regexp: Any, repl: Any) ->
     matched by a capturing group": ``repl`` is inserted as written (.../stdlib/text/replace_all_regex)."""
     for arg, v in (("source", source), ("regexp", regexp), ("repl", repl)):
         _want(v, "string", "text.replace_all_regex", arg)
-    return _compile(regexp, longest=True).sub(lambda _match: repl, source)
+    out, at = [], 0
+    for m in re2_matches(_compile(regexp, longest=True), source):
+        out += [source[at : m.start()], repl]
+        at = m.end()
+    return "".join(out) + source[at:]
 
 
 @_register("text.find_all", "source,substr")
@@ -307,23 +312,12 @@ def _text_find_all(rt: Runtime, source: Any, substr: Any) -> Any:
     return out
 
 
-#: What RE2 refuses that Python's engines accept: lookarounds, backreferences, atomic groups and
-#: conditionals are struck out in RE2's syntax reference (github.com/google/re2/wiki/Syntax), and the
-#: text functions "Use RE2 syntax" (cloud.google.com/workflows/docs/reference/stdlib/text/find_all_regex).
-#: Escapes and character classes are consumed whole, so only a construct outside them matches a group.
-_RE2_TOKENS = re.compile(r"\\([1-9])|\\.|\[\^?\]?(?:\\.|[^\]])*\]|(\(\?(?:=|!|<=|<!|>|P=|\())|.", re.DOTALL)
-
-
 def _compile(regexp: str, longest: bool = False) -> Any:
-    """``regexp`` as RE2 reads it; ``longest``: "if multiple matches start at the same index, then the
-    longest one" is taken (.../stdlib/text/replace_all_regex, find_all_regex), POSIX's leftmost-longest
-    rule, which the ``regex`` module's POSIX flag implements."""
-    for token in _RE2_TOKENS.finditer(regexp):
-        if token.group(1) or token.group(2):
-            raise value_error(f"invalid regular expression: RE2 does not support '{token.group(0)}'")
+    """``regexp`` in RE2's syntax (``re2.translate``); ``longest``: "if multiple matches start at the same
+    index, then the longest one" is taken (.../stdlib/text/replace_all_regex, find_all_regex)."""
     try:
-        return _regex.compile(regexp, _regex.POSIX | _regex.VERSION0 if longest else _regex.VERSION0)
-    except _regex.error as exc:
+        return compile_re2(regexp, longest)
+    except RE2Error as exc:
         raise value_error(f"invalid regular expression: {exc}") from None
 
 
@@ -338,9 +332,8 @@ def _text_match_regex(rt: Runtime, source: Any, regexp: Any) -> Any:
 def _text_find_all_regex(rt: Runtime, source: Any, regexp: Any) -> Any:
     _want(source, "string", "text.find_all_regex", "source")
     _want(regexp, "string", "text.find_all_regex", "regexp")
-    return [
-        {"index": m.start(), "match": m.group(0)} for m in _compile(regexp, longest=True).finditer(source)
-    ]
+    found = re2_matches(_compile(regexp, longest=True), source)
+    return [{"index": m.start(), "match": m.group(0)} for m in found]
 
 
 @_register("text.to_lower", "source")
