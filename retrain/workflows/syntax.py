@@ -69,8 +69,10 @@ _CORE_SCHEMA = {
         list("-+0123456789."),
     ),
 }
+# Only the core schema's tags and the merge key: PyYAML's 1.1 timestamps (2024-05-08 would be a date,
+# which is no Workflows value) and "=" are plain strings in YAML 1.2.
 WorkflowsYaml.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in _CORE_SCHEMA]
+    first: [(tag, rx) for tag, rx in resolvers if tag == "tag:yaml.org,2002:merge"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 for _tag, (_pattern, _first) in _CORE_SCHEMA.items():
