@@ -177,46 +177,34 @@ class Measured:
 
 
 def measure(
-    events: int, run: Callable[[], tuple[float, list[float]]], sessions: dict[str, int | None]
+    events: int,
+    run: Callable[[], tuple[float, list[float]]],
+    sessions: dict[str, int | None],
+    here: str = "bench (senders)",
 ) -> Measured:
-    """Run one contender, with the CPU each component (a process session, and this process) spent."""
+    """Run one contender, with the CPU each component (a process session, and this process, ``here``)
+    spent."""
     before = {name: cpu_seconds(sid) for name, sid in sessions.items()}
     mine = time.process_time()
     seconds, latencies = run()
     cpu = {name: cpu_seconds(sid) - before[name] for name, sid in sessions.items()}
-    cpu["bench (senders)"] = time.process_time() - mine
+    cpu[here] = time.process_time() - mine
     return Measured(events, seconds, latencies, cpu)
 
 
-def bare_commits(ledger: Any, arrivals: Sequence[Any], senders: int) -> tuple[float, list[float]]:
-    """The ledger's arrival write from ``senders`` threads, straight to the emulator."""
+def in_process(handle: Callable[[Any], Any], items: Sequence[Any], senders: int) -> tuple[float, list[float]]:
+    """``handle`` for every item from ``senders`` threads of this process: no HTTP, no CloudEvent parsing.
+    The bare commits call the ledger's arrival write this way, the in-process contender the handler."""
     latencies: list[float] = []
 
-    def timed(a: Any) -> None:
+    def timed(item: Any) -> None:
         t = time.perf_counter()
-        ledger.record_arrival(a, "bare", "md5:x")
+        handle(item)
         latencies.append(time.perf_counter() - t)
 
     with ThreadPoolExecutor(senders) as pool:
         start = time.perf_counter()
-        list(pool.map(timed, arrivals))
-        return time.perf_counter() - start, latencies
-
-
-def in_process(
-    handle: Callable[[Any], Any], deliveries: Sequence[Any], senders: int
-) -> tuple[float, list[float]]:
-    """The handler's logic from ``senders`` threads of this process: no HTTP, no CloudEvent parsing."""
-    latencies: list[float] = []
-
-    def timed(delivery: Any) -> None:
-        t = time.perf_counter()
-        handle(delivery)
-        latencies.append(time.perf_counter() - t)
-
-    with ThreadPoolExecutor(senders) as pool:
-        start = time.perf_counter()
-        list(pool.map(timed, deliveries))
+        list(pool.map(timed, items))
         return time.perf_counter() - start, latencies
 
 
@@ -281,10 +269,22 @@ def main() -> int:
         bare = [
             ObjectArrival(f"b{i}", "land", f"incoming/b/{i}", 1, 1, "", "t") for i in range(len(events) + 500)
         ]
-        bare_commits(ledger, bare[:500], args.senders)  # warm-up (the emulator's JIT)
+
+        def commit(arrival: Any) -> None:
+            ledger.record_arrival(arrival, "bare", "md5:x")
+
+        in_process(commit, bare[:500], args.senders)  # warm-up (the emulator's JIT)
         results["bare ledger commits (emulator ceiling)"] = measure(
-            len(events), lambda: bare_commits(ledger, bare[500:], args.senders), {"emulator": fs.pid}
+            len(events),
+            lambda: in_process(commit, bare[500:], args.senders),
+            {"emulator": fs.pid},
+            here="bench (commits)",
         )
+
+        warm = [
+            finalized_event({"bucket": "land", "name": f"incoming/warm/{i}", "generation": "1"})
+            for i in range(300)
+        ]
 
         # The handler's logic alone, in this process, into a project of its own.
         from cloudevents.http import from_http
@@ -292,21 +292,25 @@ def main() -> int:
         from retrain import composition, config
 
         inproc = composition.ingest(config.load({**env, "RETRAIN_PROJECT": f"{project}-inproc"}))
-        parsed = [(e.get_attributes(), e.get_data()) for e in (from_http(h, b) for h, b in events)]
-        in_process(lambda d: inproc.on_object_finalized(*d), parsed[:300], args.senders)  # warm-up
+
+        def handle(delivery: Any) -> None:
+            inproc.on_object_finalized(*delivery)
+
+        def parsed(deliveries: list[Event]) -> list[Any]:
+            return [(e.get_attributes(), e.get_data()) for e in (from_http(h, b) for h, b in deliveries)]
+
+        in_process(handle, parsed(warm), args.senders)  # warm-up, on objects of its own
+        storm_parsed = parsed(events)
         results["handler logic in-process (no serving)"] = measure(
             len(events),
-            lambda: in_process(lambda d: inproc.on_object_finalized(*d), parsed, args.senders),
+            lambda: in_process(handle, storm_parsed, args.senders),
             {"emulator": fs.pid},
+            here="bench (handler)",
         )
 
         # The real thing: functions/main.py, then the seal marker.
         proc, port = serve(FUNCTIONS_SOURCE, "on_object_finalized", state / "ingest.log", env)
         procs.append(proc)
-        warm = [
-            finalized_event({"bucket": "land", "name": f"incoming/warm/{i}", "generation": "1"})
-            for i in range(300)
-        ]
         send_all(port, warm, args.senders)
         results["on_object_finalized"] = real = measure(
             len(events),

@@ -254,7 +254,7 @@ class Deployment:
         workflow = self.app.resource("google_workflows_workflow", "retrain")
         return {
             "GOOGLE_CLOUD_PROJECT_ID": self.project,
-            "GOOGLE_CLOUD_PROJECT_NUMBER": str(self.app.local("retrain_env")["RETRAIN_PROJECT_NUMBER"]),
+            "GOOGLE_CLOUD_PROJECT_NUMBER": self.env["RETRAIN_PROJECT_NUMBER"],
             "GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME": str(self.app.evaluate(workflow["service_account"])),
             **self.workflow_env(values),
         }

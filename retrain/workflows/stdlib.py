@@ -718,12 +718,12 @@ MAX_HTTP_TIMEOUT_S = 1800
 
 
 def _encode_body(body: Any, headers: dict[str, str]) -> bytes | None:
-    if body is None:
-        return None
     """ "If a Content-Type header is not specified and if the body value is bytes, the header is set to
     Content-Type: application/octet-stream; otherwise, the body is JSON-encoded and the header is set to
     Content-type: application/json; charset=utf-8" (cloud.google.com/workflows/docs/reference/stdlib/
     http/request)."""
+    if body is None:
+        return None
     ctype = next((v for k, v in headers.items() if k.lower() == "content-type"), None)
     if isinstance(body, bytes | bytearray):
         if ctype is None:
@@ -785,8 +785,9 @@ def http_request(
     # (cloud.google.com/workflows/docs/reference/stdlib/http/request, .../http/get).
     if timeout is not None:
         _want(timeout, "number", "http.request", "timeout")
-        if timeout > MAX_HTTP_TIMEOUT_S:
-            raise value_error(f"http.request: timeout {timeout} is over {MAX_HTTP_TIMEOUT_S} seconds")
+        if not 0 < timeout <= MAX_HTTP_TIMEOUT_S:
+            limit = MAX_HTTP_TIMEOUT_S
+            raise value_error(f"http.request: timeout must be in (0, {limit}] seconds, got {timeout}")
     seconds = 300.0 if timeout is None else float(timeout)
     rt.check_cancel()
     return send(method.upper(), url, headers=hdrs, params=_query(query), data=data, timeout=seconds)
@@ -794,7 +795,7 @@ def http_request(
 
 def send(method: str, url: str, session: requests.Session | None = None, **kwargs: Any) -> dict[str, Any]:
     """One HTTP request, answered as Workflows answers it: ``{body, code, headers}``, an HttpError map
-    for any non-2xx status, and Workflows' connection/timeout errors (also for connector bindings)."""
+    for any status from 400 up, and Workflows' connection/timeout errors (also for connector bindings)."""
     try:
         resp = session.request(method, url, **kwargs) if session else requests.request(method, url, **kwargs)
     except requests.exceptions.ConnectTimeout as exc:

@@ -97,6 +97,7 @@ class Echo(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def echo_url() -> Iterator[str]:
+    Echo.attempts.clear()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -107,7 +108,11 @@ def echo_url() -> Iterator[str]:
 
 #: The workflows the ``experimental.executions`` cases start, by workflow id.
 CHILDREN = {
-    "double": "main:\n  params: [n]\n  steps:\n    - r:\n        return: ${n * 2}\n",
+    "double": (
+        "main:\n  params: [n]\n  steps:\n    - r:\n        switch:\n"
+        '          - condition: ${get_type(n) == "string"}\n            return: ${n + n}\n'
+        "    - number:\n        return: ${n * 2}\n"
+    ),
     "fail_on_two": (
         "main:\n  params: [n]\n  steps:\n    - check:\n        switch:\n          - condition: ${n == 2}\n"
         "            raise: two\n    - r:\n        return: ${n}\n"

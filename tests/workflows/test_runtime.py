@@ -655,3 +655,21 @@ size:
     )
     for _ in range(5):
         assert wf.run() == 40 * 9
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "call: sys.sleep\n    args:\n      seconds: 31536001",
+        "call: sys.sleep\n    args:\n      seconds: -1",
+        "call: sys.sleep_until\n    args:\n      time: ${time.format(sys.now() + 2 * 31536000)}",
+    ],
+)
+def test_sleeps_past_a_year_or_backwards_are_value_errors(call: str) -> None:
+    """sys.sleep: "Maximum is 31536000 (one year)"; sys.sleep_until: "The latest allowed time is one year
+    from now" (cloud.google.com/workflows/docs/reference/stdlib/sys/sleep, .../sys/sleep_until)."""
+    started = time.monotonic()
+    with pytest.raises(WorkflowError) as raised:
+        load_workflow(f"- nap:\n    {call}\n").run()
+    assert raised.value.value["tags"] == ["ValueError"]
+    assert time.monotonic() - started < 5
