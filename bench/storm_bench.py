@@ -12,7 +12,7 @@ two baselines measured in the same run on the same machine:
 * bare commits: the ledger's one-commit arrival write, issued straight from Python threads (no HTTP,
   no function) -- the emulator's ceiling for this write;
 * no-op function: the same HTTP traffic into a functions-framework function that only parses the
-  CloudEvent -- the serving ceiling.
+  CloudEvent, served on the same (ASGI) stack as the handler -- the serving ceiling.
 And one decomposition: the handler's own logic (``Ingest.on_object_finalized``, the same deliveries
 already parsed) called from the same number of threads in this process, without serving, into a project
 of its own -- what retrain's code costs beside the write it shares with the bare baseline.
@@ -48,10 +48,11 @@ from retrain.local import emulators
 from retrain.local.landing import finalized_event
 from retrain.local.stack import FUNCTIONS_SOURCE
 
+# Served as functions/main.py serves on_object_finalized: on the framework's ASGI stack, body on its executor.
 NOOP = """
-import functions_framework
+import functions_framework.aio
 
-@functions_framework.cloud_event
+@functions_framework.aio.cloud_event
 def noop(event):
     event.get_data()
 """

@@ -16,6 +16,7 @@ from typing import Any
 
 import flask
 import functions_framework
+import functions_framework.aio
 from cloudevents.http import CloudEvent
 
 from retrain import composition, config
@@ -38,9 +39,15 @@ def steps() -> Steps:
     return composition.steps(config.load())
 
 
-@functions_framework.cloud_event
+@functions_framework.aio.cloud_event
 def on_object_finalized(event: CloudEvent) -> None:
-    """Eventarc: google.cloud.storage.object.v1.finalized on the landing bucket."""
+    """Eventarc: google.cloud.storage.object.v1.finalized on the landing bucket.
+
+    The hot path (a storm of objects is a storm of these), so it is served on the framework's ASGI stack:
+    an ``aio``-decorated function makes functions-framework (3.9 and later, "auto-detect ASGI mode for
+    @aio decorated functions", its CHANGELOG) serve it with Starlette under uvicorn workers, about half
+    the CPU per event of its Flask stack (bench/storm_bench.py's no-op contenders). The body stays
+    synchronous: the framework runs it on its executor, and an exception is still a 5xx (redelivery)."""
     try:
         outcome = ingest().on_object_finalized(event.get_attributes(), event.get_data())
     except Rejected as e:
