@@ -5,15 +5,15 @@ find_all_regex). RE2's syntax reference (github.com/google/re2/wiki/Syntax) name
 strikes out what it does not; Python's engines accept more and read some of the same text differently.
 ``translate`` refuses what RE2 refuses and rewrites what differs:
 
-* refused: backreferences (``\\1``), lookarounds, atomic and other ``(?`` groups than ``(?:``, named
-  groups and flags, possessive quantifiers (``a++``), ``\\Z``, ``\\C`` and unknown escapes;
+* refused: backreferences (``\\1``), lookarounds, atomic groups and every other ``(?`` group but
+  ``(?:``, named groups and flags; possessive quantifiers (``a++``), ``\\Z``, ``\\C`` and unknown escapes;
 * rewritten: ``\\d \\s \\w`` and ``\\b \\B`` are ASCII in RE2 (Unicode in Python), octal escapes
   (``\\12`` is a backreference in Python), ``\\x{10FFFF}``, ``\\Q...\\E``, ``\\z``, ``$`` (the end of
   the text in RE2, also before a final newline in Python) and a ``{`` that starts no repetition (a literal
   in RE2, fuzzy matching in ``regex``).
 
-Left as Python reads it: ``\\D \\S \\W`` inside a character class, and RE2's ungreedy flag ``U``, which
-is refused here with that reason rather than matched differently.
+Two gaps remain: ``\\D \\S \\W`` inside a character class keep Python's Unicode reading, and RE2's
+ungreedy flag ``U``, which Python lacks, is refused with that reason rather than matched differently.
 """
 
 from __future__ import annotations

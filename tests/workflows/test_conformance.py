@@ -153,6 +153,7 @@ def test_cases_exist() -> None:
         assert len(outcomes) == 1, f"{case.name} must declare one outcome"
         assert str(exp.get("source", "")).startswith(GOOGLE_DOCS), f"{case.name} must cite its Google page"
         assert case.parent != HERE, f"{case.name} belongs in the folder of its documentation page"
+        assert exp.get("serve", "echo") == "echo", f"{case.name}: the only peer served is echo"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
