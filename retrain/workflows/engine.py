@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,7 +75,7 @@ class ChildExecutions(Protocol):
     """Executions of other workflows, for ``experimental.executions``: the executions service."""
 
     def run_children(
-        self, parent: str, arguments: list[Any], timeout: float, check_cancel: Callable[[], None]
+        self, parent: str, arguments: Sequence[Any], timeout: float, check_cancel: Callable[[], None]
     ) -> list[Any]:
         """Start one execution of ``parent`` (``projects/P/locations/L/workflows/W``) per argument, wait
         for all of them and return their results in the arguments' order; ExecutionError if any did not

@@ -890,7 +890,7 @@ def _executions_map(
     project = project_id or rt.env.get("GOOGLE_CLOUD_PROJECT_ID", "")
     where = location or rt.env.get("GOOGLE_CLOUD_LOCATION", "")
     parent = f"projects/{project}/locations/{where}/workflows/{workflow_id}"
-    return rt.executions.run_children(parent, list(arguments), float(timeout), rt.check_cancel)
+    return rt.executions.run_children(parent, arguments, float(timeout), rt.check_cancel)
 
 
 @_register(

@@ -304,9 +304,10 @@ class _Builder:
         return compiled
 
     def check_expression(self, expr: Expr, step: str, line: int) -> None:
-        if len(expr.source) - 3 > MAX_EXPRESSION_LENGTH:
+        length = len(expr.source) - len("${}")
+        if length > MAX_EXPRESSION_LENGTH:
             raise self.fail(
-                f"expression is {len(expr.source) - 3} characters long; the limit is {MAX_EXPRESSION_LENGTH}",
+                f"expression is {length} characters long; the limit is {MAX_EXPRESSION_LENGTH}",
                 step,
                 line,
             )

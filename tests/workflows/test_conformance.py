@@ -168,12 +168,16 @@ def test_conformance(case: Path, executions: ExecutionsServer, echo_url: str) ->
         assert exp["expect_deploy_error"] in str(refused.value)
         return
     wf = load_workflow(case)
+
+    def run() -> Any:
+        return wf.run(args, execution_name=EXECUTION, hub=executions.hub, executions=executions)
+
     if "expect" in exp:
-        result = wf.run(args, execution_name=EXECUTION, hub=executions.hub, executions=executions)
+        result = run()
         assert same(result, exp["expect"]), f"{case.name}: got {result!r}, expected {exp['expect']!r}"
         return
     with pytest.raises(WorkflowError) as info:
-        wf.run(args, execution_name=EXECUTION, hub=executions.hub, executions=executions)
+        run()
     want, got = exp["expect_error"], info.value.value
     if isinstance(want, str):
         assert got == want
