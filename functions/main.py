@@ -98,7 +98,8 @@ def on_jobset_event(event: CloudEvent) -> None:
 
 @functions_framework.cloud_event
 def on_scheduler_tick(event: CloudEvent) -> None:
-    """Pub/Sub (Scheduler ticks): {"job": "seal" | "sweeper" | "reaper"} (retrain.contracts.SchedulerTick)."""
+    """Pub/Sub (Scheduler ticks): {"job": "seal" | "sweeper" | "reaper" | "audit"}
+    (retrain.contracts.SchedulerTick)."""
     try:
         outcomes = ingest().on_scheduler_tick(pubsub_json(event))
     except Rejected as e:

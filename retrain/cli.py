@@ -329,9 +329,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         executions = _executions(settings)
         run = follow(ledger, new[-1].run_id, args.timeout, executions)
         page = _report(settings, run, None)
+        accounted = _audit_line(settings, ledger)
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
     _say(f"the run's report: {page}")
-    return 0 if run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 else 1
+    _say(accounted)
+    ok = run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 and accounted.startswith("audit: every")
+    return 0 if ok else 1
+
+
+def _audit_line(settings: config.Settings, ledger: Any) -> str:
+    """``retrain audit`` in one line: every dropped object accounted for, or how many are not."""
+    from retrain.adapters import objects
+    from retrain.audit import audit
+
+    report = audit(settings, ledger, objects, settle_s=30)
+    counts = ", ".join(f"{n} {account}" for account, n in report.counts().items())
+    if report.findings:
+        return f"audit: {len(report.findings)} object(s) not accounted for ({counts}): `retrain audit`"
+    return f"audit: every object accounted for ({counts})"
 
 
 def _report(settings: config.Settings, run: Run, output: str | None) -> Path:
@@ -510,6 +525,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Every landed object accounted for (``retrain.audit``): exit 1 when something is not."""
+    from retrain.adapters import objects
+    from retrain.audit import Account, audit, repair
+
+    with reach(args, running=True) as settings:
+        ledger = _ledger(settings)
+        report = audit(settings, ledger, objects, args.dataset, settle_s=args.settle)
+        if args.repair and report.findings:
+            for e in repair(report, settings, ledger, objects):
+                _say(f"repaired {e.uri}#{e.generation} ({e.account}): {e.action}")
+            report = audit(settings, ledger, objects, args.dataset, settle_s=args.settle)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 1 if report.findings else 0
+    counts = ", ".join(f"{n} {account}" for account, n in report.counts().items()) or "nothing"
+    print(f"{len(report.entries)} object version(s): {counts}")
+    for e in report.entries:
+        if e.account.finding or args.verbose:
+            print(f"  {e.account:<12} {e.uri}#{e.generation}  {e.detail}")
+            if e.action:
+                print(f"  {'':<12} -> {e.action}")
+    waiting = sorted({e.run_id for e in report.entries if e.account == Account.RETURNED and e.run_id})
+    for run_id in waiting:
+        n = sum(1 for e in report.entries if e.account == Account.RETURNED and e.run_id == run_id)
+        print(f"  {n} object(s) given back by run {run_id}: `retrain run --retry {run_id}` trains them")
+    if report.findings:
+        print(f"{len(report.findings)} object version(s) not accounted for (see above)")
+        return 1
+    print("every object is accounted for")
+    return 0
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     """Save, list and show the deployments the CLI can point at (``retrain.targets``)."""
     from retrain import targets
@@ -644,6 +692,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_id")
     c.add_argument("--reason", default="cancelled by request")
     c.set_defaults(fn=cmd_cancel)
+
+    au = sub.add_parser("audit", help="account for every landed object against the ledger (exit 1: not all)")
+    au.add_argument("--dataset", default=None, help="only this dataset (default: every one)")
+    au.add_argument("--json", action="store_true")
+    au.add_argument("--repair", action="store_true", help="do what each mechanical finding's action says")
+    au.add_argument("--verbose", action="store_true", help="list every object version, not only findings")
+    au.add_argument(
+        "--settle", type=float, default=0.0, help="seconds a finding must hold (work in flight settles)"
+    )
+    au.set_defaults(fn=cmd_audit)
 
     t = sub.add_parser("target", help="save, list or show the deployments the CLI can act on")
     t_sub = t.add_subparsers(dest="action", required=True)

@@ -54,6 +54,9 @@ class Settings:
     """The sweeper seals a batch this old even while data keeps arriving."""
     stuck_after_s: float = 120.0
     """The sweeper finishes seals and starts runs that a crash left half done for this long."""
+    audit_grace_s: float = 600.0
+    """``retrain audit`` counts an object that landed this recently, and has no arrival yet, as in flight
+    (its event may be on its way), not as lost."""
     bigquery_tables: str = ""
     """Watched BigQuery tables, comma-separated ``project.dataset.table=DATASET`` (or just the table:
     its rows join the default dataset). A write to one exports its new rows and seals their batch."""
@@ -158,10 +161,15 @@ class Settings:
     train_timeout_s: int = 86400
     """How long a run waits for the training JobSet to finish."""
     tokenize_timeout_s: int = 1800
-    """How long a run waits for its tokenize job, on top of its batch at tokenize_min_bytes_per_s."""
+    """How long a run waits for its tokenize job (start-up, workers), on top of its batch's bytes at
+    tokenize_min_bytes_per_s and its objects at tokenize_min_objects_per_s."""
     tokenize_min_bytes_per_s: float = 1e6
     """The slowest a healthy tokenize job reads (the local FnApiRunner does 10 MB/s on two cores): a
     batch's deadline grows by its size at this rate."""
+    tokenize_min_objects_per_s: float = 2.0
+    """The slowest a healthy tokenize job takes objects, whatever their size (each is its own shard: a
+    few reads and writes apiece; the local FnApiRunner takes about 6 a second on two cores): a batch's
+    deadline grows by its objects at this rate, so a storm of small files is not cut short."""
     release_timeout_s: int = 1200
     """How long the release waits for the pool's nodes to be gone (the autoscaler removes unneeded nodes
     after 10 minutes by default)."""
@@ -192,6 +200,8 @@ class Settings:
         # the estimates divide by these
         if self.nodes < 1 or self.node_tokens_per_s <= 0 or self.price_per_node_hour < 0:
             raise ValueError("nodes must be >= 1, node_tokens_per_s > 0 and price_per_node_hour >= 0")
+        if self.tokenize_min_bytes_per_s <= 0 or self.tokenize_min_objects_per_s <= 0:
+            raise ValueError("tokenize_min_bytes_per_s and tokenize_min_objects_per_s must be > 0")
         if (
             self.function_timeout_s <= 0
             or self.bigquery_export_timeout_s <= 0
@@ -242,6 +252,14 @@ class Settings:
                 raise ValueError(f"RETRAIN_PROFILES: {item!r} is not DATASET=PROFILE")
             chosen[name] = value
         return chosen.get(dataset, self.profile)
+
+    def dataset_of_object(self, name: str) -> str | None:
+        """The dataset of an object named ``name`` under the landing prefix: ``<prefix><dataset>/...``, or
+        the default dataset for files directly under the prefix; None when its folder is no dataset name."""
+        head, sep, _ = name[len(self.landing_prefix) :].partition("/")
+        if not sep:
+            return self.dataset
+        return head if DATASET_RE.fullmatch(head) else None
 
     def image_of(self, profile: str) -> str:
         """The training image of ``profile``."""

@@ -76,6 +76,9 @@ class SchedulerJob(StrEnum):
     ended silently, and start queued runs."""
     REAPER = "reaper"
     """Delete the JobSets, ProvisioningRequests and PodTemplates no live run owns; report GPU nodes up."""
+    AUDIT = "audit"
+    """Account for every landed object against the ledger (``retrain.audit``): log what is not, and
+    record the arrivals of objects whose events never came."""
 
 
 @dataclass(frozen=True)
@@ -212,15 +215,18 @@ class RunManifest:
     snapshot: str
     """The snapshot id: the hash of the objects' content hashes."""
     objects: list[ObjectVersion] = field(default_factory=list)
-    """Every object, once each: ``{"uri": "gs://bucket/name", "generation": N, "size": B}``.  The name
-    is literal (never a pattern) and the tokenize job reads exactly that generation."""
+    """Every object, once each: ``{"uri": "gs://bucket/name", "generation": N, "size": B,
+    "content_hash": "md5:...:jsonl"}``.  The name is literal (never a pattern) and the tokenize job reads
+    exactly that generation, or, once that generation is gone, the object's current one when it holds
+    the same content (the content hash's md5)."""
 
     @property
     def total_bytes(self) -> int:
         return sum(o.size for o in self.objects)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        body = {**asdict(self), "objects": [o.to_dict() for o in self.objects]}
+        return json.dumps(body, indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes | str) -> RunManifest:
@@ -236,6 +242,17 @@ class RunManifest:
 
 
 # --- retrain tokenize -> the workflow --------------------------------------------------------------
+
+
+class SetAside(StrEnum):
+    """Why the tokenize job set an object aside whole (a report's ``quarantined_objects`` ``reason``)."""
+
+    UNREADABLE = "unreadable"
+    """Not there, or not what its name says (a ``.parquet`` that is not Parquet), or reading it failed."""
+    OBJECT_CHANGED = "object_changed"
+    """The generation that arrived is gone and the object does not hold its bytes now."""
+    DECOMPRESSED_TOO_LARGE = "decompressed_too_large"
+    """Its pages decompress past the job's limit (a decompression bomb)."""
 
 
 @dataclass(frozen=True)
@@ -262,8 +279,8 @@ class TokenizeReport:
     tokenized: dict[str, int]
     """The totals above restricted to the newly tokenized objects."""
     shards: list[dict[str, Any]]
-    """One entry per object: ``object``, ``sha256``, ``data_prefix``, ``documents``, ``tokens``,
-    ``reused``."""
+    """One entry per object version: ``object``, ``generation`` (as the manifest recorded it; None for an
+    object named by a pattern), ``sha256``, ``data_prefix``, ``documents``, ``tokens``, ``reused``."""
     data_prefix_blend: list[Any]
     """Megatron's blend: ``[weight, prefix, weight, prefix, ...]``, weights proportional to tokens."""
     quarantine_reasons: dict[str, int]

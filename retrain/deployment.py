@@ -39,14 +39,17 @@ LOCAL_TIME_FACTOR = 60.0
 #: (``--scale-down-unneeded-time``, 10 minutes by default; kubernetes/autoscaler's FAQ): what a released
 #: run's nodes cost after its capacity request is deleted.
 AUTOSCALER_SCALE_DOWN_S = 600.0
-#: Settings whose values are periods, scaled by LOCAL_TIME_FACTOR locally.
+#: Settings whose values are periods of waiting, scaled by LOCAL_TIME_FACTOR locally: the local clock
+#: speeds up what the stack only waits for (the Scheduler, DWS's answer, the autoscaler), never real
+#: work. The tokenize and training deadlines bound work that runs at its own speed here as in the cloud
+#: (the Beam pipeline, the stand-in trainer), so they are not scaled: a deadline cut sixty-fold would
+#: stop a healthy local run.
 SCALED_PERIODS = (
     "quiet_period_s",
     "max_batch_age_s",
     "stuck_after_s",
+    "audit_grace_s",
     "provision_timeout_s",
-    "train_timeout_s",
-    "tokenize_timeout_s",
     "release_timeout_s",
     "poll_interval_s",
     "completion_check_s",
@@ -258,6 +261,15 @@ class Deployment:
             "GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME": str(self.app.evaluate(workflow["service_account"])),
             **self.workflow_env(values),
         }
+
+    def versioned_buckets(self) -> dict[str, bool]:
+        """Each bucket infra/platform creates, by name, and whether it keeps object versions (the local
+        storage emulator keeps noncurrent versions for those, as Cloud Storage does)."""
+        out = {}
+        for spec in self.platform.resources("google_storage_bucket").values():
+            versioning = self.platform.evaluate(spec.get("versioning") or [{}])
+            out[str(self.platform.evaluate(spec["name"]))] = bool(versioning and versioning[0].get("enabled"))
+        return out
 
     def topic(self, output: str) -> str:
         """A topic's full id from the platform stage's outputs (``jobset_topic_id`` ...)."""

@@ -20,6 +20,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
+from retrain.audit import Account, AuditReport, audit, log_report, repair
 from retrain.config import DATASET_RE, Settings
 from retrain.contracts import (
     CallbackPayload,
@@ -37,7 +38,7 @@ from retrain.domain.bigquery_events import (
     parse_bigquery_audit,
 )
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
-from retrain.domain.events import ObjectArrival, check_object_name, is_retrain_output, parse_gcs_finalized
+from retrain.domain.events import ObjectArrival, check_object_name, parse_gcs_finalized
 from retrain.domain.runs import BatchState, Champion, Run, RunStatus, iso, now_iso
 from retrain.exports import Progress, Step, TableExports, arrival_of, written_files
 from retrain.plan import (
@@ -102,8 +103,12 @@ class Action(StrEnum):
     """A run whose execution ended without an outcome was recorded as failed."""
     RECORDED_SUCCESS = "recorded-success"
     """A run whose execution was lost after its results were recorded was recorded as succeeded."""
+    GAVE_BACK = "gave-back"
+    """A run that ended without succeeding gave back the content it still held (its finish step had not)."""
     RELAYED = "relayed"
     """A JobSet completion reached its run's callback."""
+    AUDITED = "audited"
+    """The audit ran (the detail counts where every object stands)."""
     REAPED = "reaped"
     """The reaper ran (the detail says what it deleted and which GPU nodes are up)."""
 
@@ -131,9 +136,11 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
     current = ledger.get_run(run.run_id)  # re-read: the workflow writes its outcome before it ends
     if current is None or current.status.terminal:
         return None
-    if state == ExecutionState.LOST and current.checkpoint:
-        # trained, its results recorded and its checkpoint promoted: only its release was cut short
-        reason = f"trained; its execution {run.execution} was lost while releasing (the reaper releases)"
+    if current.checkpoint:
+        # Trained, its results recorded (its checkpoint judged, promoted or not): only what came after
+        # (the release, the final record) was cut short, so it succeeded; the reaper releases.
+        how = "was lost" if state == ExecutionState.LOST else f"ended {state}"
+        reason = f"trained; its execution {run.execution} {how} while releasing (the reaper releases)"
         ledger.update_run(
             run.run_id, {"status": str(RunStatus.SUCCEEDED), "reason": reason, "finished_at": now_iso()}
         )
@@ -175,22 +182,26 @@ class Ingest:
 
     def dataset_of(self, name: str) -> str:
         """``incoming/<dataset>/...`` names a dataset; files directly under the prefix use the default."""
-        rest = name[len(self.settings.landing_prefix) :]
-        head, sep, _ = rest.partition("/")
-        if not sep:
-            return self.settings.dataset
-        if not DATASET_RE.match(head):
+        dataset = self.settings.dataset_of_object(name)
+        if dataset is None:
+            head = name[len(self.settings.landing_prefix) :].partition("/")[0]
             raise Rejected(f"dataset folder {head!r} is not a valid dataset name")
-        return head
+        return dataset
 
     def on_object_finalized(self, attributes: Mapping[str, Any], data: Any) -> Outcome:
-        """A GCS finalize event: record the object, or seal on the marker. Raises Rejected."""
+        """A GCS finalize event: record the object, or seal on the marker. Raises Rejected; an object
+        under the landing prefix that is refused is recorded with its reason (``retrain audit`` shows
+        it), so that every object that lands there is an arrival or a recorded rejection."""
         arrival = parse_gcs_finalized(attributes, data)
         if arrival.bucket != self.settings.landing_bucket:
             raise Rejected(f"bucket {arrival.bucket!r} is not the landing bucket")
-        if not arrival.name.startswith(self.settings.landing_prefix) or is_retrain_output(arrival.name):
-            return Outcome(Action.IGNORED, f"{arrival.name} is not new training data")
-        dataset = self.dataset_of(arrival.name)
+        if not arrival.name.startswith(self.settings.landing_prefix):
+            return Outcome(Action.IGNORED, f"{arrival.name} is outside the landing prefix: not training data")
+        try:
+            dataset = self.dataset_of(arrival.name)
+        except Rejected as e:
+            self.ledger.record_rejection(arrival.version, e.reason)
+            raise
         if arrival.name.rsplit("/", 1)[-1] == self.settings.seal_marker:
             return self.seal(dataset, trigger="gcs-marker")
         return self._record(arrival, dataset)
@@ -224,7 +235,7 @@ class Ingest:
         bucket, _, name = uri.removeprefix("gs://").partition("/")
         if not uri.startswith("gs://") or bucket != self.settings.landing_bucket:
             raise Rejected(f"{uri[:200]!r} is not in the landing bucket")
-        if not name.startswith(self.settings.landing_prefix) or is_retrain_output(name):
+        if not name.startswith(self.settings.landing_prefix):
             raise Rejected(f"{uri[:200]!r} is not under the landing prefix")
         return check_object_name(name.replace("*", "x"))  # validated with its wildcard filled in
 
@@ -341,6 +352,17 @@ class Ingest:
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome(Action.STARTED, execution, run.run_id)
 
+    def _settle(self, run: Run) -> Outcome | None:
+        """Give back what a run that ended without succeeding still holds (a promoted one keeps it: its
+        checkpoint holds that content)."""
+        if run.promoted:
+            return None
+        returned = self.ledger.give_back(run)
+        log.warning(
+            "run %s ended %s holding its content: %d object(s) given back", run.run_id, run.status, returned
+        )
+        return Outcome(Action.GAVE_BACK, f"{returned} object(s) of {run.status} run {run.run_id}", run.run_id)
+
     def _price(self, champion: Champion | None) -> Estimate:
         """The next run's estimate, from the champion run's record when the dataset has one."""
         return estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
@@ -362,13 +384,28 @@ class Ingest:
         return Outcome(Action.REFUSED, reason, run.run_id)
 
     def on_scheduler_tick(self, message: Mapping[str, Any]) -> list[Outcome]:
-        """A Cloud Scheduler job's tick (:class:`SchedulerTick`): seal, sweeper or reaper."""
+        """A Cloud Scheduler job's tick (:class:`SchedulerTick`): seal, sweeper, reaper or audit."""
         tick = SchedulerTick.parse(message)
         if tick.job == SchedulerJob.SWEEPER:
             return self.sweep()
         if tick.job == SchedulerJob.REAPER:
             return [self.reap()]
+        if tick.job == SchedulerJob.AUDIT:
+            return [self.audit()]
         return self.seal_pending(tick.dataset, "scheduler")
+
+    def audit(self) -> Outcome:
+        """Account for every landed object (:mod:`retrain.audit`); log what is not, and record the arrivals
+        of objects whose finalize events never came (Eventarc stops retrying after a day).  The other
+        findings wait for an operator (``retrain audit --repair``): they mean a run to retry or a fault."""
+        report = audit(self.settings, self.ledger, self.store)
+        log_report(report)
+        lost = [e for e in report.findings if e.account == Account.UNRECORDED]
+        repair(AuditReport(lost, report.checked_at), self.settings, self.ledger, self.store)
+        detail = f"{len(report.entries)} object version(s): {report.counts()}"
+        if lost:
+            detail += f"; {len(lost)} arrival(s) recorded"
+        return Outcome(Action.AUDITED, detail)
 
     def reap(self) -> Outcome:
         """Delete the cluster objects no live run owns (a crashed or hard-cancelled execution leaves
@@ -503,6 +540,9 @@ class Ingest:
                 )
         if ended and self.cluster is not None:
             each("reaping what ended runs left", self.reap)  # their JobSets and capacity go now
+        for run in self.ledger.unsettled():
+            # ended without succeeding, its content still held: its finish step did not run or failed
+            each(f"give back {run.run_id}", partial(self._settle, run))
         for run in self.ledger.runs_in(RunStatus.PENDING):
             # queued behind a finished run, or orphaned by a crash (a start claimed moments ago is left
             # to its starter: claim_start says so)

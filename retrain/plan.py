@@ -196,10 +196,15 @@ def max_run_duration_s(settings: Settings) -> int:
     return settings.train_timeout_s if cap_s is None else max(1, min(settings.train_timeout_s, int(cap_s)))
 
 
-def tokenize_deadline_s(settings: Settings, batch_bytes: int) -> int:
-    """How long the tokenize job may take: the fixed allowance (start-up, workers) plus the batch read
-    at the slowest rate a healthy job keeps."""
-    return int(settings.tokenize_timeout_s + batch_bytes / settings.tokenize_min_bytes_per_s)
+def tokenize_deadline_s(settings: Settings, batch_bytes: int, batch_objects: int) -> int:
+    """How long the tokenize job may take: the fixed allowance (start-up, workers) plus the batch at the
+    slowest rates a healthy job keeps, in bytes read and in objects taken (each object is its own shard,
+    so many small ones cost more than their bytes say)."""
+    return int(
+        settings.tokenize_timeout_s
+        + batch_bytes / settings.tokenize_min_bytes_per_s
+        + batch_objects / settings.tokenize_min_objects_per_s
+    )
 
 
 def workflow_argument(
@@ -244,7 +249,7 @@ def workflow_argument(
         jobset_name=jobset_name(run.run_id),
         podtemplate=podtemplate,
         provisioning_request=provreq,
-        tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes),
+        tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes, run.objects),
         provision_timeout_s=settings.provision_timeout_s,
         train_timeout_s=deadline,
         train_deadline_reason=deadline_reason,

@@ -7,7 +7,7 @@ endpoint); the Workflows executions API, which has no emulator, has a local twin
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -183,12 +183,65 @@ class ObjectInfo:
     generation: int | None = None
     """Changes whenever the content is rewritten: GCS's generation; a local file's mtime in ns."""
     md5_hash: str | None = None
+    updated: datetime | None = None
+    """When this version was written (GCS's ``updated``; a local file's mtime)."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An object under the landing prefix that retrain refused, and why: recorded, so that every object
+    that lands is an arrival or a rejection someone can read (``retrain audit``)."""
+
+    version: ObjectVersion
+    reason: str
+    at: str
+    """When it was refused (RFC 3339)."""
+
+
+@dataclass(frozen=True)
+class RecordedArrival:
+    """One arrival as the ledger holds it."""
+
+    version: ObjectVersion
+    """The object version, with the content hash it arrived with."""
+    arrived_at: str
+    """Its commit time (RFC 3339): arrivals after the dataset's last cut are pending."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One ``contents/`` entry: the run that holds (trains, or trained) one content, through one version."""
+
+    version: ObjectVersion
+    run_id: str
+
+
+@dataclass(frozen=True)
+class DatasetRecords:
+    """Everything the ledger holds on one dataset's data, read at once for ``retrain audit``."""
+
+    dataset: str
+    last_cut: str | None
+    """The commit time of its latest seal (None: never sealed)."""
+    arrivals: list[RecordedArrival]
+    holdings: list[Holding]
+    runs: list[Run]
+    returned: dict[str, list[ObjectVersion]]
+    """Run id -> the object versions whose content it gave back (``runs/{run}/objects``)."""
 
 
 class Ledger(Protocol):
     """Durable, transactional record of arrivals, batches and runs (Firestore)."""
 
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome: ...
+
+    def record_rejection(self, version: ObjectVersion, reason: str) -> None: ...
+
+    def rejections(self) -> list[Rejection]: ...
+
+    def datasets(self) -> list[str]: ...
+
+    def dataset_records(self, dataset: str) -> DatasetRecords: ...
 
     def pending(self, dataset: str | None = None) -> list[Pending]: ...
 
@@ -200,7 +253,11 @@ class Ledger(Protocol):
 
     def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]: ...
 
-    def give_back(self, run: Run) -> int: ...
+    def give_back(self, run: Run, versions: Collection[ObjectVersion] | None = None) -> int: ...
+
+    def versions_of(self, dataset: str, content_hash: str) -> list[ObjectVersion]: ...
+
+    def arrive_again(self, dataset: str, version: ObjectVersion, why: str) -> None: ...
 
     def requeue(self, run: Run) -> int: ...
 
@@ -227,6 +284,8 @@ class Ledger(Protocol):
     def claim_start(self, run: Run, stale_after_s: float) -> StartClaim: ...
 
     def runs_in(self, *statuses: RunStatus) -> list[Run]: ...
+
+    def unsettled(self) -> list[Run]: ...
 
     def attach_execution(self, run_id: str, execution: str) -> None: ...
 
@@ -302,9 +361,9 @@ class ObjectStore(Protocol):
 
     def delete(self, uri: str) -> None: ...
 
-    def stat(self, uri: str) -> ObjectInfo: ...
+    def stat(self, uri: str, generation: int | None = None) -> ObjectInfo: ...
 
-    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]: ...
+    def list_objects(self, prefix: str, versions: bool = False) -> Iterator[ObjectInfo]: ...
 
 
 class Warehouse(Protocol):

@@ -29,13 +29,15 @@ from retrain.contracts import (
     Finished,
     Handover,
     Results,
+    SetAside,
     StepName,
     StepRequest,
     TokenizeReport,
     field_names,
 )
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import Champion, RunStatus, TrainingMetrics, evaluate
+from retrain.domain.events import ObjectVersion
+from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate
 from retrain.plan import render_training, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
@@ -87,6 +89,40 @@ def trainer_outputs(store: ObjectStore, run_dir: str) -> tuple[list[Scalar], set
     return scalars, checkpoints
 
 
+def give_back_unread(ledger: Ledger, store: ObjectStore, run: Run) -> int:
+    """Give back the content of the objects ``run`` set aside whole (gone since they arrived, unreadable,
+    too large): it never trained.  When one was gone (overwritten or deleted), a copy of its bytes that
+    arrived under another name and was skipped as held by this run arrives again, so that it trains in a
+    later run; how many objects' content went back."""
+    unread = {(str(q.get("object")), int(q.get("generation") or 0)): q for q in run.quarantined_objects}
+    if not unread:
+        return 0
+    held = [v for v in ledger.run_objects(run) if (v.uri, v.generation) in unread]
+    returned = ledger.give_back(run, held)
+    for version in held:
+        if unread[(version.uri, version.generation)].get("reason") == SetAside.OBJECT_CHANGED and version.md5:
+            copy = _readable_copy(ledger, store, run.dataset, version)
+            if copy is not None:
+                ledger.arrive_again(run.dataset, copy, f"copy of {version.uri}#{version.generation}")
+    return returned
+
+
+def _readable_copy(
+    ledger: Ledger, store: ObjectStore, dataset: str, gone: ObjectVersion
+) -> ObjectVersion | None:
+    """Another version that arrived with ``gone``'s content and still holds its bytes, if any."""
+    for other in ledger.versions_of(dataset, gone.content_hash):
+        if (other.uri, other.generation) == (gone.uri, gone.generation):
+            continue
+        try:
+            info = store.stat(other.uri, other.generation or None)
+        except FileNotFoundError:
+            continue
+        if info.md5_hash == gone.md5:
+            return other
+    return None
+
+
 class Steps:
     """The handlers, over the ports alone."""
 
@@ -133,13 +169,16 @@ class Steps:
         return Handover(jobset, command.argv)
 
     def finish(self, plan: TrainingPlan) -> Finished:
-        """A run that ended without succeeding gives its content back: content counts as trained only
-        when it trained, so identical bytes dropped again are new again (and ``run --retry`` re-runs
-        the run's own objects)."""
+        """A run gives back the content it did not train: content counts as trained only when it
+        trained, so identical bytes dropped again are new again.  A run that ended without succeeding
+        gives back all of it (``run --retry`` re-runs its own objects); one that succeeded, the objects its
+        tokenize job set aside whole (:func:`give_back_unread`)."""
         run = self.ledger.get_run(plan.run_id)
-        if run is None or not run.status.terminal or run.status == RunStatus.SUCCEEDED:
+        if run is None or not run.status.terminal:
             return Finished(0)
-        return Finished(self.ledger.give_back(run))
+        if run.status != RunStatus.SUCCEEDED and not run.promoted:
+            return Finished(self.ledger.give_back(run))
+        return Finished(give_back_unread(self.ledger, self.store, run))
 
     def results(self, plan: TrainingPlan) -> Results:
         trainer = profile(plan.profile)

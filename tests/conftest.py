@@ -22,6 +22,30 @@ SHARED = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared"))
 CORPUS = SHARED / "corpus"
 
 
+@pytest.fixture(autouse=True)
+def _every_object_accounted_for(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that drove a local stack ends with its audit (``retrain audit``): a test that loses an
+    object fails, whatever it was testing."""
+    yield
+    from retrain.local.stack import LocalStack
+
+    stacks = [v for v in request.node.funcargs.values() if isinstance(v, LocalStack)]
+    if stacks and not getattr(request.node, "rep_call_failed", False):
+        from stack_support import assert_accounted
+
+        for stack in stacks:
+            assert_accounted(stack)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Note a failed test body, so that its audit (above) does not report the same failure twice."""
+    report = yield
+    if call.when == "call" and report.failed:  # type: ignore[attr-defined]
+        item.rep_call_failed = True  # type: ignore[attr-defined]
+    return report
+
+
 @pytest.fixture(scope="session")
 def emulator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("emulators")

@@ -113,3 +113,16 @@ def assert_nothing_left(stack: LocalStack) -> None:
     ):
         items = custom.list_namespaced_custom_object(group, version, "default", plural)["items"]
         assert [i["metadata"]["name"] for i in items] == [], plural
+
+
+def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:
+    """``retrain audit`` on the stack: every object that landed is trained, held, pending, given back by a
+    run that failed, gone or refused with a reason; a finding that holds for ``settle_s`` (work still in
+    flight settles) fails the test, object by object."""
+    from retrain.adapters import objects
+    from retrain.audit import audit
+
+    s = stack.settings
+    report = audit(s, FirestoreLedger(s.project), objects, settle_s=settle_s)
+    lines = [f"{e.account} {e.uri}#{e.generation} ({e.detail}): {e.action}" for e in report.findings]
+    assert not lines, "objects not accounted for:\n" + "\n".join(lines)

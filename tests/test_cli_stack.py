@@ -128,6 +128,10 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         ticks = (state / "function-on_scheduler_tick.log").read_text()
         assert "reaped deleted" in ticks and "GPU nodes up" in ticks, ticks[-2000:]
 
+        # every object dropped above is accounted for
+        audited = retrain(["audit", "--settle", "30"], state)
+        assert audited.returncode == 0 and "every object is accounted for" in audited.stdout, audited.stdout
+
     finally:
         down = retrain(["down"], state)
     assert down.returncode == 0, down.stderr
@@ -238,6 +242,13 @@ def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(
         more.write_text("\n".join(json.dumps({"text": f"after the crash {i}"}) for i in range(10)))
         assert retrain(["drop", str(more), "--dataset", "long"], state).returncode == 0
         assert wait_for_run(state, "long", after=str(run["run_id"]))["nodes_at_end"] == 0
+        # nothing lost across the crash: the killed run's content waits for its retry, named as such
+        audited = retrain(["audit", "--json", "--settle", "30"], state)
+        assert audited.returncode == 0, audited.stdout
+        waiting = json.loads(audited.stdout)["waiting"]
+        assert [(w["uri"].rsplit("/", 1)[-1], w["run_id"]) for w in waiting] == [
+            ("long.jsonl", run["run_id"])
+        ]
     finally:
         retrain(["down"], state)
 

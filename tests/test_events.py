@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from retrain.domain.events import GCS_FINALIZED, Rejected, is_retrain_output, parse_gcs_finalized
+from retrain.domain.events import GCS_FINALIZED, Rejected, parse_gcs_finalized
 
 ATTRS = {
     "type": GCS_FINALIZED,
@@ -54,17 +54,3 @@ def test_malformed_events_are_rejected_with_a_reason(attrs: dict[str, Any], data
     with pytest.raises(Rejected) as e:
         parse_gcs_finalized(attrs, data)
     assert reason in e.value.reason
-
-
-@pytest.mark.parametrize(
-    ("name", "ours"),
-    [
-        ("incoming/_retrain/x", True),
-        ("incoming/shard_text_document.bin", True),
-        ("incoming/run_report.json", True),
-        ("incoming/books.jsonl", False),
-        ("incoming/report.json", False),
-    ],
-)
-def test_retrain_outputs_are_recognised(name: str, ours: bool) -> None:
-    assert is_retrain_output(name) is ours

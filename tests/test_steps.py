@@ -18,6 +18,7 @@ from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.contracts import StepName, StepRequest
 from retrain.domain.errors import PlanError, Rejected
+from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run
 from retrain.plan import training_plan
 from retrain.steps import Steps
@@ -380,3 +381,61 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
         PlanError, match=r"written by the megatron-bridge profile, and nemo-24.12 cannot continue"
     ):
         training_plan(steps.settings, "bridged-next", champion, "bridged")
+
+
+def _landed(steps: Steps, name: str, body: bytes) -> ObjectVersion:
+    """An object in the landing bucket, and its version as its arrival records it."""
+    from retrain.domain.events import ObjectArrival
+
+    uri = f"gs://{steps.settings.landing_bucket}/incoming/back/{name}"
+    objects.write_bytes(uri, body)
+    info = objects.stat(uri)
+    event = ObjectArrival(
+        f"ev-{uuid.uuid4()}",
+        steps.settings.landing_bucket,
+        uri.split("/", 3)[3],
+        int(info.generation or 0),
+        info.size,
+        info.md5_hash or "",
+        "2026-11-26T00:00:00Z",
+    )
+    steps.ledger.record_arrival(event, "back", event.content_hash)
+    return event.version
+
+
+def test_a_run_that_succeeded_gives_back_what_it_could_not_read(steps: Steps) -> None:
+    """Its tokenize job set an object aside whole (gone since it arrived): that content never trained, so
+    it goes back, and a copy of those bytes under another name (skipped as held) arrives again."""
+    if objects.storage_client().lookup_bucket(steps.settings.landing_bucket) is None:
+        objects.storage_client().create_bucket(steps.settings.landing_bucket)
+    gone = _landed(steps, f"gone-{uuid.uuid4().hex}.txt", b"bytes that were overwritten")
+    read = _landed(steps, f"read-{uuid.uuid4().hex}.txt", b"bytes that trained")
+    run = steps.ledger.seal("back", "manual").run
+    assert run is not None
+    copy = _landed(steps, f"copy-{uuid.uuid4().hex}.txt", b"bytes that were overwritten")  # held: skipped
+    assert steps.ledger.seal("back", "manual").verdict == "nothing-new"
+    objects.write_bytes(gone.uri, b"other bytes now")
+    quarantined = [
+        {"object": gone.uri, "generation": gone.generation, "reason": "object_changed", "detail": ""}
+    ]
+    steps.ledger.update_run(run.run_id, {"status": "succeeded", "quarantined_objects": quarantined})
+    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 1}
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
+    after = steps.ledger.get_run(run.run_id)
+    assert after is not None and (after.returned_untrained, after.content_returned) == (1, False)
+    assert [v.uri for v in steps.ledger.run_objects(after)] == [read.uri]  # what it read stays trained
+    again = steps.ledger.seal("back", "manual").run  # the copy arrived again: it trains now
+    assert again is not None and [v.uri for v in steps.ledger.run_objects(again)] == [copy.uri]
+
+
+def test_a_run_that_failed_after_its_checkpoint_was_promoted_keeps_its_content(steps: Steps) -> None:
+    if objects.storage_client().lookup_bucket(steps.settings.landing_bucket) is None:
+        objects.storage_client().create_bucket(steps.settings.landing_bucket)
+    _landed(steps, f"p-{uuid.uuid4().hex}.txt", b"promoted bytes")
+    run = steps.ledger.seal("back", "manual").run
+    assert run is not None
+    steps.ledger.update_run(run.run_id, {"status": "failed", "eval": {"promoted": True}})
+    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # it is in the champion
+    assert len(steps.ledger.run_objects(run)) == 1

@@ -463,3 +463,93 @@ def test_a_datasets_own_runs_price_the_next_one() -> None:
     # 1800 node-seconds for 30 steps -> 3600 for 60 = 1 node-hour
     assert (cost.node_hours, round(cost.cost_usd, 2)) == (1.0, 88.49)
     assert cost.basis == "run d-1: 1800 node-seconds for 30 steps"
+
+
+def test_the_sweeper_gives_back_what_a_run_that_ended_without_succeeding_still_holds(ingest: Ingest) -> None:
+    """Its finish step never ran (the run_step function was down at its end): the content would be held
+    for good, so the next sweep gives it back."""
+    arrive(ingest, "held", "1.txt")
+    arrive(ingest, "held", "2.txt")
+    started = ingest.seal("held", "manual")
+    ingest.ledger.update_run(started.run_id, {"status": "failed", "reason": "training failed"})
+    outcomes = [o for o in ingest.sweep() if o.action == "gave-back"]
+    assert [(o.action, o.run_id) for o in outcomes] == [("gave-back", started.run_id)]
+    run = ingest.ledger.get_run(started.run_id)
+    assert run is not None and run.content_returned
+    assert [o for o in ingest.sweep() if o.action == "gave-back"] == []  # once
+
+
+def test_an_execution_that_ended_failed_after_its_results_is_recorded_succeeded(
+    ingest: Ingest, held_executions: ExecutionsServer
+) -> None:
+    """Trained and judged, then the execution failed (a release that raised): the run succeeded, and its
+    content, which the checkpoint holds, is never given back to train twice."""
+    arrive(ingest, "late", "1.txt")
+    first = ingest.seal("late", "manual")
+    run = ingest.ledger.get_run(first.run_id)
+    assert run is not None and run.execution
+    ckpt = f"gs://art/runs/{run.run_id}/checkpoints/megatron_gpt--step=4-last"
+    ingest.ledger.update_run(
+        run.run_id, {"status": "training", "checkpoint": ckpt, "eval": {"promoted": True}}
+    )
+    held_executions.cancel(run.execution)
+    deadline = time.monotonic() + 10
+    while held_executions.get(run.execution)["state"] == "ACTIVE":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    (outcome,) = [o for o in ingest.sweep(now=later(31)) if o.run_id == run.run_id]
+    assert outcome.action == "recorded-success"
+    ended = ingest.ledger.get_run(run.run_id)
+    assert ended is not None and ended.status == RunStatus.SUCCEEDED and not ended.content_returned
+    assert ended.reason and "ended CANCELLED while releasing" in ended.reason
+
+
+def _finalized(settings: config.Settings, name: str) -> tuple[dict[str, str], dict[str, str]]:
+    from retrain.domain.events import GCS_FINALIZED, GCS_SOURCE_PREFIX
+
+    bucket = settings.landing_bucket
+    attributes = {"type": GCS_FINALIZED, "id": f"ev-{uuid.uuid4()}", "source": GCS_SOURCE_PREFIX + bucket}
+    data = {"bucket": bucket, "name": name, "generation": "5", "size": "3", "md5Hash": uuid.uuid4().hex}
+    return attributes, data
+
+
+def test_every_object_under_the_prefix_is_an_arrival_or_a_recorded_rejection(ingest: Ingest) -> None:
+    """Names that look like retrain's own outputs are data like any other (retrain never writes into the
+    landing bucket); a folder that is no dataset name is refused, and the refusal is recorded."""
+    from retrain.domain.errors import Rejected
+
+    for name in ("daily_report.json", "support_quarantine.jsonl", "q3_text_document.txt", "_retrain/x.txt"):
+        outcome = ingest.on_object_finalized(*_finalized(ingest.settings, f"incoming/look/{name}"))
+        assert outcome.action == "recorded", name
+    assert ingest.ledger.pending("look")[0].objects == 4
+    with pytest.raises(Rejected, match="not a valid dataset name"):
+        ingest.on_object_finalized(*_finalized(ingest.settings, "incoming/News/a.jsonl"))
+    (rejection,) = ingest.ledger.rejections()
+    assert rejection.version.uri.endswith("incoming/News/a.jsonl") and rejection.version.generation == 5
+    assert "not a valid dataset name" in rejection.reason
+    outside = ingest.on_object_finalized(*_finalized(ingest.settings, "elsewhere/a.jsonl"))
+    assert outside.action == "ignored"  # outside the landing prefix: not training data, and not audited
+
+
+def test_the_audit_job_records_an_object_whose_event_never_came(ingest: Ingest) -> None:
+    """An object landed and its finalize event was lost (Eventarc gives up after a day): the Scheduler's
+    audit job finds it unrecorded, records its arrival as the event would have, and the next seal takes
+    it; the audit is clean afterwards."""
+    from retrain.audit import Account, audit
+
+    landing = f"land-{uuid.uuid4().hex[:12]}"  # its own: the audit reads the whole bucket
+    ingest.settings = dataclasses.replace(ingest.settings, audit_grace_s=0, landing_bucket=landing)
+    objects.storage_client().create_bucket(landing)
+    dataset = f"lost{uuid.uuid4().hex[:6]}"
+    uri = f"gs://{ingest.settings.landing_bucket}/incoming/{dataset}/never-announced.jsonl"
+    objects.write_bytes(uri, b'{"text": "its event was lost"}\n')
+    before = audit(ingest.settings, ingest.ledger, objects, dataset)
+    assert [(e.uri, e.account) for e in before.findings] == [(uri, Account.UNRECORDED)]
+    (outcome,) = ingest.on_scheduler_tick({"job": "audit"})
+    assert outcome.action == "audited" and "1 arrival(s) recorded" in outcome.detail
+    after = audit(ingest.settings, ingest.ledger, objects, dataset)
+    assert [(e.uri, e.account) for e in after.entries] == [(uri, Account.PENDING)]
+    started = ingest.seal(dataset, "manual")
+    assert started.action == "started"
+    run = ingest.ledger.get_run(started.run_id)
+    assert run is not None and [v.uri for v in ingest.ledger.run_objects(run)] == [uri]

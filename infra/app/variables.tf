@@ -226,7 +226,7 @@ variable "scheduler_jobs" {
     schedule    = string
     description = string
   }))
-  description = "Periodic jobs; each publishes {\"job\": <key>} to the Scheduler ticks topic, which on_scheduler_tick receives. Keys are retrain.contracts.SchedulerJob values (seal, sweeper, reaper); schedules fire at a steady rate (minute and hour fields only)."
+  description = "Periodic jobs; each publishes {\"job\": <key>} to the Scheduler ticks topic, which on_scheduler_tick receives. Keys are retrain.contracts.SchedulerJob values (seal, sweeper, reaper, audit); schedules fire at a steady rate (minute and hour fields only)."
 
   default = {
     seal = {
@@ -241,11 +241,15 @@ variable "scheduler_jobs" {
       schedule    = "*/15 * * * *"
       description = "Delete JobSets and capacity requests that no live run owns, and report GPU nodes left up."
     }
+    audit = {
+      schedule    = "30 * * * *"
+      description = "Account for every landed object against the ledger; log what is not, and record the arrivals of objects whose events never came."
+    }
   }
 
   validation {
-    condition     = alltrue([for k, _ in var.scheduler_jobs : contains(["seal", "sweeper", "reaper"], k)])
-    error_message = "scheduler_jobs keys are the jobs on_scheduler_tick runs: seal, sweeper, reaper."
+    condition     = alltrue([for k, _ in var.scheduler_jobs : contains(["seal", "sweeper", "reaper", "audit"], k)])
+    error_message = "scheduler_jobs keys are the jobs on_scheduler_tick runs: seal, sweeper, reaper, audit."
   }
 }
 
@@ -287,6 +291,12 @@ variable "stuck_after_s" {
   type        = number
   description = "The sweeper finishes seals and starts that a crash left half done for this long (RETRAIN_STUCK_AFTER_S)."
   default     = 120
+}
+
+variable "audit_grace_s" {
+  type        = number
+  description = "The audit counts an object that landed this recently, with no arrival recorded yet, as in flight rather than lost (RETRAIN_AUDIT_GRACE_S)."
+  default     = 600
 }
 
 variable "landing_prefix" {
@@ -453,7 +463,7 @@ variable "seq_length" {
 
 variable "tokenize_timeout_s" {
   type        = number
-  description = "Fixed part of a run's tokenize deadline (RETRAIN_TOKENIZE_TIMEOUT_S): the job is cancelled and the run fails after this plus its batch at tokenize_min_bytes_per_s."
+  description = "Fixed part of a run's tokenize deadline (RETRAIN_TOKENIZE_TIMEOUT_S): the job is cancelled and the run fails after this plus its batch's bytes at tokenize_min_bytes_per_s and its objects at tokenize_min_objects_per_s."
   default     = 1800
 }
 
@@ -461,6 +471,17 @@ variable "tokenize_min_bytes_per_s" {
   type        = number
   description = "The slowest rate a healthy tokenize job reads at (RETRAIN_TOKENIZE_MIN_BYTES_PER_S): a batch's deadline grows by its size at this rate."
   default     = 1000000
+}
+
+variable "tokenize_min_objects_per_s" {
+  type        = number
+  description = "The slowest rate a healthy tokenize job takes objects at, whatever their size (RETRAIN_TOKENIZE_MIN_OBJECTS_PER_S): each object is its own shard, so a batch's deadline grows by its objects at this rate."
+  default     = 2
+
+  validation {
+    condition     = var.tokenize_min_objects_per_s > 0
+    error_message = "tokenize_min_objects_per_s must be > 0."
+  }
 }
 
 variable "release_timeout_s" {

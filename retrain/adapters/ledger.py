@@ -44,7 +44,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -72,7 +72,11 @@ from retrain.domain.runs import (
 from retrain.ports import (
     ArrivalOutcome,
     ArrivalStatus,
+    DatasetRecords,
     ExportJob,
+    Holding,
+    RecordedArrival,
+    Rejection,
     SealOutcome,
     SealPreview,
     SealVerdict,
@@ -245,6 +249,44 @@ class FirestoreLedger:
                     raise error from None
             time.sleep(sleep)
             delay = min(delay * 1.3, 60.0)
+
+    def record_rejection(self, version: ObjectVersion, reason: str) -> None:
+        """``rejections/{sha1(uri#generation)}``: one per refused object version (redelivered: rewritten)."""
+        fields = {**version.to_dict(), "reason": reason[:1000], "at": now_iso()}
+        self.db.collection("rejections").document(_key(f"{version.uri}#{version.generation}")).set(fields)
+
+    def rejections(self) -> list[Rejection]:
+        return [
+            Rejection(ObjectVersion.parse(d), str(d.get("reason", "")), str(d.get("at", "")))
+            for d in (snap.to_dict() or {} for snap in self.db.collection("rejections").stream())
+        ]
+
+    def datasets(self) -> list[str]:
+        return [d.id for d in self.db.collection("datasets").stream()]
+
+    def dataset_records(self, dataset: str) -> DatasetRecords:
+        """The dataset's records, read cut first and holdings last: a seal that lands meanwhile shows its
+        arrivals as pending (after the cut read) or as held (entries read after), never as neither."""
+        cut = self._last_cut(dataset)
+        arrivals = [
+            RecordedArrival(ObjectVersion.parse(d.to_dict() or {}), iso(d.get(ARRIVED_AT)))
+            for shard in self._arrival_shards(dataset)
+            for d in shard.stream()
+        ]
+        runs = [
+            Run.from_dict(d.to_dict() or {})
+            for d in self.db.collection("runs").where(filter=FieldFilter("dataset", "==", dataset)).stream()
+        ]
+        returned = {
+            r.run_id: [ObjectVersion.parse(d.to_dict() or {}) for d in self._returned(r.run_id).stream()]
+            for r in runs
+            if r.content_returned or r.returned_untrained
+        }
+        holdings = [
+            Holding(ObjectVersion.parse(d), str(d.get("run_id", "")))
+            for d in (snap.to_dict() or {} for snap in self._contents(dataset).stream())
+        ]
+        return DatasetRecords(dataset, iso(cut) if cut else None, arrivals, holdings, runs, returned)
 
     def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:
         key = _key(arrival.identity)
@@ -502,16 +544,20 @@ class FirestoreLedger:
         entries = self._returned(run.run_id) if run.content_returned else self._held_by(run)
         return tuple(sorted(ObjectVersion.parse(d.to_dict() or {}) for d in entries.stream()))
 
-    def give_back(self, run: Run) -> int:
+    def give_back(self, run: Run, versions: Collection[ObjectVersion] | None = None) -> int:
         """A run that did not succeed gives its content back: each content entry it holds goes (so
         identical bytes dropped again are new again) and is kept under the run as ``runs/{run}/objects``
         (what it trained on, for its record and for :meth:`requeue`).  Nothing is re-queued: a run that
-        failed is retried on purpose (``retrain run --retry``), never in a loop.  Idempotent; how many
-        objects it gave back."""
+        failed is retried on purpose (``retrain run --retry``), never in a loop.  With ``versions``, only
+        their content goes back (the objects a run that trained the rest could not read), and the run
+        keeps the rest.  Idempotent; how many objects it gave back."""
         current = self.get_run(run.run_id)
         if current is None or current.content_returned:
             return 0
         entries = list(self._held_by(run).stream())
+        if versions is not None:
+            wanted = set(versions)
+            entries = [e for e in entries if ObjectVersion.parse(e.to_dict() or {}) in wanted]
         kept = self._returned(run.run_id)
 
         def move(writes: firestore.WriteBatch, snap: Any) -> None:
@@ -519,29 +565,47 @@ class FirestoreLedger:
             writes.delete(snap.reference)
 
         self._commit_in_batches(entries, move)
-        self.update_run(run.run_id, {"content_returned": True})
+        if versions is None:
+            self.update_run(run.run_id, {"content_returned": True})
+        elif entries:
+            self.update_run(run.run_id, {"returned_untrained": current.returned_untrained + len(entries)})
         return len(entries)
+
+    def versions_of(self, dataset: str, content_hash: str) -> list[ObjectVersion]:
+        """Every object version that arrived in ``dataset`` with ``content_hash``, newest first."""
+        found = []
+        for shard in self._arrival_shards(dataset):
+            query = shard.where(filter=FieldFilter("content_hash", "==", content_hash))
+            found += [(d.get(ARRIVED_AT), ObjectVersion.parse(d.to_dict() or {})) for d in query.stream()]
+        return [version for _, version in sorted(found, key=lambda f: f[0], reverse=True)]
+
+    def _again(
+        self, dataset: str, version: ObjectVersion, event_id: str, why: str
+    ) -> tuple[Any, dict[str, Any]]:
+        """The arrival document of ``version`` arriving again, stamped at its commit, once per ``why``."""
+        bucket, name = version.uri.removeprefix("gs://").split("/", 1)
+        arrival = ObjectArrival(event_id, bucket, name, version.generation, version.size, "", now_iso())
+        key = _key(f"{arrival.identity}:{why}")
+        fields = {**_arrival_fields(arrival, version.content_hash), ARRIVED_AT: firestore.SERVER_TIMESTAMP}
+        return self._arrivals(dataset, key).document(key), fields
+
+    def arrive_again(self, dataset: str, version: ObjectVersion, why: str) -> None:
+        """``version`` arrives again, stamped now (the next seal takes it), once per ``why``."""
+        ref, fields = self._again(dataset, version, why, why)
+        ref.set(fields)
 
     def requeue(self, run: Run) -> int:
         """The objects a run gave back arrive again (at the versions it held, stamped now), so the next
         seal takes them into a run.  Idempotent (one arrival per object and run); how many."""
-        entries = [snap.to_dict() or {} for snap in self._returned(run.run_id).stream()]
+        versions = [ObjectVersion.parse(snap.to_dict() or {}) for snap in self._returned(run.run_id).stream()]
 
-        def arrive(writes: firestore.WriteBatch, entry: dict[str, Any]) -> None:
-            version = ObjectVersion.parse(entry)
-            bucket, name = version.uri.removeprefix("gs://").split("/", 1)
-            arrival = ObjectArrival(
-                f"requeued:{run.run_id}", bucket, name, version.generation, version.size, "", now_iso()
+        def arrive(writes: firestore.WriteBatch, version: ObjectVersion) -> None:
+            writes.set(
+                *self._again(run.dataset, version, f"requeued:{run.run_id}", f"given back by {run.run_id}")
             )
-            key = _key(f"{arrival.identity}:given back by {run.run_id}")
-            fields = {
-                **_arrival_fields(arrival, str(entry["content_hash"])),
-                ARRIVED_AT: firestore.SERVER_TIMESTAMP,
-            }
-            writes.set(self._arrivals(run.dataset, key).document(key), fields)
 
-        self._commit_in_batches(entries, arrive)
-        return len(entries)
+        self._commit_in_batches(versions, arrive)
+        return len(versions)
 
     def _commit_in_batches(self, items: list[Any], add: Callable[[firestore.WriteBatch, Any], None]) -> None:
         """``add`` each item's writes (at most two) to a batch, committed every CONTENT_CHUNK // 2 items."""
@@ -723,6 +787,19 @@ class FirestoreLedger:
             filter=FieldFilter("status", "in", [str(s) for s in statuses])
         )
         return sorted((Run.from_dict(d.to_dict() or {}) for d in query.stream()), key=lambda r: r.created_at)
+
+    def unsettled(self) -> list[Run]:
+        """Runs that ended without succeeding and still hold their content (their finish step, which gives
+        it back, did not run or failed), oldest first.  Two equality filters per query: Firestore merges
+        its single-field indexes for them, no composite index needed."""
+        runs = self.db.collection("runs")
+        found = []
+        for status in (RunStatus.FAILED, RunStatus.CANCELLED):
+            query = runs.where(filter=FieldFilter("status", "==", str(status))).where(
+                filter=FieldFilter("content_returned", "==", False)
+            )
+            found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
+        return sorted(found, key=lambda r: r.created_at)
 
     def attach_execution(self, run_id: str, execution: str) -> None:
         self.update_run(run_id, {"execution": execution})

@@ -10,6 +10,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
@@ -165,18 +166,21 @@ def stat(uri: str, generation: int | None = None) -> ObjectInfo:
     return ObjectInfo(uri, st.st_size, st.st_mtime_ns)
 
 
-def list_objects(prefix: str) -> Iterator[ObjectInfo]:
-    """Every object under a prefix (a folder, locally), in name order, with its generation and md5."""
+def list_objects(prefix: str, versions: bool = False) -> Iterator[ObjectInfo]:
+    """Every object under a prefix (a folder, locally), in name order, with its generation and md5; with
+    ``versions``, the noncurrent versions a versioned bucket keeps too."""
     if is_gcs(prefix):
         bucket, name = split_gs(prefix)
-        for blob in storage_client().list_blobs(bucket, prefix=name):
-            yield ObjectInfo(f"{GS}{bucket}/{blob.name}", int(blob.size or 0), blob.generation, blob.md5_hash)
+        for blob in storage_client().list_blobs(bucket, prefix=name, versions=versions):
+            yield ObjectInfo(
+                f"{GS}{bucket}/{blob.name}", int(blob.size or 0), blob.generation, blob.md5_hash, blob.updated
+            )
         return
     root = Path(prefix)
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     for p in files:
         st = p.stat()
-        yield ObjectInfo(str(p), st.st_size, st.st_mtime_ns)
+        yield ObjectInfo(str(p), st.st_size, st.st_mtime_ns, updated=datetime.fromtimestamp(st.st_mtime, UTC))
 
 
 def list_uris(prefix: str) -> Iterator[str]:

@@ -22,8 +22,6 @@ GCS_SOURCE_PREFIX = "//storage.googleapis.com/projects/_/buckets/"
 MAX_NAME_BYTES = 1024
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-# Objects retrain writes itself; they must never start a run even if they land under the prefix.
-RETRAIN_OWNED_MARKERS = ("/_retrain/", "_text_document.", "_report.json", "_quarantine.jsonl")
 
 
 @dataclass(frozen=True, order=True)
@@ -36,17 +34,35 @@ class ObjectVersion:
     """GCS's generation of that version (0: not known, read whatever is there)."""
     size: int = field(default=0, compare=False)
     """Its size in bytes, as its finalize event said."""
+    content_hash: str = field(default="", compare=False)
+    """Its content identity as it arrived (:attr:`ObjectArrival.content_hash`; "": not known): when the
+    generation is gone but the object holds the same bytes again (the same file uploaded twice), the
+    tokenize job reads the object's current generation instead."""
+
+    @property
+    def md5(self) -> str:
+        """The md5 (base64, as GCS gives it) its content hash carries; "" when it carries none."""
+        kind, _, rest = self.content_hash.partition(":")
+        return rest.rsplit(":", 1)[0] if kind == "md5" else ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "generation": self.generation, "size": self.size}
+        out: dict[str, Any] = {"uri": self.uri, "generation": self.generation, "size": self.size}
+        if self.content_hash:
+            out["content_hash"] = self.content_hash
+        return out
 
     @classmethod
     def parse(cls, value: Any) -> ObjectVersion:
         """From its dict; ValueError naming what is wrong."""
         if not isinstance(value, dict) or not isinstance(value.get("uri"), str):
             raise ValueError(f"not an object version: {value!r}")
+        content_hash = value.get("content_hash") or ""
+        if not isinstance(content_hash, str):
+            raise ValueError(f"not an object version: {value!r}")
         try:
-            return cls(value["uri"], int(value.get("generation") or 0), int(value.get("size") or 0))
+            return cls(
+                value["uri"], int(value.get("generation") or 0), int(value.get("size") or 0), content_hash
+            )
         except (TypeError, ValueError):
             raise ValueError(f"not an object version: {value!r}") from None
 
@@ -74,7 +90,7 @@ class ObjectArrival:
 
     @property
     def version(self) -> ObjectVersion:
-        return ObjectVersion(self.uri, self.generation, self.size)
+        return ObjectVersion(self.uri, self.generation, self.size, self.content_hash)
 
     @property
     def content_hash(self) -> str:
@@ -172,8 +188,3 @@ def object_format(name: str) -> str:
     if lower.endswith((".parquet", ".pq")):
         return "parquet"
     return "text"
-
-
-def is_retrain_output(name: str) -> bool:
-    """Objects retrain wrote (shards, reports, checkpoints) never count as new data."""
-    return any(marker in "/" + name for marker in RETRAIN_OWNED_MARKERS)

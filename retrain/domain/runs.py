@@ -275,6 +275,10 @@ class Run:
     content_returned: bool = False
     """It did not succeed and gave its content back: identical bytes are new again, and
     ``retrain run --retry`` re-runs its objects (kept under ``runs/{run}/objects``)."""
+    returned_untrained: int = 0
+    """Objects of a run that trained the rest, set aside whole by its tokenize job (gone, unreadable, too
+    large), whose content it gave back: it never trained, so identical bytes are new again (and a copy
+    of a gone object's bytes under another name arrives again by itself)."""
     execution: str | None = None
     """Its workflow execution."""
     callback_url: str | None = None
@@ -292,6 +296,12 @@ class Run:
     updated_at: str = field(default_factory=now_iso)
     finished_at: str | None = None
     """When it ended: every node released (or given up on after the release timeout)."""
+
+    @property
+    def promoted(self) -> bool:
+        """Its checkpoint became its dataset's champion: its content is in the model, whatever happened
+        after (a release that failed), so it is never given back."""
+        return bool(self.eval and self.eval.get("promoted"))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

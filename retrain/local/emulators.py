@@ -228,14 +228,15 @@ def pubsub(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, st
 
 
 def gcs(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
-    """gcp-storage-emulator, storing objects under ``state_dir/gcs``; returns it and STORAGE_EMULATOR_HOST."""
+    """gcp-storage-emulator (``retrain.local.gcs_emulator``: a gone generation is a 404, as on Cloud
+    Storage), storing objects under ``state_dir/gcs``; returns it and STORAGE_EMULATOR_HOST."""
     port = port or free_port()
     proc = ManagedProcess(
         "gcs-emulator",
         [
             sys.executable,
-            "-c",
-            "from gcp_storage_emulator.__main__ import main; main()",
+            "-m",
+            "retrain.local.gcs_emulator",
             "start",
             "--host",
             "127.0.0.1",

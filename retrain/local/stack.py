@@ -329,9 +329,12 @@ class LocalStack:
         self._setenv({**ep.env(), **config.to_env(s)})
 
         client = objects.storage_client()
-        for bucket in (s.landing_bucket, s.artifacts_bucket):
-            if client.lookup_bucket(bucket) is None:
-                client.create_bucket(bucket)
+        versioned = self._deployment.versioned_buckets()
+        for name in (s.landing_bucket, s.artifacts_bucket):
+            bucket = client.lookup_bucket(name) or client.create_bucket(name)
+            if bucket.versioning_enabled != versioned.get(name, False):
+                bucket.versioning_enabled = versioned.get(name, False)  # as infra/platform creates it
+                bucket.patch()
 
         self.progress("starting the cluster twin (DWS provisioner, JobSet controller) and the notifier")
         from retrain.k8s.notifier import Notifier

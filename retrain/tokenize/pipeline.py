@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.pool import ThreadPool
 from typing import Any, cast
 
@@ -513,11 +514,12 @@ def tokenize_to_prefix(
 
 
 def _shard_entry(
-    uri: str, sha: str, prefix: str, report: dict[str, Any], key: str, reused: bool
+    uri: str, generation: int | None, sha: str, prefix: str, report: dict[str, Any], key: str, reused: bool
 ) -> dict[str, Any]:
     per_key = report.get("per_key", {}).get(key, {})
     return {
         "object": uri,
+        "generation": generation,
         "sha256": sha,
         "data_prefix": f"{prefix}_{key}_document",
         "documents": int(report["documents"]),
@@ -570,33 +572,93 @@ def incremental_report(
 
 
 @dataclass(frozen=True)
-class _Checked:
-    """One input object before tokenizing: what it is, or why it is set aside whole."""
+class _Wanted:
+    """One input object: a name taken literally at a recorded generation (a run's manifest), or whatever
+    a pattern found (no generation: what is there now)."""
 
     uri: str
     generation: int | None
+    md5: str = ""
+    """The md5 it had when it arrived (base64, as GCS gives it); "" when not known."""
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """One input object before tokenizing: what it is and which generation to read, or why it is set
+    aside whole."""
+
+    wanted: _Wanted
     info: objects.ObjectInfo | None
+    """The version read (its generation may be a newer one holding the same bytes)."""
     problem: tuple[str, str] | None  # (reason, detail)
 
+    @property
+    def read_generation(self) -> int | None:
+        """The generation to read: the recorded one, or the current one holding the same bytes."""
+        if self.wanted.generation is None or self.info is None:
+            return None
+        return self.info.generation if objects.is_gcs(self.info.uri) else self.wanted.generation
 
-def _check(uri: str, generation: int | None, max_decompressed: int) -> _Checked:
+
+def _same_bytes_now(wanted: _Wanted) -> objects.ObjectInfo | None:
+    """The object's current version when it holds the bytes ``wanted`` had (its md5), else None."""
+    if not wanted.md5:
+        return None
+    try:
+        current = objects.stat(wanted.uri)
+    except FileNotFoundError:
+        return None
+    return current if current.md5_hash == wanted.md5 else None
+
+
+def _check(wanted: _Wanted, max_decompressed: int) -> _Checked:
+    uri, generation = wanted.uri, wanted.generation
     try:
         info = objects.stat(uri, generation)
     except FileNotFoundError:
-        detail = f"generation {generation} no longer exists (overwritten or deleted since it arrived)"
-        return _Checked(
-            uri,
-            generation,
-            None,
-            (records.OBJECT_CHANGED, detail) if generation else (records.UNREADABLE, "no such object"),
-        )
-    if generation and objects.is_gcs(uri) and info.generation != generation:
+        info = None
+    if info is not None and generation and objects.is_gcs(uri) and info.generation != generation:
         # GCS answers a request for a gone generation with 404; a store that answers with the current
         # version instead (the local emulator keeps no history) is caught here just the same.
-        detail = f"generation {generation} is gone: the object is at generation {info.generation} now"
-        return _Checked(uri, generation, None, (records.OBJECT_CHANGED, detail))
-    problem = records.check_object(uri, generation, max_decompressed)
-    return _Checked(uri, generation, info, problem)
+        info = None
+    if info is None and generation:
+        # The recorded generation is gone (overwritten, or the same file uploaded again, with no version
+        # kept): the same bytes at the current generation are the same content, read there.
+        info = _same_bytes_now(wanted)
+        if info is None:
+            detail = (
+                f"generation {generation} is gone and the object does not hold its bytes now "
+                "(overwritten with other content, or deleted, since it arrived)"
+            )
+            return _Checked(wanted, None, (records.OBJECT_CHANGED, detail))
+        log.info(
+            "%s: generation %s is gone; reading generation %s, the same bytes",
+            uri,
+            generation,
+            info.generation,
+        )
+    if info is None:
+        return _Checked(wanted, None, (records.UNREADABLE, "no such object"))
+    problem = records.check_object(
+        uri, info.generation if objects.is_gcs(uri) and generation else None, max_decompressed
+    )
+    return _Checked(wanted, info, problem)
+
+
+def _wanted(patterns: list[str], pinned: Sequence[ObjectVersion]) -> list[_Wanted]:
+    """Every input once, keyed by (name, generation): two generations of one name are two inputs; a
+    pattern's match that is also pinned is read at its pinned generation only."""
+    out: dict[tuple[str, int | None], _Wanted] = {}
+    for version in pinned:
+        out.setdefault(
+            (version.uri, version.generation or None),
+            _Wanted(version.uri, version.generation or None, version.md5),
+        )
+    named = {uri for uri, _ in out}
+    for uri in records.expand_inputs(patterns) if patterns else []:
+        if uri not in named:
+            out.setdefault((uri, None), _Wanted(uri, None))
+    return list(out.values())
 
 
 def tokenize_incremental(
@@ -635,17 +697,15 @@ def tokenize_incremental(
     tokenizer_files = keep_tokenizer_files(spec, shard_root, fp)
     objects_, staged = tables.stage(objects_, objects.join(shard_root, "_bigquery", uuid.uuid4().hex[:12]))
     source = {t.object: t.source for t in staged}
-    generations: dict[str, int | None] = dict.fromkeys(records.expand_inputs(objects_) if objects_ else [])
-    for version in pinned:
-        generations[version.uri] = version.generation or None
-    if not generations:
+    wanted = _wanted(objects_, pinned)
+    if not wanted:
         raise ValueError("no inputs")
-    with ThreadPool(min(16, len(generations))) as pool:
-        checked = pool.starmap(_check, [(u, g, max_decompressed_bytes) for u, g in generations.items()])
+    with ThreadPool(min(16, len(wanted))) as pool:
+        checked = pool.map(partial(_check, max_decompressed=max_decompressed_bytes), wanted)
     quarantined_objects = [
         {
-            "object": source.get(c.uri, c.uri),
-            "generation": c.generation,
+            "object": source.get(c.wanted.uri, c.wanted.uri),
+            "generation": c.wanted.generation,
             "reason": c.problem[0],
             "detail": c.problem[1],
         }
@@ -654,18 +714,22 @@ def tokenize_incremental(
     ]
     for q in quarantined_objects:
         log.warning("quarantined %s: %s (%s)", q["object"], q["reason"], q["detail"])
-    infos = [c.info for c in checked if c.problem is None and c.info is not None]
-    shas = content_hashes(infos, objects.join(shard_root, "_index"))
+    readable = [c for c in checked if c.problem is None and c.info is not None]
+    shas = content_hashes(
+        [c.info for c in readable if c.info is not None], objects.join(shard_root, "_index")
+    )
     key = json_keys[0]
     reports: dict[str, dict[str, Any]] = {}  # shard prefix -> its report
     todo: dict[str, tuple[str, int, int | None, str]] = {}  # shard prefix -> (first object, size, gen, sha)
-    plan: list[tuple[str, str, str, bool]] = []  # (object, sha, shard prefix, reused)
-    for info, sha in zip(infos, shas, strict=True):
+    plan: list[tuple[str, int | None, str, str, bool]] = []  # (object, generation, sha, prefix, reused)
+    for c, sha in zip(readable, shas, strict=True):
+        info = c.info
+        assert info is not None
         # The same bytes make other documents as another format: the shard is keyed by both.
         prefix = objects.join(shard_root, f"{records.detect_format(info.uri)}-{sha}", "data")
         shown = source.get(info.uri, info.uri)  # a table's rows: named by the table, not the staged export
         if prefix in todo or prefix in reports:
-            plan.append((shown, sha, prefix, True))
+            plan.append((shown, c.wanted.generation, sha, prefix, True))
             continue
         if objects.exists(prefix + "_report.json"):
             r = json.loads(objects.read_bytes(prefix + "_report.json"))
@@ -675,15 +739,15 @@ def tokenize_incremental(
                     "use a shard_root per tokenizer"
                 )
             reports[prefix] = r
-            plan.append((shown, sha, prefix, True))
+            plan.append((shown, c.wanted.generation, sha, prefix, True))
         else:
-            todo[prefix] = (info.uri, info.size, generations.get(info.uri), sha)
-            plan.append((shown, sha, prefix, False))
+            todo[prefix] = (info.uri, info.size, c.read_generation, sha)
+            plan.append((shown, c.wanted.generation, sha, prefix, False))
     log.info(
         "%d object(s): %d to tokenize, %d reused, %d quarantined",
-        len(generations),
+        len(wanted),
         len(todo),
-        len(infos) - len(todo),
+        len(readable) - len(todo),
         len(quarantined_objects),
     )
 
@@ -691,7 +755,7 @@ def tokenize_incremental(
         all_reports = dict(reports)
         for r in new_reports:
             all_reports[r["shard"]] = r
-        entries = [_shard_entry(u, s, p, all_reports[p], key, reused) for u, s, p, reused in plan]
+        entries = [_shard_entry(u, g, s, p, all_reports[p], key, reused) for u, g, s, p, reused in plan]
         agg = incremental_report(
             entries, all_reports, time.time() - started, tokenizer_files, quarantined_objects
         )

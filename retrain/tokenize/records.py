@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from retrain.adapters import objects
+from retrain.contracts import SetAside
 from retrain.domain.events import object_format
 
 MiB = 1 << 20
@@ -37,9 +38,9 @@ NOT_A_STRING = "not_a_string"
 EMPTY_TEXT = "empty_text"
 TOO_LARGE = "too_large"
 # Reasons a whole object is set aside (before or while reading it).
-UNREADABLE = "unreadable"
-OBJECT_CHANGED = "object_changed"
-DECOMPRESSED_TOO_LARGE = "decompressed_too_large"
+UNREADABLE = str(SetAside.UNREADABLE)
+OBJECT_CHANGED = str(SetAside.OBJECT_CHANGED)
+DECOMPRESSED_TOO_LARGE = str(SetAside.DECOMPRESSED_TOO_LARGE)
 #: A Parquet object whose pages decompress past this is not read (a decompression bomb).
 DEFAULT_MAX_DECOMPRESSED_BYTES = 4 << 30
 

@@ -230,10 +230,14 @@ class Model:
         )
 
     def with_replacement(self, stage: str, filename: str, old: str, new: str) -> Model:
+        """The model with ``old`` replaced by ``new`` once; a space in ``old`` matches any run of spaces
+        (``terraform fmt`` aligns a block's ``=`` signs, so a new key can move them)."""
         text = self.sources[stage][filename]
-        assert old in text, f"mutation target not found in {stage}/{filename}: {old!r}"
+        pattern = re.escape(old).replace("\\ ", " +")
+        mutated, n = re.subn(pattern, lambda _: new, text, count=1)
+        assert n == 1, f"mutation target not found in {stage}/{filename}: {old!r}"
         sources = {s: dict(f) for s, f in self.sources.items()}
-        sources[stage][filename] = text.replace(old, new, 1)
+        sources[stage][filename] = mutated
         return Model(sources)
 
     def of(self, kind: str, rtype: str | None = None) -> Iterator[Block]:
@@ -974,8 +978,8 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         check_third_party_pinned,
         "app",
         "main.tf",
-        "RETRAIN_IMAGE                    = local.training_image",
-        "RETRAIN_IMAGE                    = var.training_image",
+        "RETRAIN_IMAGE = local.training_image",
+        "RETRAIN_IMAGE = var.training_image",
     ),
     (
         "a default image outside the lock",

@@ -1,6 +1,7 @@
 """A run's objects are read as named and as they were: names are literal (never patterns), each object is
-read at its generation, and one bad object is set aside with its reason while the others are tokenized
-(against gcp-storage-emulator, which keeps every generation)."""
+read at its generation (or, once that is gone, at the generation holding the same bytes now), and one
+bad object is set aside with its reason while the others are tokenized (against gcp-storage-emulator,
+which answers a gone generation with 404 as Cloud Storage does)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ NAMES = ["a[1].jsonl", "b*.jsonl", "c?.jsonl", "d e.jsonl", "é-ü.jsonl", "数�
 
 
 def _write(uri: str, data: bytes) -> ObjectVersion:
+    """Write ``data`` and return the version as the ledger records its arrival (with its content hash)."""
     objects.write_bytes(uri, data)
     info = objects.stat(uri)
-    return ObjectVersion(uri, int(info.generation or 0), info.size)
+    return ObjectVersion(uri, int(info.generation or 0), info.size, f"md5:{info.md5_hash}:jsonl")
 
 
 def test_any_name_gcs_accepts_is_read_literally_at_its_generation(gcs_emulator: str) -> None:
@@ -50,6 +52,30 @@ def test_an_object_overwritten_after_it_arrived_is_set_aside_not_read(gcs_emulat
     assert changed["object"] == first.uri and changed["reason"] == "object_changed"
     assert f"generation {first.generation}" in changed["detail"]
     assert [s["object"] for s in pinned["shards"]] == [good.uri] and pinned["documents"] == 1
+
+
+def test_the_same_bytes_uploaded_again_are_read_at_their_new_generation(gcs_emulator: str) -> None:
+    """A folder synced twice: the recorded generation is gone, the object holds the same bytes again."""
+    body = b'{"text": "synced twice"}\n'
+    first = _write(f"{gcs_emulator}/landing/synced.jsonl", body)
+    again = _write(first.uri, body)  # a new generation, identical bytes
+    assert again.generation != first.generation
+    report = tokenize_incremental([], f"{gcs_emulator}/shards-synced", pinned=[first])
+    assert report["quarantined_objects"] == []
+    (shard,) = report["shards"]
+    assert (shard["object"], shard["generation"], shard["documents"]) == (first.uri, first.generation, 1)
+
+
+def test_two_generations_of_one_name_are_two_inputs(gcs_emulator: str) -> None:
+    """Both versions of a name a run holds are accounted for: the one still there is read, the one gone
+    (other bytes now) is set aside with its reason, never silently folded into the other."""
+    old = _write(f"{gcs_emulator}/landing/twice.jsonl", b'{"text": "old"}\n')
+    new = _write(old.uri, b'{"text": "new"}\n{"text": "newer"}\n')
+    report = tokenize_incremental([], f"{gcs_emulator}/shards-twice", pinned=[old, new])
+    (gone,) = report["quarantined_objects"]
+    assert (gone["generation"], gone["reason"]) == (old.generation, "object_changed")
+    (read,) = report["shards"]
+    assert (read["generation"], read["documents"]) == (new.generation, 2)
 
 
 def _parquet(rows: list[str]) -> bytes:

@@ -1,0 +1,174 @@
+"""gcp-storage-emulator, launched with the two rules of Cloud Storage's generations it does not keep.
+
+Out of the box the emulator keeps one version per object and answers a request for any ``generation``
+with the current one, so a reader pinned to a generation that is gone silently gets other bytes.  Here:
+
+- **Object versioning**, for buckets whose ``versioning.enabled`` is set (the deployment's three buckets
+  are versioned: infra/platform/storage.tf): overwriting or deleting the live version keeps it as a
+  noncurrent version, readable by its generation and listed with ``versions=true``
+  (cloud.google.com/storage/docs/object-versioning: "When the live version of an object is replaced or
+  deleted, it becomes a noncurrent version"); deleting one ``generation`` removes that version for good
+  (how data is withdrawn for good).  Lifecycle rules (the deployment deletes noncurrent versions after
+  30 days) are not played: a local stack lives for hours.
+- **A generation that does not exist is a 404** (objects.get, cloud.google.com/storage/docs/json_api/v1/
+  objects/get: ``generation`` "If present, selects a specific revision of this object"), never the
+  current version's bytes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from http import HTTPStatus
+from typing import Any
+
+from gcp_storage_emulator import storage as emulated
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
+
+NONCURRENT_DIR = ".noncurrent"
+NONCURRENT_META = ".noncurrent-meta"
+
+
+def _versioned(storage: Any, bucket: str) -> bool:
+    return bool(((storage.buckets.get(bucket) or {}).get("versioning") or {}).get("enabled"))
+
+
+def _content_path(bucket: str, name: str, generation: str) -> str:
+    key = hashlib.sha256(f"{bucket}:{name}:{generation}".encode()).hexdigest()
+    return f"{NONCURRENT_DIR}/{bucket}/{key}"
+
+
+def _noncurrent(storage: Any) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """bucket -> name -> generation -> the object resource of each noncurrent version (kept on disk)."""
+    if not hasattr(storage, "_noncurrent"):
+        try:
+            storage._noncurrent = json.loads(storage._store.read_bytes(NONCURRENT_META))
+        except FileNotFoundError:
+            storage._noncurrent = {}
+    return storage._noncurrent
+
+
+def _keep_live_version(storage: Any, bucket: str, name: str) -> None:
+    """The live version of ``name`` becomes noncurrent (its bytes and resource kept by generation)."""
+    live = (storage.objects.get(bucket) or {}).get(name)
+    if live is None or not _versioned(storage, bucket):
+        return
+    generation = str(live.get("generation"))
+    try:
+        content = storage.get_file(bucket, name, show_error=False)
+    except NotFound:
+        return
+    storage._store.write_bytes(_content_path(bucket, name, generation), content)
+    kept = {**live, "timeDeleted": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+    _noncurrent(storage).setdefault(bucket, {}).setdefault(name, {})[generation] = kept
+    storage._store.write_bytes(NONCURRENT_META, json.dumps(_noncurrent(storage)).encode())
+
+
+def _keeping_versions(method: Any) -> Any:
+    def write(self: Any, bucket_name: str, file_name: str, *args: Any, **kwargs: Any) -> Any:
+        _keep_live_version(self, bucket_name, file_name)
+        return method(self, bucket_name, file_name, *args, **kwargs)
+
+    return write
+
+
+class _Version:
+    """The storage as seen by one request for a noncurrent version: that version is the object."""
+
+    def __init__(self, storage: Any, resource: dict[str, Any], content: bytes) -> None:
+        self._storage, self._resource, self._content = storage, resource, content
+
+    def get_file(self, *_: Any, **__: Any) -> bytes:
+        return self._content
+
+    def get_file_obj(self, *_: Any) -> dict[str, Any]:
+        return self._resource
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+
+def _by_generation(handler: Any) -> Any:
+    def handle(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = request.query.get("generation")
+        if not wanted or request.query.get("softDeleted"):
+            return handler(request, response, storage, *args, **kwargs)
+        bucket, name, generation = request.params["bucket_name"], request.params["object_id"], str(wanted[0])
+        live = (storage.objects.get(bucket) or {}).get(name)
+        if live is not None and str(live.get("generation")) == generation:
+            return handler(request, response, storage, *args, **kwargs)
+        kept = _noncurrent(storage).get(bucket, {}).get(name, {}).get(generation)
+        if kept is None:
+            response.status = HTTPStatus.NOT_FOUND
+            return None
+        content = storage._store.read_bytes(_content_path(bucket, name, generation))
+        return handler(request, response, _Version(storage, kept, content), *args, **kwargs)
+
+    return handle
+
+
+def _deleting_a_version(handler: Any) -> Any:
+    """DELETE with ``generation`` removes that version for good, live or noncurrent (objects.delete:
+    "If present, permanently deletes a specific revision of this object")."""
+
+    def handle(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = request.query.get("generation")
+        if not wanted:
+            return handler(request, response, storage, *args, **kwargs)
+        bucket, name, generation = request.params["bucket_name"], request.params["object_id"], str(wanted[0])
+        live = (storage.objects.get(bucket) or {}).get(name)
+        if live is not None and str(live.get("generation")) == generation:
+            storage._hard_delete_file(bucket, name)
+            return None
+        kept = _noncurrent(storage).get(bucket, {}).get(name, {})
+        if kept.pop(generation, None) is None:
+            response.status = HTTPStatus.NOT_FOUND
+            return None
+        storage._store.remove_file(_content_path(bucket, name, generation))
+        storage._store.write_bytes(NONCURRENT_META, json.dumps(_noncurrent(storage)).encode())
+        return None
+
+    return handle
+
+
+def _listing_versions(handler: Any) -> Any:
+    def handle(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        versions = (request.query.get("versions") or ["false"])[0].lower() == "true"
+        if not versions or request.query.get("delimiter") or request.query.get("matchGlob"):
+            return handler(request, response, storage, *args, **kwargs)
+        bucket = request.params["bucket_name"]
+        prefix = (request.query.get("prefix") or [""])[0]
+        try:
+            live, _ = storage.get_file_list(bucket, prefix or None)
+        except NotFound:
+            response.status = HTTPStatus.NOT_FOUND
+            return None
+        kept = [
+            resource
+            for name, generations in _noncurrent(storage).get(bucket, {}).items()
+            if name.startswith(prefix)
+            for resource in generations.values()
+        ]
+        items = sorted(live + kept, key=lambda o: (o.get("name") or "", int(o.get("generation") or 0)))
+        response.json({"kind": "storage#objects", "prefixes": [], "items": items})
+        return None
+
+    return handle
+
+
+def main() -> None:
+    emulated.Storage.create_file = _keeping_versions(emulated.Storage.create_file)
+    emulated.Storage.delete_file = _keeping_versions(emulated.Storage.delete_file)
+    objects.get = _by_generation(objects.get)
+    objects.download = _by_generation(objects.download)
+    objects.ls = _listing_versions(objects.ls)
+    objects.delete = _deleting_a_version(objects.delete)
+    from gcp_storage_emulator.__main__ import main as emulator  # its routes bind the handlers above
+
+    emulator()
+
+
+if __name__ == "__main__":
+    main()
