@@ -94,8 +94,6 @@ class Settings:
     training_ksa: str = "retrain-trainer"
     """Kubernetes service account training pods run as (bound to the training Google service account
     through Workload Identity: without it the Cloud Storage FUSE mounts are refused)."""
-    local_queue: str = "dws-local-queue"
-    """Kueue LocalQueue the JobSets are submitted to."""
     machine_type: str = "a3-highgpu-8g"
     """GPU machine type of the node pool."""
     gpus_per_node: int = 8

@@ -140,12 +140,6 @@ class ManifestValues:
     """The Google service account the reaper runs as (the functions'), as Kubernetes RBAC names it."""
     workflow_user: str
     """The workflow's Google service account (its Kubernetes API connector calls), as RBAC names it."""
-    node_pool: str
-    """The DWS GPU node pool (Kueue's ResourceFlavor)."""
-    local_queue: str
-    """Kueue LocalQueue of the training JobSets."""
-    gpu_quota: int
-    """The ClusterQueue's GPU quota: the pool's maximum nodes times GPUs per node."""
     gpu_networks: tuple[tuple[str, str], ...] = ()
     """GPUDirect-TCPX's GPU networks (VPC, subnet), eth1..eth4; empty when the platform builds none."""
 
@@ -179,9 +173,6 @@ def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> Mani
         training_gsa=str(out("service_accounts", "training")),
         reaper_user=str(out("service_accounts", "functions")),
         workflow_user=str(out("service_accounts", "workflow")),
-        node_pool=str(out("gpu_node_pool")),
-        local_queue=str(app.get("local_queue") or "dws-local-queue"),
-        gpu_quota=int(out("gpu_max_nodes")) * int(out("gpus_per_node")),
         gpu_networks=tuple((str(n["vpc"]), str(n["subnet"])) for n in platform.get("gpu_networks") or ()),
     )
 
@@ -276,7 +267,7 @@ class Deployment:
         return str(self.platform.output(output))
 
     def manifest_values(self) -> ManifestValues:
-        app = {k: self.app.var(k) for k in ("local_queue", "notifier_image", "settings_config_map")}
+        app = {k: self.app.var(k) for k in ("notifier_image", "settings_config_map")}
         return manifest_values(self.platform.outputs(), app)
 
 

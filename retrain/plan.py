@@ -105,7 +105,6 @@ def render_training(
         image=settings.image_of(plan.profile),
         command=command,
         mounts=mounts,
-        queue=settings.local_queue,
         node_pool=settings.node_pool,
         namespace=settings.namespace,
         callback_url=callback_url,

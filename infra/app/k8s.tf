@@ -1,7 +1,8 @@
-# In-cluster pieces: Kueue and JobSet (upstream release manifests), the retrain namespace, the RETRAIN_*
-# ConfigMap, and the k8s/ templates rendered from this deployment's values into build/k8s by
-# `retrain deploy` (retrain.k8s.manifests: Kueue queues, the training and notifier service accounts
-# with their Workload Identity annotations, the notifier, the reaper's RBAC). k8s/ itself is never
+# In-cluster pieces: the JobSet controller (its upstream release manifest), the retrain namespace, the
+# RETRAIN_* ConfigMap, and the k8s/ templates rendered from this deployment's values into build/k8s by
+# `retrain deploy` (retrain.k8s.manifests: the training and notifier service accounts with their
+# Workload Identity annotations, the notifier, the reaper's and the workflow's RBAC). No Kueue: each
+# run's workflow asks DWS for its capacity itself (README.md, "Capacity"). k8s/ itself is never
 # applied: it holds templates and examples. Everything is gated by var.apply_kubernetes; with it off,
 # infra/README.md ("Kubernetes step") gives the equivalent commands.
 
@@ -20,14 +21,12 @@ check "k8s_manifests_rendered" {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Kueue and JobSet controllers: their release manifests, each checked against the sha256 infra/pins.json
-# holds for it, and applied with every image they name by tag rewritten to tag@digest from the same
+# The JobSet controller: its release manifest, checked against the sha256 infra/pins.json holds for it, and applied with every image they name by tag rewritten to tag@digest from the same
 # lock (retrain.pins; `retrain pin` fills it). A document still naming an image by tag alone is refused.
 # ---------------------------------------------------------------------------------------------
 
 locals {
   controller_manifests = {
-    kueue  = "https://github.com/kubernetes-sigs/kueue/releases/download/${var.kueue_version}/manifests.yaml"
     jobset = "https://github.com/kubernetes-sigs/jobset/releases/download/${var.jobset_version}/manifests.yaml"
   }
   # An `image:` line naming its image by tag alone: (indent and key)(reference)(closing quote).
@@ -35,7 +34,6 @@ locals {
   # Every fetched document with each such line's reference replaced by its pin (unchanged when the lock
   # has no digest for it, which the resources' preconditions then refuse).
   fetched_documents = {
-    kueue  = local.k8s_enabled ? data.kubectl_file_documents.kueue[0].manifests : {}
     jobset = local.k8s_enabled ? data.kubectl_file_documents.jobset[0].manifests : {}
     tcpx = merge([
       for name, docs in data.kubectl_file_documents.tcpx : { for id, body in docs.manifests : "${name}:${id}" => body }
@@ -50,39 +48,6 @@ locals {
           : line
         )
       ])
-    }
-  }
-}
-
-data "http" "kueue" {
-  count = local.k8s_enabled ? 1 : 0
-  url   = local.controller_manifests.kueue
-
-  lifecycle {
-    postcondition {
-      condition     = sha256(self.response_body) == lookup(local.pins.files, self.url, "unpinned")
-      error_message = lookup(local.pins.files, self.url, null) == null ? "${self.url} is not pinned in infra/pins.json yet: run `retrain pin` (a version the lock does not list: `retrain pin --add ${self.url}`)." : "${self.url} is not the file infra/pins.json pins (sha256 ${sha256(self.response_body)}): it changed upstream; review it, then `retrain pin --update`."
-    }
-  }
-}
-
-data "kubectl_file_documents" "kueue" {
-  count   = local.k8s_enabled ? 1 : 0
-  content = data.http.kueue[0].response_body
-}
-
-resource "kubectl_manifest" "kueue" {
-  for_each = local.pinned_documents.kueue
-
-  yaml_body         = each.value
-  server_side_apply = true
-  force_conflicts   = true
-  wait              = true
-
-  lifecycle {
-    precondition {
-      condition     = length(regexall(local.tag_only_image, each.value)) == 0
-      error_message = "Images of the Kueue manifest not pinned by digest: ${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}. Run `retrain pin` (`retrain pin --add IMAGE` for one infra/pins.json does not list)."
     }
   }
 }
@@ -168,7 +133,6 @@ resource "kubectl_manifest" "retrain" {
   wait              = true
 
   depends_on = [
-    kubectl_manifest.kueue,
     kubectl_manifest.jobset,
     kubernetes_config_map_v1.settings,
   ]

@@ -68,7 +68,7 @@ variable "dataflow_metadata" {
 
 variable "k8s_manifests_dir" {
   type        = string
-  description = "Directory of the rendered Kubernetes manifests (Kueue queues, service accounts, notifier, reaper RBAC), relative to the repository root: the k8s/ templates rendered from this deployment's values by `retrain deploy` (retrain.k8s.manifests) before this stage. k8s/ itself holds templates and examples and is never applied."
+  description = "Directory of the rendered Kubernetes manifests (service accounts, notifier, reaper and workflow RBAC), relative to the repository root: the k8s/ templates rendered from this deployment's values by `retrain deploy` (retrain.k8s.manifests) before this stage. k8s/ itself holds templates and examples and is never applied."
   default     = "build/k8s"
 }
 
@@ -317,12 +317,6 @@ variable "seal_marker" {
   default     = "_SUCCESS"
 }
 
-variable "local_queue" {
-  type        = string
-  description = "Kueue LocalQueue JobSets are submitted to (RETRAIN_LOCAL_QUEUE)."
-  default     = "dws-local-queue"
-}
-
 variable "nodes_per_run" {
   type        = number
   description = "GPU nodes a run trains on (RETRAIN_NODES); at most the platform's gpu_max_nodes."
@@ -536,20 +530,14 @@ variable "dataflow_template_object" {
 
 variable "apply_kubernetes" {
   type        = bool
-  description = "Install Kueue, JobSet, the retrain namespace objects and k8s/ manifests with Terraform. False: do it with the documented kubectl step (infra/README.md)."
+  description = "Install the JobSet controller, the retrain namespace objects and k8s/ manifests with Terraform. False: do it with the documented kubectl step (infra/README.md)."
   default     = true
-}
-
-variable "kueue_version" {
-  type        = string
-  description = "Kueue release installed in the cluster (ProvisioningRequest admission checks for DWS)."
-  default     = "v0.10.2"
 }
 
 variable "jobset_version" {
   type        = string
-  description = "JobSet controller release installed in the cluster (v0.8 and later name no kube-rbac-proxy image; v0.7's gcr.io/kubebuilder one is gone)."
-  default     = "v0.8.2"
+  description = "JobSet controller release installed in the cluster (v0.8 and later name no kube-rbac-proxy image; v0.7's gcr.io/kubebuilder one is gone). Its digest and manifest checksum live in infra/pins.json."
+  default     = "v0.12.0"
 }
 
 variable "settings_config_map" {

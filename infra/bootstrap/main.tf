@@ -78,6 +78,15 @@ resource "google_storage_bucket" "state_access_logs" {
   depends_on = [google_project_service.enabled]
 }
 
+# Cloud Storage writes the state bucket's usage and storage logs as this Google group; the log bucket
+# must let it create objects ("Grant Cloud Storage the roles/storage.objectCreator role for the bucket",
+# cloud.google.com/storage/docs/access-logs), or no log is ever written.
+resource "google_storage_bucket_iam_member" "state_access_logs_analytics_writer" {
+  bucket = google_storage_bucket.state_access_logs.name
+  role   = "roles/storage.objectCreator"
+  member = "group:cloud-storage-analytics@google.com"
+}
+
 # Remote state of the platform and app stages (and of bootstrap itself once migrated).
 resource "google_storage_bucket" "state" {
   name     = local.state_bucket_name

@@ -1,9 +1,28 @@
-# The newest GKE version of the configured minor (var.kubernetes_version is a prefix such as "1.31"):
-# a pinned patch version falls out of support and makes the next apply fail.
+# The newest GKE version of the configured minor (var.kubernetes_version is a prefix such as "1.35"):
+# a pinned patch version falls out of support and makes the next apply fail. A minor GKE no longer offers
+# matches nothing, and the provider then leaves latest_master_version empty (the cluster would silently
+# get the region's default version): the plan stops instead.
 data "google_container_engine_versions" "gke" {
   project        = var.project_id
   location       = var.region
   version_prefix = "${var.kubernetes_version}."
+
+  lifecycle {
+    postcondition {
+      condition     = try(self.latest_master_version, null) != null && try(self.latest_master_version, "") != ""
+      error_message = "GKE offers no ${var.kubernetes_version}.* version in ${var.region} (out of support?): set kubernetes_version to a minor it offers (`gcloud container get-server-config --location ${var.region}`)."
+    }
+  }
+}
+
+locals {
+  # The looked-up version as one comparable number: minor, patch and GKE build (1.32.2-gke.1652000 is
+  # 32*1e12 + 2*1e8 + 1652000).
+  gke_version       = regex("^1\\.(\\d+)\\.(\\d+)-gke\\.(\\d+)", data.google_container_engine_versions.gke.latest_master_version)
+  gke_version_order = tonumber(local.gke_version[0]) * 1e12 + tonumber(local.gke_version[1]) * 1e8 + tonumber(local.gke_version[2])
+  # Flex-start with queued provisioning: "a GKE cluster in version 1.32.2-gke.1652000 or later"
+  # (cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest, "Before you begin").
+  flex_start_min_version = 32 * 1e12 + 2 * 1e8 + 1652000
 }
 
 resource "google_container_cluster" "retrain" {
@@ -134,7 +153,7 @@ resource "google_container_cluster" "retrain" {
   }
 }
 
-# System pool: Kueue, the JobSet controller, the JobSet notifier. No GPUs.
+# System pool: the JobSet controller, the JobSet notifier. No GPUs.
 resource "google_container_node_pool" "default" {
   name     = "default"
   project  = var.project_id
@@ -200,6 +219,11 @@ resource "google_container_node_pool" "gpu_dws" {
 
   initial_node_count = 0
 
+  # Flex-start with queued provisioning, as GKE creates it today: `gcloud container node-pools create
+  # ... --enable-queued-provisioning --flex-start --enable-autoscaling --num-nodes=0 --total-max-nodes N
+  # --location-policy=ANY --reservation-affinity=none --no-enable-autorepair`
+  # (cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest). Its VMs use the project's
+  # preemptible GPU quota (infra/README.md, "Quotas").
   queued_provisioning {
     enabled = true
   }
@@ -227,6 +251,7 @@ resource "google_container_node_pool" "gpu_dws" {
   }
 
   node_config {
+    flex_start      = true
     machine_type    = var.gpu_machine_type
     image_type      = "COS_CONTAINERD"
     disk_type       = "pd-ssd"
@@ -285,6 +310,10 @@ resource "google_container_node_pool" "gpu_dws" {
     precondition {
       condition     = var.release_channel == "UNSPECIFIED"
       error_message = "The DWS pool turns node auto-upgrade off, which GKE only allows outside release channels: set release_channel = \"UNSPECIFIED\"."
+    }
+    precondition {
+      condition     = local.gke_version_order >= local.flex_start_min_version
+      error_message = "Flex-start with queued provisioning needs GKE 1.32.2-gke.1652000 or later; kubernetes_version ${var.kubernetes_version} gives ${data.google_container_engine_versions.gke.latest_master_version}."
     }
   }
 

@@ -130,18 +130,19 @@ resource "google_storage_bucket_iam_member" "functions_landing_viewer" {
   member = "serviceAccount:${google_service_account.functions.email}"
 }
 
-# Run manifests (runs/, rewritten when a sweeper restarts a half-started run); nothing else in the
-# bucket through this grant (the functions never list runs/).
-resource "google_storage_bucket_iam_member" "functions_artifacts_writer" {
-  bucket = google_storage_bucket.artifacts.name
-  role   = "roles/storage.objectUser"
-  member = "serviceAccount:${google_service_account.functions.email}"
-
-  condition {
-    title       = "run-manifests"
-    description = "Objects under runs/ only."
-    expression  = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/objects/runs/\")"
-  }
+# Run folders (runs/): the functions write a run's manifest there (rewritten when a sweeper restarts a
+# half-started run) and run_step's results step lists what the trainer wrote under runs/RUN/. Listing is
+# checked on the bucket or a managed folder, never through a condition on the object name ("Since the
+# storage.objects.list permission is granted at the bucket level, you cannot use the resource.name
+# condition attribute to restrict object listing access", cloud.google.com/storage/docs/access-control/
+# iam; "you can grant roles/storage.objectViewer on the managed folder that contains the objects you
+# want to view instead of the bucket", cloud.google.com/storage/docs/listing-objects): so the grant is
+# on the runs/ managed folder.
+resource "google_storage_managed_folder_iam_member" "functions_runs" {
+  bucket         = google_storage_managed_folder.runs.bucket
+  managed_folder = google_storage_managed_folder.runs.name
+  role           = "roles/storage.objectUser"
+  member         = "serviceAccount:${google_service_account.functions.email}"
 }
 
 # A watched table's new rows: the functions' EXPORT DATA jobs write them with the functions' own

@@ -85,8 +85,13 @@ variable "cluster_name" {
 
 variable "kubernetes_version" {
   type        = string
-  description = "GKE minor version, a prefix such as \"1.31\": the cluster gets the newest patch of it that google_container_engine_versions lists (queued provisioning needs 1.28.3 or later)."
-  default     = "1.31"
+  description = "GKE minor version, a prefix such as \"1.35\": the cluster gets the newest patch of it that google_container_engine_versions lists. Flex-start with queued provisioning needs 1.32.2-gke.1652000 or later; a minor GKE no longer offers stops the plan."
+  default     = "1.35"
+
+  validation {
+    condition     = can(regex("^1\\.[0-9]+$", var.kubernetes_version))
+    error_message = "kubernetes_version is a minor version prefix such as \"1.35\"."
+  }
 }
 
 variable "release_channel" {
@@ -123,7 +128,7 @@ variable "enable_dns_endpoint" {
 
 variable "default_pool_machine_type" {
   type        = string
-  description = "Machine type of the default (system) node pool: Kueue, JobSet controller, the notifier."
+  description = "Machine type of the default (system) node pool: the JobSet controller, the notifier."
   default     = "e2-standard-4"
 }
 

@@ -4,12 +4,12 @@ terraform {
   required_providers {
     google = {
       source  = "hashicorp/google"
-      version = ">= 6.14.0, < 7.0.0"
+      version = ">= 7.0.0, < 8.0.0"
     }
     # google_project_service_identity (the Pub/Sub service agent) is in the beta provider only.
     google-beta = {
       source  = "hashicorp/google-beta"
-      version = ">= 6.14.0, < 7.0.0"
+      version = ">= 7.0.0, < 8.0.0"
     }
   }
 

@@ -32,9 +32,14 @@ GPU = "nvidia.com/gpu"
 RUN_ID_LABEL = "retrain.dev/run-id"
 RUN_ID_ANNOTATION = "retrain.dev/run-id"
 CALLBACK_ANNOTATION = "retrain.dev/callback-url"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 QUEUED_LABEL = "cloud.google.com/gke-queued"
+#: Flex-start nodes carry this label; GKE's samples select it beside the node pool
+#: (cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest).
+FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
+#: "This label is necessary for GKE to calculate node resource requirements for your Pods": GKE applies
+#: its Pod validations and mutations to the PodTemplate (the same page).
+WARDEN_LABEL = "cloud.google.com/apply-warden-policies"
 CONSUME_PR_ANNOTATION = "autoscaling.x-k8s.io/consume-provisioning-request"
 PR_CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 REPLICATED_JOB = "trainer"
@@ -211,7 +216,6 @@ def render_jobset(
     image: str,
     command: Command,
     mounts: GcsMounts | None = None,
-    queue: str = "dws-local-queue",
     node_pool: str = "a3-dws",
     namespace: str = "default",
     callback_url: str | None = None,
@@ -226,11 +230,9 @@ def render_jobset(
     ``service_account`` is the Kubernetes service account the pods run as: the training KSA that
     Workload Identity binds to the training Google service account (the Cloud Storage FUSE CSI driver
     authenticates as it; see GKE's "Access Cloud Storage buckets with the Cloud Storage FUSE CSI driver").
-    ``provisioning_request`` names a ProvisioningRequest created outside Kueue that the pods consume
-    (GKE's ``consume-provisioning-request`` annotations) and then carries no Kueue queue label, so Kueue
-    does not ask for the same capacity again; leave it None when Kueue's ProvisioningRequest admission
-    check provisions the capacity.  ``tcpx_image`` is the RxDM sidecar of a run on GPUDirect-TCPX
-    (``Settings.tcpx_image``); None runs on the nodes' primary network only.
+    ``provisioning_request`` names the ProvisioningRequest the run's workflow created, which the pods
+    consume (GKE's ``consume-provisioning-request`` annotations).  ``tcpx_image`` is the RxDM sidecar of
+    a run on GPUDirect-TCPX (``Settings.tcpx_image``); None runs on the nodes' primary network only.
     """
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError("nodes and gpus_per_node must be positive")
@@ -238,8 +240,6 @@ def render_jobset(
         raise ValueError("the container needs a command")
     name = jobset_name(run_id)
     labels = {RUN_ID_LABEL: label_value(run_id)}
-    if not provisioning_request:  # with Kueue, its admission check creates the request instead
-        labels[QUEUE_LABEL] = queue
     annotations = {RUN_ID_ANNOTATION: run_id}
     if callback_url:
         annotations[CALLBACK_ANNOTATION] = callback_url
@@ -292,7 +292,7 @@ def render_jobset(
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 30,
-        "nodeSelector": {NODEPOOL_LABEL: node_pool},
+        "nodeSelector": {NODEPOOL_LABEL: node_pool, FLEX_START_LABEL: "true"},
         "tolerations": [
             {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
             {"key": QUEUED_LABEL, "operator": "Exists", "effect": "NoSchedule"},
@@ -356,11 +356,11 @@ def render_provisioning_request(
     podtemplate = {
         "apiVersion": "v1",
         "kind": "PodTemplate",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": {"name": name, "namespace": namespace, "labels": {**labels, WARDEN_LABEL: "true"}},
         "template": {
             "metadata": {"labels": labels},
             "spec": {
-                "nodeSelector": {NODEPOOL_LABEL: node_pool},
+                "nodeSelector": {NODEPOOL_LABEL: node_pool, FLEX_START_LABEL: "true"},
                 "tolerations": [
                     {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
                     {"key": QUEUED_LABEL, "operator": "Exists", "effect": "NoSchedule"},

@@ -404,6 +404,7 @@ class ClusterTwin:
                 "labels": {
                     NODEPOOL_LABEL: self.node_pool,
                     "cloud.google.com/gke-queued": "true",
+                    "cloud.google.com/gke-flex-start": "true",  # the pool is flex-start (infra/platform)
                     "cloud.google.com/gke-accelerator": self._accelerator(),
                     "cloud.google.com/machine-family": self.machine_type.split("-")[0],
                     "node.kubernetes.io/instance-type": self.machine_type,

@@ -280,7 +280,7 @@ def apply_documents(api: Any, docs: list[dict[str, Any]]) -> list[str]:
         group, _, version = doc["apiVersion"].rpartition("/")
         meta = doc["metadata"]
         try:
-            if group.endswith(".x-k8s.io"):  # the CRDs of ../shared/crds (Kueue, JobSet, autoscaling)
+            if "." in group and not group.endswith(".k8s.io"):  # ../shared/crds: JobSet, autoscaling, GKE
                 plural = doc["kind"].lower() + "s"
                 if "namespace" in meta:
                     ensure_service_account(api, meta["namespace"])

@@ -63,10 +63,6 @@ def periodically(every_s: float, fn: Callable[[], None], what: str) -> Callable[
     return stop.set
 
 
-#: API groups only GKE serves (its multi-networking objects): the local control plane has no such CRDs.
-GKE_ONLY_APIS = ("networking.gke.io/",)
-
-
 def _quiet(_: str) -> None:
     return None
 
@@ -343,7 +339,7 @@ class LocalStack:
         api = control_plane.api_client()
         self.kube_api = api
         # What Terraform applies in the cluster, rendered by the same code from infra/'s values: the
-        # Kueue queues, the service accounts, the notifier's, the reaper's and the workflow's RBAC, and
+        # service accounts, the notifier's, the reaper's and the workflow's RBAC, and
         # the settings ConfigMap (Terraform writes it from local.retrain_env).
         from retrain.k8s.manifests import documents
         from retrain.local.envtest import apply_documents
@@ -355,13 +351,8 @@ class LocalStack:
             "metadata": {"name": values.settings_config_map, "namespace": values.namespace},
             "data": self._deployment.env,
         }
-        served: list[dict[str, Any]] = []
-        gke_only: list[dict[str, Any]] = []
-        for doc in [settings_map, *documents(values)]:
-            (gke_only if str(doc.get("apiVersion", "")).startswith(GKE_ONLY_APIS) else served).append(doc)
-        apply_documents(api, served)
-        if gke_only:
-            log.info("not applied locally (APIs only GKE serves): %s", [d["kind"] for d in gke_only])
+        # GKE's multi-networking objects (GPUDirect-TCPX) too: the control plane serves GKE's own CRDs.
+        apply_documents(api, [settings_map, *documents(values)])
         child_env = {**ep.env(), **self.pod_env}
         twin = ClusterTwin(
             api,

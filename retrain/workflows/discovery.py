@@ -145,6 +145,11 @@ def check_gke_request(args: dict[str, Any]) -> tuple[str, str] | None:
     missing = [a for a in GKE_REQUEST_REQUIRED if a not in args]
     if missing:
         return "TypeError", f"gke.request: missing argument(s) {', '.join(missing)}"
+    nulls = [a for a in ("body", "query", "headers") if a in args and args[a] is None]
+    if nulls:
+        # "query: Optional query parameters. If present, must be a map of simple types" (headers alike);
+        # how a null body is sent is not documented either: a call leaves such keys out.
+        return "TypeError", f"gke.request: {', '.join(nulls)} is null (leave an argument out instead)"
     timeout = args.get("timeout")
     if isinstance(timeout, int | float) and timeout > GKE_REQUEST_MAX_TIMEOUT_S:
         return "ValueError", f"gke.request: timeout {timeout} is over {GKE_REQUEST_MAX_TIMEOUT_S} s"

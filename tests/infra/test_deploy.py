@@ -366,7 +366,7 @@ def test_manifests_are_rendered_from_the_platform_outputs(
     assert rc == 0, err
     rendered = checkout / deploy.K8S_BUILD_DIR
     assert sorted(p.name for p in rendered.glob("*.yaml")) == sorted(
-        ["kueue.yaml", "notifier.yaml", "reaper.yaml", "training.yaml", "workflow.yaml"]
+        ["notifier.yaml", "reaper.yaml", "training.yaml", "workflow.yaml"]
     )
     notifier = (rendered / "notifier.yaml").read_text()
     assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in notifier

@@ -58,7 +58,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/datastore.user", "project"),
         ("roles/workflows.invoker", "project"),
         ("roles/storage.objectViewer", "bucket:landing"),
-        ("roles/storage.objectUser", "bucket:artifacts"),  # conditioned: runs/ only
+        ("roles/storage.objectUser", "managed_folder:runs"),  # manifests; results lists runs/RUN/
         ("roles/storage.objectUser", "managed_folder:bigquery"),  # its EXPORT DATA jobs' files
         ("roles/bigquery.jobUser", "project"),
         ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
@@ -133,6 +133,7 @@ EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
     },
     "literal:group:cloud-storage-analytics@google.com": {
         ("roles/storage.objectCreator", "bucket:access_logs"),
+        ("roles/storage.objectCreator", "bucket:state_access_logs"),
     },
 }
 
@@ -573,6 +574,9 @@ def check_gpu_pool(model: Model) -> list[str]:
     expect("management.auto_repair", management.get("auto_repair"), False)
     expect("management.auto_upgrade", management.get("auto_upgrade"), False)
     node = one(b.body.get("node_config"))
+    # GKE creates DWS pools with --flex-start beside --enable-queued-provisioning today
+    # (cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest).
+    expect("node_config.flex_start", node.get("flex_start"), True)
     expect(
         "reservation_affinity.consume_reservation_type",
         one(node.get("reservation_affinity")).get("consume_reservation_type"),
@@ -618,6 +622,54 @@ def _resource(model: Model, rtype: str, name: str) -> Block | None:
     return next((b for b in model.of("resource", rtype) if b.name == name), None)
 
 
+# Who lists what: (service account, bucket, a prefix it lists objects under) and the code that lists.
+# objects.list is checked on the bucket, or on a managed folder holding the prefix: a grant conditioned
+# on resource.name never allows it (cloud.google.com/storage/docs/access-control/iam, "Since the
+# storage.objects.list permission is granted at the bucket level ...").
+LISTINGS = {
+    ("functions", "artifacts", "runs/RUN/"): "retrain/steps.py trainer_outputs (run_step's results)",
+    ("functions", "artifacts", "bigquery/"): "retrain/exports.py written_files (an export's files)",
+    ("functions", "landing", "incoming/"): "retrain/audit.py landed (the audit job)",
+    ("dataflow", "artifacts", "shards/_tmp/"): "retrain/tokenize/pipeline.py (temporary parts)",
+    ("training", "artifacts", "runs/RUN/"): "Cloud Storage FUSE (the trainer's run folder)",
+}
+LIST_ROLES = {
+    "roles/storage.objectViewer",
+    "roles/storage.objectUser",
+    "roles/storage.objectAdmin",
+    "roles/storage.admin",
+}
+
+
+def check_listings(model: Model) -> list[str]:
+    """Every prefix a runtime account lists is listable by it: an unconditioned grant carrying
+    storage.objects.list on the bucket, or on a managed folder whose path holds the prefix."""
+    blocks = {b.address: b for b in model.of("resource")}
+    folders = {}
+    for b in model.of("resource", "google_storage_managed_folder"):
+        bucket = re.search(r"google_storage_bucket\.(\w+)\.", str(b.body.get("bucket", "")))
+        folders[b.name] = (bucket.group(1) if bucket else "?", str(b.body.get("name", "")))
+    problems = []
+    for (sa, bucket, prefix), lister in LISTINGS.items():
+        granted = False
+        for g in grants(model)[0]:
+            if (
+                g.principal != "sa:" + sa
+                or g.role not in LIST_ROLES
+                or blocks[g.address].body.get("condition")
+            ):
+                continue
+            kind, _, name = g.scope.partition(":")
+            on_folder = kind == "managed_folder" and name in folders and folders[name][0] == bucket
+            if (kind == "bucket" and name == bucket) or (on_folder and prefix.startswith(folders[name][1])):
+                granted = True
+        if not granted:
+            problems.append(
+                f"{sa} lists gs://{bucket}/{prefix} ({lister}) without storage.objects.list there"
+            )
+    return problems
+
+
 def check_apply_readiness(model: Model) -> list[str]:
     """What makes a first `terraform apply` (or a later destroy) fail although `plan` passes."""
     problems = []
@@ -636,11 +688,16 @@ def check_apply_readiness(model: Model) -> list[str]:
         problems.append(
             "google_workflows_workflow.retrain: deletion_protection is not var.workflow_deletion_protection"
         )
-    # Usage logs are written by Google's analytics group.
-    if ("roles/storage.objectCreator", "bucket:access_logs") not in grants_by_principal(model).get(
-        "literal:group:cloud-storage-analytics@google.com", set()
-    ):
-        problems.append("the access-log bucket does not let cloud-storage-analytics@google.com write logs")
+    # Usage logs are written by Google's analytics group, into every bucket a bucket logs to.
+    analytics = grants_by_principal(model).get("literal:group:cloud-storage-analytics@google.com", set())
+    for b in model.of("resource", "google_storage_bucket"):
+        sink = re.search(
+            r"google_storage_bucket\.(\w+)\.", str(one(b.body.get("logging")).get("log_bucket", ""))
+        )
+        if sink and ("roles/storage.objectCreator", f"bucket:{sink.group(1)}") not in analytics:
+            problems.append(
+                f"{b.address} logs to {sink.group(1)}, where cloud-storage-analytics@google.com cannot write"
+            )
     # The GKE version is looked up by prefix, never pinned.
     cluster = _resource(model, "google_container_cluster", "retrain")
     versions = [b for b in model.of("data", "google_container_engine_versions") if "version_prefix" in b.body]
@@ -650,6 +707,19 @@ def check_apply_readiness(model: Model) -> list[str]:
         or "google_container_engine_versions" not in str(cluster.body.get("min_master_version"))
     ):
         problems.append("the cluster's version is not taken from google_container_engine_versions by prefix")
+    # ... a prefix that matches nothing stops the plan (the provider leaves the version empty), and the
+    # default minor is one GKE supports with flex-start (1.32.2-gke.1652000 or later; 1.31 and 1.32 are
+    # out of support since January and April 2026).
+    if versions and "postcondition" not in str(versions[0].body.get("lifecycle")):
+        problems.append("a kubernetes_version prefix GKE does not offer would not stop the plan")
+    default = next(
+        (v.body.get("default") for v in model.of("variable") if v.name == "kubernetes_version"), ""
+    )
+    if not re.fullmatch(r"1\.\d+", str(default)) or int(str(default).split(".")[1]) < 33:
+        problems.append(f"kubernetes_version defaults to {default!r}, a minor out of GKE's support")
+    pool = _resource(model, "google_container_node_pool", "gpu_dws")
+    if pool is None or "flex_start_min_version" not in str(pool.body.get("lifecycle")):
+        problems.append("the DWS pool does not refuse a GKE version below flex-start's 1.32.2-gke.1652000")
     # Node pools wait for their service account's roles.
     for pool in model.of("resource", "google_container_node_pool"):
         deps = str(pool.body.get("depends_on", ""))
@@ -733,6 +803,10 @@ def test_gpu_pool_is_dws_and_scales_to_zero(model: Model) -> None:
 
 def test_service_account_roles_are_exactly_least_privilege(model: Model) -> None:
     assert check_sa_roles(model) == []
+
+
+def test_every_prefix_an_account_lists_is_listable_by_it(model: Model) -> None:
+    assert check_listings(model) == []
 
 
 def test_no_authoritative_iam(model: Model) -> None:
@@ -834,6 +908,14 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         'member = "group:someone-else@example.com"',
     ),
     (
+        "the state bucket's access logs not writable by the analytics group",
+        check_apply_readiness,
+        "bootstrap",
+        "main.tf",
+        'member = "group:cloud-storage-analytics@google.com"',
+        'member = "group:someone-else@example.com"',
+    ),
+    (
         "GKE version pinned",
         check_apply_readiness,
         "platform",
@@ -864,6 +946,30 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         "gke.tf",
         "total_min_node_count = 0",
         "total_min_node_count = 1",
+    ),
+    (
+        "the DWS pool without flex-start",
+        check_gpu_pool,
+        "platform",
+        "gke.tf",
+        "    flex_start      = true\n",
+        "",
+    ),
+    (
+        "a kubernetes_version default GKE no longer supports",
+        check_apply_readiness,
+        "platform",
+        "variables.tf",
+        'default     = "1.35"',
+        'default     = "1.31"',
+    ),
+    (
+        "a kubernetes_version prefix matching nothing goes unnoticed",
+        check_apply_readiness,
+        "platform",
+        "gke.tf",
+        "  lifecycle {\n    postcondition {\n      condition     = try(self.latest_master_version",
+        "  lifecycle {\n    precondition {\n      condition     = try(self.latest_master_version",
     ),
     (
         "queued provisioning off",
@@ -996,6 +1102,19 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         "k8s.tf",
         "  for_each = local.pinned_documents.jobset\n",
         "  for_each = local.fetched_documents.jobset\n",
+    ),
+    (
+        "the results step's listing of runs/RUN/ granted through a condition on object names",
+        check_listings,
+        "platform",
+        "iam.tf",
+        'resource "google_storage_managed_folder_iam_member" "functions_runs" {\n'
+        "  bucket         = google_storage_managed_folder.runs.bucket\n"
+        "  managed_folder = google_storage_managed_folder.runs.name\n",
+        'resource "google_storage_bucket_iam_member" "functions_runs" {\n'
+        "  bucket = google_storage_bucket.artifacts.name\n"
+        '  condition {\n    title = "runs"\n    description = "runs/ only"\n'
+        '    expression = "resource.name.startsWith(\\"projects/_/buckets/x/objects/runs/\\")"\n  }\n',
     ),
     (
         "run_http invokers unvalidated",

@@ -16,11 +16,8 @@ pytestmark = pytest.mark.envtest
 
 REPO = Path(__file__).resolve().parents[2]
 CR_PLURALS = {
-    "ResourceFlavor": "resourceflavors",
-    "ProvisioningRequestConfig": "provisioningrequestconfigs",
-    "AdmissionCheck": "admissionchecks",
-    "ClusterQueue": "clusterqueues",
-    "LocalQueue": "localqueues",
+    "Network": "networks",
+    "GKENetworkParamSet": "gkenetworkparamsets",
     "JobSet": "jobsets",
     "ProvisioningRequest": "provisioningrequests",
 }
@@ -54,7 +51,7 @@ def create(api: Any, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
     if kind in CR_PLURALS:
         group, version = obj["apiVersion"].split("/")
         objects = client.CustomObjectsApi(api)
-        if "namespace" in obj["metadata"] or kind in ("JobSet", "ProvisioningRequest", "LocalQueue"):
+        if "namespace" in obj["metadata"] or kind in ("JobSet", "ProvisioningRequest"):
             obj["metadata"]["namespace"] = namespace
             return dict(
                 objects.create_namespaced_custom_object(group, version, namespace, CR_PLURALS[kind], obj)
@@ -114,8 +111,10 @@ def allowed(
     return bool(client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed)
 
 
-def test_kueue_manifests_accepted(api: Any, namespace: str) -> None:
-    for doc in rendered("kueue.yaml", namespace):
+def test_tcpx_network_objects_accepted(api: Any, namespace: str) -> None:
+    """GPUDirect-TCPX's Network and GKENetworkParamSet objects, created on the API server serving GKE's
+    own multi-networking CRDs: nothing pruned."""
+    for doc in rendered("tcpx.yaml", namespace):
         stored = create(api, doc, namespace)
         assert subset(doc["spec"], stored["spec"]) == [], doc["kind"]
 

@@ -162,6 +162,10 @@ def test_retrain_workflows_run_names_the_misspelled_parameter(tmp_path: Path) ->
             {"cluster_id": "c", "method": "GET", "path": "/api", "timeout": 3600},
             "ValueError: gke.request: timeout 3600",
         ),
+        (
+            {"cluster_id": "c", "method": "GET", "path": "/api", "body": None, "query": None},
+            "TypeError: gke.request: body, query is null",
+        ),
     ],
 )
 def test_gke_request_takes_its_documented_arguments(args: dict[str, Any], refusal: str) -> None:
