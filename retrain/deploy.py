@@ -318,19 +318,88 @@ def _vendor_ignore(_dir: str, names: list[str]) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def render_manifests(root: Path, carried: Mapping[str, Any], app_vars: Mapping[str, str]) -> bool:
-    """Render k8s/ into build/k8s from the platform stage's outputs (``terraform output -json`` shape);
-    False when they are not all known (a dry run of a platform not yet applied)."""
+#: Beside the rendered manifests: the project they were rendered for (infra/app refuses any other).
+RENDERED_FOR = ".rendered-for"
+
+
+def render_manifests(root: Path, carried: Mapping[str, Any], app_vars: Mapping[str, str]) -> str | None:
+    """Render k8s/ into build/k8s from the platform stage's outputs (``terraform output -json`` shape),
+    stamped with the project they are for; None when they are, or why not (an output not known)."""
     from retrain.deployment import manifest_values
     from retrain.k8s.manifests import write
 
     platform = {k: (v or {}).get("value") for k, v in carried.items()}
     try:
         values = manifest_values(platform, app_vars)
-    except (KeyError, TypeError):
-        return False
-    write(values, root / K8S_BUILD_DIR, root / "k8s")
-    return True
+    except (KeyError, TypeError) as e:
+        return str(e)
+    dest = root / K8S_BUILD_DIR
+    write(values, dest, root / "k8s")
+    (dest / RENDERED_FOR).write_text(values.project + "\n")
+    return None
+
+
+def platform_outputs(tf: Terraform, stage: Stage, state_bucket: str | None) -> dict[str, Any]:
+    """The applied platform stage's outputs (``terraform output -json``), for an app stage run alone."""
+    if not state_bucket:
+        raise UsageError("the app stage reads the platform stage's outputs: pass --state-bucket")
+    tf.run(stage, "init", ["init", "-input=false", f"-backend-config=bucket={state_bucket}"])
+    outputs = tf.json(stage, "output", ["output", "-json"]) or {}
+    if not outputs:
+        raise UsageError(
+            "the platform stage has no outputs: apply it first (retrain deploy --stage platform)"
+        )
+    return dict(outputs)
+
+
+def images_for_app(
+    opts: Options, carried: Mapping[str, Any], progress: Progress, workdir: Path
+) -> dict[str, str]:
+    """The app stage's image variables (this project's images, by digest): given with --var, or built now
+    by Cloud Build (retrain.builds). A dry run builds nothing, so it needs them given."""
+    from retrain import builds
+
+    given = {
+        k: v for scope, k, v in opts.user_vars if scope in (None, "app") and k in builds.IMAGE_VARS.values()
+    }
+    missing = sorted(set(builds.IMAGE_VARS.values()) - set(given))
+    if not missing:
+        return given
+    if opts.dry_run:
+        raise UsageError(
+            f"a dry run builds no image, and the app stage runs {', '.join(missing)} by digest: pass "
+            + " ".join(f"--var {m}=IMAGE@sha256:..." for m in missing)
+            + " (the last deploy's: terraform -chdir=infra/app output)"
+        )
+    outputs = {k: (v or {}).get("value") for k, v in carried.items()}
+    accounts = outputs.get("service_accounts") or {}
+    needed = {
+        "artifact_registry": outputs.get("artifact_registry"),
+        "service_accounts.builder": accounts.get("builder"),
+        "function_sources_bucket": outputs.get("function_sources_bucket"),
+    }
+    unknown = [k for k, v in needed.items() if not v]
+    if unknown:
+        raise UsageError(
+            f"building the images needs the platform outputs {', '.join(unknown)}: apply platform first"
+        )
+    progress.say(f"app: build {', '.join(builds.IMAGE_VARS)} with Cloud Build (tag: this commit)")
+    try:
+        built = builds.build_images(
+            opts.root,
+            project=opts.project,
+            region=opts.region,
+            registry=str(needed["artifact_registry"]),
+            service_account=str(needed["service_accounts.builder"]),
+            staging=f"gs://{needed['function_sources_bucket']}/image-sources",
+            workdir=workdir,
+            say=progress.say,
+        )
+    except builds.BuildError as e:
+        raise UsageError(str(e)) from e
+    for var, ref in built.items():
+        progress.say(f"app: {var} = {ref}")
+    return {**built, **given}
 
 
 def _fmt_s(seconds: float) -> str:
@@ -624,10 +693,14 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
             t0 = time.monotonic()
             progress.say(f"== stage {name} ({stage.path.relative_to(opts.root)})")
             try:
+                images: dict[str, str] = {}
                 if name == "app":
+                    if "platform" not in opts.stages:  # the platform applied before: its outputs
+                        carried.update(platform_outputs(tf, stages["platform"], state_bucket))
                     pin_artifacts(opts.root, progress, dry_run=opts.dry_run)
                     progress.say(f"app: build function source -> {FUNCTIONS_BUILD_DIR}/")
                     build_functions_source(opts.root)
+                    images = images_for_app(opts, carried, progress, Path(plans))
 
                 init = ["init", "-input=false"]
                 if stage.has_backend:
@@ -647,13 +720,18 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                     values["state_bucket"] = state_bucket
                 if name == "app" and "functions_source_dir" in stage.variables:
                     values["functions_source_dir"] = FUNCTIONS_BUILD_DIR
+                values.update(images)
                 if name == "app" and "k8s_manifests_dir" in stage.variables:
                     values["k8s_manifests_dir"] = K8S_BUILD_DIR
                     app_vars = {k: v for scope, k, v in opts.user_vars if scope in (None, "app")}
-                    if render_manifests(opts.root, carried, app_vars):
+                    unrendered = render_manifests(opts.root, carried, {**app_vars, **images})
+                    if unrendered is None:
                         progress.say(f"app: render k8s/ for this deployment -> {K8S_BUILD_DIR}/")
+                    elif opts.dry_run:  # a platform planned in this run, not applied: its outputs unknown
+                        shutil.rmtree(opts.root / K8S_BUILD_DIR, ignore_errors=True)  # nothing stale applies
+                        progress.say(f"app: manifests not rendered ({unrendered}); the app plan refuses")
                     else:
-                        progress.say("app: platform outputs not known yet (dry run): manifests not rendered")
+                        raise UsageError(f"cannot render k8s/ for {opts.project}: {unrendered}")
                 for scope, key, value in opts.user_vars:
                     if (scope is None or scope == name) and key in stage.variables:
                         values[key] = value

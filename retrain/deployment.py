@@ -129,7 +129,8 @@ class ManifestValues:
     notifier_gsa: str
     """The notifier's Google service account (publisher on the JobSet topic)."""
     notifier_image: str
-    """Image of the notifier (``retrain notify``)."""
+    """Image of the notifier (``retrain notify``): by digest as ``retrain deploy`` builds it; ``unbuilt``
+    in the local stack, which runs the notifier in its own process."""
     settings_config_map: str
     """ConfigMap holding the ``RETRAIN_*`` settings (Terraform writes it from ``local.retrain_env``)."""
     training_ksa: str
@@ -167,7 +168,7 @@ def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> Mani
         namespace=str(out("k8s_namespace")),
         notifier_ksa=str(out("notifier_ksa")),
         notifier_gsa=str(out("service_accounts", "notifier")),
-        notifier_image=str(app.get("notifier_image") or f"{out('artifact_registry')}/retrain:latest"),
+        notifier_image=str(app.get("notifier_image") or f"{out('artifact_registry')}/retrain:unbuilt"),
         settings_config_map=str(app.get("settings_config_map") or "retrain-settings"),
         training_ksa=str(out("training_ksa")),
         training_gsa=str(out("service_accounts", "training")),
@@ -261,6 +262,12 @@ class Deployment:
             versioning = self.platform.evaluate(spec.get("versioning") or [{}])
             out[str(self.platform.evaluate(spec["name"]))] = bool(versioning and versioning[0].get("enabled"))
         return out
+
+    def template_spec(self) -> tuple[str, bytes]:
+        """The tokenize job's flex-template spec as the app stage writes it: (its gs:// URI, its JSON)."""
+        obj = self.app.resource("google_storage_bucket_object", "tokenize_template")
+        uri = f"gs://{self.app.evaluate(obj['bucket'])}/{self.app.evaluate(obj['name'])}"
+        return uri, str(self.app.evaluate(obj["content"])).encode()
 
     def topic(self, output: str) -> str:
         """A topic's full id from the platform stage's outputs (``jobset_topic_id`` ...)."""

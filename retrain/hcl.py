@@ -52,6 +52,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "jsonencode": _jsonencode,
     "jsondecode": json.loads,
     "file": lambda path: Path(str(path)).read_text(),
+    "fileexists": lambda path: Path(str(path)).is_file(),
     "abspath": lambda path: os.path.abspath(str(path)),
     "base64encode": lambda s: base64.b64encode(str(s).encode()).decode(),
     "base64decode": lambda s: base64.b64decode(str(s)).decode(),

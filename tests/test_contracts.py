@@ -468,7 +468,7 @@ def test_manifests_are_rendered_from_the_deployment() -> None:
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     notifier = by[("Deployment", "retrain-notifier")]["spec"]["template"]["spec"]
     assert notifier["serviceAccountName"] == "jobset-notifier"
-    assert notifier["containers"][0]["image"] == "europe-west4-docker.pkg.dev/acme-ml/retrain/retrain:latest"
+    assert notifier["containers"][0]["image"] == "europe-west4-docker.pkg.dev/acme-ml/retrain/retrain:unbuilt"
     assert by[("ServiceAccount", "jobset-notifier")]["metadata"]["annotations"] == {
         "iam.gke.io/gcp-service-account": "n@acme-ml.iam.gserviceaccount.com"
     }

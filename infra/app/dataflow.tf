@@ -1,7 +1,6 @@
 # Flex-template spec of the tokenization pipeline, in the artifacts bucket. It is the same
 # document `gcloud dataflow flex-template build` writes: the launcher image plus parameter
-# metadata. The image itself is built from dataflow/ and pushed to Artifact Registry
-# (infra/README.md, "Dataflow template image").
+# metadata. The image is built by `retrain deploy` (cloudbuild.yaml) and named here by digest.
 locals {
   dataflow_metadata_path = "${local.repo_root}/${var.dataflow_metadata}"
   dataflow_metadata = fileexists(local.dataflow_metadata_path) ? jsondecode(file(local.dataflow_metadata_path)) : {
@@ -27,4 +26,11 @@ resource "google_storage_bucket_object" "tokenize_template" {
       stagingLocation     = "gs://${local.platform.artifacts_bucket}/dataflow/staging"
     }
   })
+
+  lifecycle {
+    precondition {
+      condition     = local.dataflow_image != ""
+      error_message = "No tokenize image: `retrain deploy` builds it (cloudbuild.yaml) and passes dataflow_image by digest."
+    }
+  }
 }

@@ -13,10 +13,23 @@ locals {
   k8s_files     = local.k8s_enabled ? fileset(local.k8s_dir, "*.yaml") : toset([])
 }
 
-check "k8s_manifests_rendered" {
-  assert {
-    condition     = !local.k8s_enabled || length(fileset(local.k8s_dir, "*.yaml")) > 0
-    error_message = "No rendered manifests in k8s_manifests_dir: run `retrain deploy`, which renders k8s/ from this deployment's values before this stage."
+# The rendered manifests must be this project's: `retrain deploy` renders them from this deployment's
+# platform outputs and stamps the folder with the project. Anything else (none, or another project's
+# left by an earlier render) stops the plan: applying it would replace or delete the RBAC, service
+# accounts and notifier (a check block would only warn).
+resource "terraform_data" "k8s_manifests_rendered" {
+  count = local.k8s_enabled ? 1 : 0
+  input = local.k8s_files
+
+  lifecycle {
+    precondition {
+      condition     = length(local.k8s_files) > 0 && fileexists("${local.k8s_dir}/.rendered-for")
+      error_message = "No rendered manifests in ${var.k8s_manifests_dir}: run `retrain deploy`, which renders k8s/ from this deployment's platform outputs before this stage."
+    }
+    precondition {
+      condition     = !fileexists("${local.k8s_dir}/.rendered-for") || trimspace(file("${local.k8s_dir}/.rendered-for")) == var.project_id
+      error_message = "The manifests in ${var.k8s_manifests_dir} were rendered for another project: run `retrain deploy --project ${var.project_id}`, which renders them for this one."
+    }
   }
 }
 
@@ -132,7 +145,15 @@ resource "kubectl_manifest" "retrain" {
   server_side_apply = true
   wait              = true
 
+  lifecycle {
+    precondition {
+      condition     = length(regexall(local.tag_only_image, each.value)) == 0
+      error_message = "An image of ${each.key} is not pinned by digest: ${join(", ", [for m in regexall(local.tag_only_image, each.value) : m[1]])}. `retrain deploy` builds this project's images and renders them by digest."
+    }
+  }
+
   depends_on = [
+    terraform_data.k8s_manifests_rendered,
     kubectl_manifest.jobset,
     kubernetes_config_map_v1.settings,
   ]

@@ -26,7 +26,7 @@ locals {
     if !can(regex("@sha256:[0-9a-f]{64}$", ref))
   ]
 
-  dataflow_image         = var.dataflow_image != "" ? var.dataflow_image : "${local.platform.artifact_registry}/tokenize:latest"
+  dataflow_image         = var.dataflow_image
   dataflow_template_path = "gs://${local.platform.artifacts_bucket}/${var.dataflow_template_object}"
   dataflow_temp_location = "gs://${local.platform.artifacts_bucket}/dataflow/tmp"
 

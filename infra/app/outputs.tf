@@ -61,7 +61,7 @@ output "dataflow_template_path" {
 }
 
 output "dataflow_image" {
-  description = "Launcher image the flex-template spec points at; build and push it from dataflow/."
+  description = "Launcher image the flex-template spec points at, by digest (built by `retrain deploy`)."
   value       = local.dataflow_image
 }
 

@@ -74,8 +74,13 @@ variable "k8s_manifests_dir" {
 
 variable "notifier_image" {
   type        = string
-  description = "Image of the JobSet notifier (`retrain notify`). Empty: <artifact registry>/retrain:latest."
+  description = "Image of the JobSet notifier (`retrain notify`), by digest (REGISTRY/retrain@sha256:...): `retrain deploy` builds it (cloudbuild.yaml) and renders it into build/k8s."
   default     = ""
+
+  validation {
+    condition     = var.notifier_image == "" || can(regex("@sha256:[0-9a-f]{64}$", var.notifier_image))
+    error_message = "notifier_image runs by digest (IMAGE@sha256:...), never by a tag that can move."
+  }
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -514,8 +519,13 @@ variable "train_timeout_s" {
 
 variable "dataflow_image" {
   type        = string
-  description = "Flex-template launcher image of the tokenization pipeline. Empty: <artifact registry>/tokenize:latest."
+  description = "Flex-template launcher image of the tokenization pipeline, by digest (REGISTRY/tokenize@sha256:...): `retrain deploy` builds it (cloudbuild.yaml) and passes it."
   default     = ""
+
+  validation {
+    condition     = var.dataflow_image == "" || can(regex("@sha256:[0-9a-f]{64}$", var.dataflow_image))
+    error_message = "dataflow_image runs by digest (IMAGE@sha256:...), never by a tag that can move."
+  }
 }
 
 variable "dataflow_template_object" {

@@ -3,21 +3,14 @@
 Each binding receives the connector's documented arguments and answers in the documented shape, so
 workflows/retrain.yaml runs unchanged: Firestore and GCS calls go to their emulators through the same
 REST/JSON APIs, ``gke.request`` goes to the real kube-apiserver, node-pool sizing goes to the cluster
-twin, and a Dataflow flex-template launch runs the same Beam pipeline on the FnApiRunner.
+twin, and a Dataflow flex-template launch goes through the launcher's contract (``retrain.local.dataflow``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -27,7 +20,7 @@ import yaml
 from google.api_core.exceptions import NotFound
 
 from retrain.adapters import objects
-from retrain.local import processes
+from retrain.local.dataflow import LocalDataflow
 from retrain.workflows import ConnectorRegistry, WorkflowError, http_error
 from retrain.workflows.stdlib import send
 
@@ -101,108 +94,6 @@ def storage_get(args: Args, _: Args) -> Any:
         "size": str(info.size),
         "generation": str(info.generation),
     }
-
-
-# --- Dataflow: flex-template launches run the Beam pipeline locally --------------------------------
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """A job and the workers it started (its own process group)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-@dataclass
-class LocalDataflow:
-    """Runs each launched tokenize job as a subprocess (FnApiRunner) and reports Dataflow job states."""
-
-    log_dir: Path
-    env: Mapping[str, str]
-    jobs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    cancelled: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def launch(self, args: Args, _: Args) -> Any:
-        launch = args["body"]["launchParameter"]
-        params = launch.get("parameters", {})
-        for required in ("manifest", "shard_root", "report"):
-            if required not in params:
-                raise WorkflowError(http_error(400, f"launchParameter.parameters.{required} is required"))
-        # Not Dataflow's rule but the deployment's: workers never run as the default compute account on
-        # the default network, so a launch that leaves these out is refused here as a bug.
-        environment = launch.get("environment") or {}
-        for required in ("serviceAccountEmail", "subnetwork", "tempLocation"):
-            if not environment.get(required):
-                raise WorkflowError(http_error(400, f"launchParameter.environment.{required} is required"))
-        job_id = f"{launch.get('jobName', 'job')}-{uuid.uuid4().hex[:8]}"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{job_id}.log", "wb")  # noqa: SIM115 - handed to the child
-        argv = [
-            sys.executable,
-            "-m",
-            "retrain.tokenize",
-            "--manifest",
-            params["manifest"],
-            "--shard-root",
-            params["shard_root"],
-            "--report",
-            params["report"],
-        ]
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
-        )
-        log.close()
-        processes.record(proc.pid, f"dataflow {job_id}")
-        with self.lock:
-            self.jobs[job_id] = proc
-        return {
-            "job": {
-                "id": job_id,
-                "name": launch.get("jobName"),
-                "projectId": args.get("projectId"),
-                "location": args.get("location"),
-                "currentState": "JOB_STATE_PENDING",
-            }
-        }
-
-    def _job(self, args: Args) -> subprocess.Popen[bytes]:
-        job_id = args["jobId"]
-        with self.lock:
-            proc = self.jobs.get(job_id)
-        if proc is None:
-            raise WorkflowError(http_error(404, f"job {job_id} not found"))
-        return proc
-
-    def get(self, args: Args, _: Args) -> Any:
-        job_id = args["jobId"]
-        code = self._job(args).poll()
-        if job_id in self.cancelled:
-            state = "JOB_STATE_CANCELLED"
-        elif code is None:
-            state = "JOB_STATE_RUNNING"
-        else:
-            state = "JOB_STATE_DONE" if code == 0 else "JOB_STATE_FAILED"
-        return {"id": job_id, "currentState": state}
-
-    def update(self, args: Args, _: Args) -> Any:
-        """jobs.update: ``requestedState`` JOB_STATE_CANCELLED stops a running job (Dataflow's cancel)."""
-        requested = (args.get("body") or {}).get("requestedState")
-        if requested != "JOB_STATE_CANCELLED":
-            raise WorkflowError(http_error(400, f"requestedState {requested!r} is not supported locally"))
-        proc = self._job(args)
-        if proc.poll() is None:
-            _kill_group(proc)
-            proc.wait()
-            self.cancelled.add(args["jobId"])
-        return self.get(args, {})
-
-    def stop(self) -> None:
-        with self.lock:
-            for proc in self.jobs.values():
-                if proc.poll() is None:
-                    _kill_group(proc)
-                    proc.wait()
 
 
 # --- GKE: the Kubernetes API of the envtest control plane, node pools of the twin ------------------

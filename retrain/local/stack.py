@@ -331,6 +331,8 @@ class LocalStack:
             if bucket.versioning_enabled != versioned.get(name, False):
                 bucket.versioning_enabled = versioned.get(name, False)  # as infra/platform creates it
                 bucket.patch()
+        spec_uri, spec = self._deployment.template_spec()  # what infra/app/dataflow.tf writes
+        objects.write_bytes(spec_uri, spec, "application/json")
 
         self.progress("starting the cluster twin (DWS provisioner, JobSet controller) and the notifier")
         from retrain.k8s.notifier import Notifier

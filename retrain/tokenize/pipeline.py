@@ -763,6 +763,15 @@ def tokenize_incremental(
             objects.write_bytes(report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json")
         return agg
 
+    if not todo and not wait:
+        # Every object's shard exists already (a retry, content given back and dropped again). A flex
+        # template's launcher submits the job its program's pipeline leaves behind, and fails when there is
+        # none ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894): so a job still
+        # runs, one that only writes the report.
+        p = beam.Pipeline(options=pipeline_options(runner, workers, pipeline_args))
+        _ = p | "NothingNew" >> beam.Create([[]]) | "Report" >> beam.Map(finish)
+        p.run()
+        return {"submitted": True, "report": report_uri, "new_objects": 0}
     if todo:
         run_id = uuid.uuid4().hex[:12]
         shards = tuple(

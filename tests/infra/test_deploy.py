@@ -21,9 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gcloud_stand_in
 import pytest
 
-from retrain import deploy, pins, targets
+from retrain import builds, deploy, pins, targets
 from retrain.deployment import Deployment
 from retrain.local import emulators
 
@@ -115,12 +116,14 @@ OUTPUTS: dict[str, dict[str, Any]] = {
                 "notifier": f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com",
                 "training": f"retrain-training@{PROJECT}.iam.gserviceaccount.com",
                 "workflow": f"retrain-workflow@{PROJECT}.iam.gserviceaccount.com",
+                "builder": f"retrain-builder@{PROJECT}.iam.gserviceaccount.com",
             }
         ),
         "k8s_namespace": _out("retrain"),
         "notifier_ksa": _out("jobset-notifier"),
         "training_ksa": _out("retrain-trainer"),
         "artifact_registry": _out(f"{REGION}-docker.pkg.dev/{PROJECT}/retrain"),
+        "function_sources_bucket": _out(f"{PROJECT}-retrain-fn-sources"),
         "gpu_node_pool": _out("a3-dws"),
         "gpu_max_nodes": _out(4, "number"),
     },
@@ -203,6 +206,13 @@ def checkout(tmp_path: Path) -> Path:
     )
     shutil.copytree(REPO / "functions", root / "functions", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "k8s", root / "k8s")
+    for rel in builds.context_files(REPO):  # what the image builds copy
+        source, target = REPO / rel, root / rel
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
     # An operator's lock, every artifact pinned (the app stage would otherwise resolve them first).
     lock = pins.Lock.load(root / "infra" / "pins.json")
     lock.images = {k: v or "sha256:" + hashlib.sha256(k.encode()).hexdigest() for k, v in lock.images.items()}
@@ -225,6 +235,9 @@ class FakeTerraform:
         monkeypatch.setenv("FAKE_TF_LOG", str(self.log))
         monkeypatch.setenv("FAKE_TF_SPEC", str(self.spec_path))
         monkeypatch.delenv("CI", raising=False)
+        self.gcloud_log = tmp_path / "gcloud-calls.jsonl"
+        gcloud_stand_in.install(self.bin, monkeypatch, self.gcloud_log)
+        monkeypatch.setattr(builds, "commit_tag", lambda _root: "c0ffee")
         self.save()
 
     def save(self) -> None:
@@ -255,6 +268,13 @@ def tf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeTerraform:
 
 
 Run = Callable[..., tuple[int, str, str]]
+#: A dry run builds no image: it is given the images to plan with (a last deploy's, by digest).
+GIVEN_IMAGES = (
+    "--var",
+    f"dataflow_image={REGION}-docker.pkg.dev/{PROJECT}/retrain/tokenize@{gcloud_stand_in.DIGEST}",
+    "--var",
+    f"notifier_image={REGION}-docker.pkg.dev/{PROJECT}/retrain/retrain@{gcloud_stand_in.DIGEST}",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -346,15 +366,18 @@ def test_outputs_become_vars_of_later_stages_only_where_declared(tf: FakeTerrafo
     assert set(vs["bootstrap"]) == {"project_id", "region"}
     # platform declares neither state_bucket nor enabled_services
     assert set(vs["platform"]) == {"project_id", "region"}
-    # app: the bootstrap's state bucket (app declares state_bucket), the built function source;
-    # none of the platform outputs app does not declare (landing_bucket, cluster_name, ...), and
-    # never a sensitive one
+    # app: the bootstrap's state bucket (app declares state_bucket), the built function source, the
+    # images Cloud Build built, by digest; none of the platform outputs app does not declare
+    # (landing_bucket, cluster_name, ...), and never a sensitive one
+    registry = f"{REGION}-docker.pkg.dev/{PROJECT}/retrain"
     assert vs["app"] == {
         "project_id": PROJECT,
         "region": REGION,
         "state_bucket": STATE_BUCKET,
         "functions_source_dir": deploy.FUNCTIONS_BUILD_DIR,
         "k8s_manifests_dir": deploy.K8S_BUILD_DIR,
+        "dataflow_image": f"{registry}/tokenize@{gcloud_stand_in.DIGEST}",
+        "notifier_image": f"{registry}/retrain@{gcloud_stand_in.DIGEST}",
     }
     assert "state_bucket" in declared("app") and "state_bucket" not in declared("platform")
 
@@ -370,8 +393,9 @@ def test_manifests_are_rendered_from_the_platform_outputs(
     )
     notifier = (rendered / "notifier.yaml").read_text()
     assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in notifier
-    assert f"image: {REGION}-docker.pkg.dev/{PROJECT}/retrain/retrain:latest" in notifier
+    assert f"image: {REGION}-docker.pkg.dev/{PROJECT}/retrain/retrain@{gcloud_stand_in.DIGEST}" in notifier
     assert "namespace: retrain" in notifier and "retrain-local" not in notifier
+    assert (rendered / deploy.RENDERED_FOR).read_text().strip() == PROJECT  # the app stage checks it
 
 
 def test_forwarded_vars_types_sensitivity_and_declared_only() -> None:
@@ -393,8 +417,9 @@ def test_forwarded_vars_types_sensitivity_and_declared_only() -> None:
 
 
 def test_dry_run_plans_every_stage_and_never_applies(tf: FakeTerraform, run: Run) -> None:
-    rc, out, err = run("--dry-run")
+    rc, out, err = run("--dry-run", *GIVEN_IMAGES)
     assert rc == 0, err
+    assert gcloud_stand_in.calls(tf.gcloud_log) == []  # nothing built
     assert [c for _, c in tf.sequence()] == ["init", "plan", "show"] * 3
     assert all(c["cmd"] not in ("apply", "output") for c in tf.calls())
     # the bootstrap's planned (known) outputs stand in for its applied ones
@@ -447,7 +472,7 @@ def test_failing_stage_stops_the_run_and_names_it(tf: FakeTerraform, run: Run) -
 
 def test_failing_init_in_dry_run_stops_too(tf: FakeTerraform, run: Run) -> None:
     tf.fail("app", "init")
-    rc, _out, err = run("--dry-run")
+    rc, _out, err = run("--dry-run", *GIVEN_IMAGES)
     assert rc == 1
     assert tf.sequence()[-1] == ("app", "init")
     assert "stage app failed at step 'init'" in err
@@ -535,16 +560,50 @@ def test_tty_asks_before_each_apply(tf: FakeTerraform, run: Run, monkeypatch: py
 # ---------------------------------------------------------------------------------------------
 
 
-def test_selected_stages_only_with_explicit_state_bucket(tf: FakeTerraform, run: Run) -> None:
+def test_selected_stages_only_with_explicit_state_bucket(tf: FakeTerraform, run: Run, checkout: Path) -> None:
+    """The app stage alone reads the applied platform stage's outputs (it renders the manifests and
+    builds the images from them), and applies only itself."""
     rc, _out, err = run("--stage", "app", "--state-bucket", "my-state", "--auto-approve")
     assert rc == 0, err
-    assert {s for s, _ in tf.sequence()} == {"app"}
+    assert tf.sequence() == [("platform", "init"), ("platform", "output")] + [
+        ("app", c) for c in ("init", "plan", "show", "apply", "output")
+    ]
+    assert _flag(tf.call("platform", "init"), "-backend-config=") == "bucket=my-state"
     assert _flag(tf.call("app", "init"), "-backend-config=") == "bucket=my-state"
     assert plan_vars(tf.call("app", "plan"))["state_bucket"] == "my-state"
+    rendered = checkout / deploy.K8S_BUILD_DIR
+    assert (rendered / deploy.RENDERED_FOR).read_text().strip() == PROJECT
+    assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in (rendered / "notifier.yaml").read_text()
+
+
+def test_the_app_stage_alone_refuses_when_the_manifests_cannot_be_rendered(
+    tf: FakeTerraform, run: Run, checkout: Path
+) -> None:
+    """Never a plan over what an earlier render left (possibly another project's): an error."""
+    stale = checkout / deploy.K8S_BUILD_DIR
+    stale.mkdir(parents=True)
+    (stale / "notifier.yaml").write_text("# another project's\n")
+    (stale / deploy.RENDERED_FOR).write_text("someone-else\n")
+    tf.spec["outputs"] = {
+        **OUTPUTS,
+        "platform": {k: v for k, v in OUTPUTS["platform"].items() if k != "k8s_namespace"},
+    }
+    tf.save()
+    rc, _out, err = run("--stage", "app", "--state-bucket", "my-state", "--auto-approve")
+    assert rc == 2
+    assert f"cannot render k8s/ for {PROJECT}" in err and "k8s_namespace" in err
+    assert ("app", "plan") not in tf.sequence()
+
+
+def test_a_dry_run_is_given_the_images_it_plans_with(tf: FakeTerraform, run: Run) -> None:
+    rc, _out, err = run("--dry-run")
+    assert rc == 2
+    assert "a dry run builds no image" in err and "--var dataflow_image=" in err
+    assert ("app", "plan") not in tf.sequence()
 
 
 def test_later_stages_alone_read_the_bucket_from_bootstrap_outputs(tf: FakeTerraform, run: Run) -> None:
-    rc, _out, err = run("--stage", "app", "platform", "--dry-run")
+    rc, _out, err = run("--stage", "app", "platform", "--dry-run", *GIVEN_IMAGES)
     assert rc == 0, err
     seq = tf.sequence()
     assert seq[0] == ("bootstrap", "output")
@@ -617,7 +676,7 @@ def test_a_target_that_cannot_be_saved_is_a_warning_not_a_failed_deploy(
 
 
 def test_function_source_is_built_before_the_app_stage(tf: FakeTerraform, run: Run, checkout: Path) -> None:
-    rc, _out, err = run("--dry-run")
+    rc, _out, err = run("--dry-run", *GIVEN_IMAGES)
     assert rc == 0, err
     built = {(c["stage"], c["cmd"]): c["functions_built"] for c in tf.calls()}
     assert built[("app", "init")] and built[("app", "plan")]

@@ -670,6 +670,31 @@ def check_listings(model: Model) -> list[str]:
     return problems
 
 
+def check_app_applies_only_its_own_manifests_and_images(model: Model) -> list[str]:
+    """The app stage plans nothing from build/k8s unless `retrain deploy` rendered it for this project
+    (an error, not a check block's warning), and no image of this project's runs by a tag."""
+    problems = []
+
+    def conditions(block: Block | None) -> str:
+        lifecycle = one(block.body.get("lifecycle")) if block is not None else {}
+        return " ".join(str(p.get("condition")) for p in lifecycle.get("precondition") or [])
+
+    gate = _resource(model, "terraform_data", "k8s_manifests_rendered")
+    if "== var.project_id" not in conditions(gate):
+        problems.append("infra/app does not refuse manifests rendered for another project (or none)")
+    if [b for b in model.of("check") if b.name == "k8s_manifests_rendered"]:
+        problems.append("k8s_manifests_rendered is a check block: it only warns")
+    applied = _resource(model, "kubectl_manifest", "retrain")
+    if "regexall(local.tag_only_image, each.value)" not in conditions(applied):
+        problems.append("kubectl_manifest.retrain applies an image named by tag (the notifier's)")
+    if applied is None or "terraform_data.k8s_manifests_rendered" not in str(applied.body.get("depends_on")):
+        problems.append("kubectl_manifest.retrain does not wait for the render check")
+    template = _resource(model, "google_storage_bucket_object", "tokenize_template")
+    if "local.dataflow_image" not in conditions(template):
+        problems.append("the tokenize template may name no image")
+    return problems
+
+
 def check_apply_readiness(model: Model) -> list[str]:
     """What makes a first `terraform apply` (or a later destroy) fail although `plan` passes."""
     problems = []
@@ -815,6 +840,10 @@ def test_no_authoritative_iam(model: Model) -> None:
 
 def test_first_apply_readiness(model: Model) -> None:
     assert check_apply_readiness(model) == []
+
+
+def test_the_app_stage_applies_only_its_own_manifests_and_images_by_digest(model: Model) -> None:
+    assert check_app_applies_only_its_own_manifests_and_images(model) == []
 
 
 def test_custom_role_permissions(model: Model) -> None:
@@ -1115,6 +1144,23 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         "  bucket = google_storage_bucket.artifacts.name\n"
         '  condition {\n    title = "runs"\n    description = "runs/ only"\n'
         '    expression = "resource.name.startsWith(\\"projects/_/buckets/x/objects/runs/\\")"\n  }\n',
+    ),
+    (
+        "build/k8s of another project applied",
+        check_app_applies_only_its_own_manifests_and_images,
+        "app",
+        "k8s.tf",
+        'trimspace(file("${local.k8s_dir}/.rendered-for")) == var.project_id',
+        "true",
+    ),
+    (
+        "the notifier applied by tag",
+        check_app_applies_only_its_own_manifests_and_images,
+        "app",
+        "k8s.tf",
+        "condition     = length(regexall(local.tag_only_image, each.value)) == 0\n"
+        '      error_message = "An image of ${each.key}',
+        'condition     = true\n      error_message = "An image of ${each.key}',
     ),
     (
         "run_http invokers unvalidated",

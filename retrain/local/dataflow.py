@@ -1,0 +1,185 @@
+"""Dataflow's flex-template launcher and its jobs, played locally.
+
+A flex-template launch reads the template spec at ``containerSpecGcsPath`` (what infra/app/dataflow.tf
+writes: the image and the parameters' metadata), checks the launch's parameters against that metadata,
+and runs the template's program (``dataflow/main.py``, the file the image's FLEX_TEMPLATE_PYTHON_PY_FILE
+names) with the parameters as ``--name=value``.  The program must run a pipeline: the launcher submits
+the job graph the pipeline leaves behind, and a program that exits without one leaves it nothing to
+submit ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894), so the job fails.
+Locally the same program runs with :class:`LaunchedJobRunner`, which runs the pipeline on the FnApiRunner
+and leaves the job file; no job file, no job, a failed launch, as in the cloud.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from google.api_core.exceptions import NotFound
+
+from retrain.adapters import objects
+from retrain.local import processes
+from retrain.workflows import WorkflowError, http_error
+
+Args = dict[str, Any]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The template's program, as the launcher image runs it (dataflow/Dockerfile's FLEX_TEMPLATE_PYTHON_PY_FILE).
+TEMPLATE_PROGRAM = REPO_ROOT / "dataflow" / "main.py"
+#: Where LaunchedJobRunner leaves the job file (what the launcher would submit).
+JOB_FILE_VAR = "RETRAIN_LOCAL_DATAFLOW_JOB_FILE"
+
+
+class LaunchedJobRunner(FnApiRunner):
+    """The runner a launched program's pipeline meets locally: it runs the pipeline (as the submitted job
+    would run it on workers) and leaves the job file the launcher looks for."""
+
+    def run_pipeline(self, pipeline: Any, options: Any) -> Any:
+        result = super().run_pipeline(pipeline, options)
+        result.wait_until_finish()
+        job_file = os.environ.get(JOB_FILE_VAR)
+        if job_file:
+            Path(job_file).write_text(json.dumps({"state": str(result.state)}))
+        return result
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """A job and the workers it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _refuse(code: int, message: str) -> WorkflowError:
+    return WorkflowError(http_error(code, message))
+
+
+def check_parameters(parameters: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+    """The launch's parameters against the template's metadata: each declared, each matching the
+    declared ``regexes`` ("An array of POSIX-egrep regular expressions ... used to validate the value of
+    the parameter", Dataflow's template metadata); a 400 naming the first that is not."""
+    declared = {p["name"]: p for p in metadata.get("parameters") or []}
+    for name, value in parameters.items():
+        if name not in declared:
+            raise _refuse(400, f"parameter {name!r} is not declared in the template's metadata")
+        for pattern in declared[name].get("regexes") or []:
+            if not re.search(pattern, str(value)):
+                raise _refuse(400, f"parameter {name!r}: {str(value)[:200]!r} does not match {pattern!r}")
+    for name, spec in declared.items():
+        if not spec.get("isOptional") and name not in parameters:
+            raise _refuse(400, f"parameter {name!r} is required by the template's metadata")
+
+
+@dataclass
+class LocalDataflow:
+    """``flexTemplates.launch``, ``jobs.get`` and ``jobs.update`` (cancel) for the workflow's connector."""
+
+    log_dir: Path
+    env: Mapping[str, str]
+    program: Path = TEMPLATE_PROGRAM
+    jobs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _job_file(self, job_id: str) -> Path:
+        return self.log_dir / f"{job_id}.job"
+
+    def launch(self, args: Args, _: Args) -> Any:
+        launch = args["body"]["launchParameter"]
+        spec_uri = str(launch.get("containerSpecGcsPath") or "")
+        try:
+            spec = json.loads(objects.read_bytes(spec_uri))
+        except (FileNotFoundError, NotFound, ValueError) as e:
+            raise _refuse(400, f"cannot read the template spec {spec_uri!r}: {e}") from None
+        params = dict(launch.get("parameters") or {})
+        check_parameters(params, spec.get("metadata") or {})
+        # Not Dataflow's rule but the deployment's: workers never run as the default compute account on
+        # the default network, so a launch that leaves these out is refused here as a bug.
+        environment = launch.get("environment") or {}
+        for required in ("serviceAccountEmail", "subnetwork", "tempLocation"):
+            if not environment.get(required):
+                raise _refuse(400, f"launchParameter.environment.{required} is required")
+        job_id = f"{launch.get('jobName', 'job')}-{uuid.uuid4().hex[:8]}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable,
+            str(self.program),
+            *(f"--{name}={value}" for name, value in params.items()),
+            f"--project={args.get('projectId')}",
+            f"--region={args.get('location')}",
+            f"--job_name={launch.get('jobName', 'job')}",
+            f"--temp_location={environment['tempLocation']}",
+            f"--runner={LaunchedJobRunner.__module__}.{LaunchedJobRunner.__name__}",
+            "--direct_num_workers=2",
+            "--direct_running_mode=multi_threading",
+        ]
+        env = {**os.environ, **self.env, JOB_FILE_VAR: str(self._job_file(job_id))}
+        log = open(self.log_dir / f"{job_id}.log", "wb")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        processes.record(proc.pid, f"dataflow {job_id}")
+        with self.lock:
+            self.jobs[job_id] = proc
+        return {
+            "job": {
+                "id": job_id,
+                "name": launch.get("jobName"),
+                "projectId": args.get("projectId"),
+                "location": args.get("location"),
+                "currentState": "JOB_STATE_PENDING",
+            }
+        }
+
+    def _job(self, args: Args) -> subprocess.Popen[bytes]:
+        job_id = args["jobId"]
+        with self.lock:
+            proc = self.jobs.get(job_id)
+        if proc is None:
+            raise _refuse(404, f"job {job_id} not found")
+        return proc
+
+    def state(self, job_id: str, proc: subprocess.Popen[bytes]) -> str:
+        code = proc.poll()
+        if job_id in self.cancelled:
+            return "JOB_STATE_CANCELLED"
+        if code is None:
+            return "JOB_STATE_RUNNING"
+        if code != 0:
+            return "JOB_STATE_FAILED"
+        if not self._job_file(job_id).exists():  # the program ran no pipeline: nothing was submitted
+            with open(self.log_dir / f"{job_id}.log", "a") as log:
+                log.write("launcher: Failed to read the job file: the program ran no pipeline\n")
+            return "JOB_STATE_FAILED"
+        return "JOB_STATE_DONE"
+
+    def get(self, args: Args, _: Args) -> Any:
+        return {"id": args["jobId"], "currentState": self.state(args["jobId"], self._job(args))}
+
+    def update(self, args: Args, _: Args) -> Any:
+        """jobs.update: ``requestedState`` JOB_STATE_CANCELLED stops a running job (Dataflow's cancel)."""
+        requested = (args.get("body") or {}).get("requestedState")
+        if requested != "JOB_STATE_CANCELLED":
+            raise _refuse(400, f"requestedState {requested!r} is not supported locally")
+        proc = self._job(args)
+        if proc.poll() is None:
+            _kill_group(proc)
+            self.cancelled.add(args["jobId"])
+        return self.get(args, {})
+
+    def stop(self) -> None:
+        with self.lock:
+            for proc in self.jobs.values():
+                if proc.poll() is None:
+                    _kill_group(proc)

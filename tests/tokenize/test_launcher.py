@@ -1,0 +1,105 @@
+"""The local flex-template launch keeps Dataflow's contract: the launch is checked against the template
+spec's metadata, the template's program (dataflow/main.py) runs with its parameters, and a program that
+runs no pipeline leaves no job to submit, so the job fails, as it does in the cloud."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retrain.adapters import objects
+from retrain.contracts import RunManifest
+from retrain.deployment import Deployment
+from retrain.domain.events import ObjectVersion
+from retrain.local.dataflow import LocalDataflow
+from retrain.workflows import WorkflowError
+
+
+@pytest.fixture
+def template(gcs_emulator: str) -> str:
+    """The template spec as infra/app/dataflow.tf writes it, in the test bucket."""
+    _, spec = Deployment().template_spec()
+    uri = f"{gcs_emulator}/templates/tokenize.json"
+    objects.write_bytes(uri, spec, "application/json")
+    return uri
+
+
+def launch_args(template: str, **parameters: str) -> dict[str, Any]:
+    environment = {"serviceAccountEmail": "df@p.iam", "subnetwork": "s", "tempLocation": "gs://t/tmp"}
+    return {
+        "projectId": "p",
+        "location": "us-central1",
+        "body": {
+            "launchParameter": {
+                "jobName": "tokenize-test",
+                "containerSpecGcsPath": template,
+                "environment": environment,
+                "parameters": parameters,
+            }
+        },
+    }
+
+
+def run_job(dataflow: LocalDataflow, args: dict[str, Any]) -> str:
+    job = dataflow.launch(args, {})["job"]["id"]
+    deadline = time.monotonic() + 300
+    while (state := dataflow.get({"jobId": job}, {})["currentState"]) == "JOB_STATE_RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    return str(state)
+
+
+def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
+    gcs_emulator: str, template: str, tmp_path: Path
+) -> None:
+    """Every object's shard exists already (the run's retry): the program still runs a pipeline, so the
+    launcher has a job, and the job writes the report."""
+    uri = f"{gcs_emulator}/landing/once.jsonl"
+    objects.write_bytes(uri, b'{"text": "tokenized once, reused by the retry"}\n')
+    info = objects.stat(uri)
+    manifest = f"{gcs_emulator}/runs/r/objects.json"
+    version = ObjectVersion(uri, int(info.generation or 0), info.size, f"md5:{info.md5_hash}:jsonl")
+    objects.write_bytes(manifest, RunManifest("r", "d", "b", "s", [version]).to_json())
+    dataflow = LocalDataflow(tmp_path, {})
+    params = {
+        "manifest": manifest,
+        "shard_root": f"{gcs_emulator}/shards",
+        "report": f"{gcs_emulator}/r1.json",
+    }
+    assert run_job(dataflow, launch_args(template, **params)) == "JOB_STATE_DONE"
+    params["report"] = f"{gcs_emulator}/r2.json"
+    assert run_job(dataflow, launch_args(template, **params)) == "JOB_STATE_DONE"  # nothing new to tokenize
+    report = json.loads(objects.read_bytes(params["report"]))
+    assert (report["new_objects"], report["reused_objects"], report["documents"]) == (0, 1, 1)
+
+
+def test_a_program_that_runs_no_pipeline_fails_its_launch(template: str, tmp_path: Path) -> None:
+    program = tmp_path / "main.py"
+    program.write_text("import sys\nprint('parsed', sys.argv[1:])\n")  # exits 0, submits nothing
+    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program)
+    assert run_job(dataflow, launch_args(template, manifest="gs://b/m.json")) == "JOB_STATE_FAILED"
+    (log,) = (tmp_path / "jobs").glob("*.log")
+    assert "Failed to read the job file" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("parameters", "refusal"),
+    [
+        ({"manifest": "gs://b/m.json", "extra": "x"}, "parameter 'extra' is not declared"),
+        ({"manifest": "/local/m.json"}, "parameter 'manifest': '/local/m.json' does not match"),
+    ],
+)
+def test_parameters_are_checked_against_the_template_metadata(
+    template: str, tmp_path: Path, parameters: dict[str, str], refusal: str
+) -> None:
+    with pytest.raises(WorkflowError, match=refusal):
+        LocalDataflow(tmp_path, {}).launch(launch_args(template, **parameters), {})
+
+
+def test_a_launch_without_its_template_spec_is_refused(gcs_emulator: str, tmp_path: Path) -> None:
+    with pytest.raises(WorkflowError, match="cannot read the template spec"):
+        LocalDataflow(tmp_path, {}).launch(launch_args(f"{gcs_emulator}/templates/none.json"), {})
