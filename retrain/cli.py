@@ -558,6 +558,29 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """What a DWS run needs, checked before anything is spent (``retrain.doctor``): exit 1 on a failure."""
+    from retrain.adapters import objects
+    from retrain.adapters.cluster import GkeCluster, cluster_manager
+    from retrain.deployment import Deployment
+    from retrain.doctor import RestProjectApis, Verdict, examine
+
+    with reach(args, running=True) as settings:
+        cluster = cluster_manager().get_cluster(name=GkeCluster(settings).name)
+        required = Deployment(project=settings.project).enabled_services()
+        findings = examine(
+            settings, RestProjectApis.from_environment(), cluster, objects.read_bytes, required
+        )
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"{f.verdict:<8} {f.check:<23} {f.detail}")
+            if f.fix and f.verdict != Verdict.PASS:
+                print(f"{'':<8} {'':<23} -> {f.fix}")
+    return 1 if any(f.verdict == Verdict.FAIL for f in findings) else 0
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     """Save, list and show the deployments the CLI can point at (``retrain.targets``)."""
     from retrain import targets
@@ -692,6 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_id")
     c.add_argument("--reason", default="cancelled by request")
     c.set_defaults(fn=cmd_cancel)
+
+    dc = sub.add_parser("doctor", help="check what a DWS run needs (APIs, GPU quota, GKE, images) first")
+    dc.add_argument("--json", action="store_true")
+    dc.set_defaults(fn=cmd_doctor)
 
     au = sub.add_parser("audit", help="account for every landed object against the ledger (exit 1: not all)")
     au.add_argument("--dataset", default=None, help="only this dataset (default: every one)")

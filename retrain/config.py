@@ -156,6 +156,9 @@ class Settings:
     """Multi-node runs use GPUDirect-TCPX (the platform stage builds its networks when this is on)."""
     provision_timeout_s: int = 3600
     """How long a run waits for DWS capacity before it fails."""
+    provision_reask_s: int = 1800
+    """A capacity request still not provisioned after this long is deleted and made again (a new request
+    is often served at once where an old one waits indefinitely: kubernetes-sigs/kueue#3245)."""
     train_timeout_s: int = 86400
     """How long a run waits for the training JobSet to finish."""
     tokenize_timeout_s: int = 1800

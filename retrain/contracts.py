@@ -176,7 +176,11 @@ class WorkflowArgument:
     tokenize_timeout_s: int
     """How long the run waits for its tokenize job."""
     provision_timeout_s: int
-    """How long the run waits for DWS capacity."""
+    """How long the run waits for DWS to provision its nodes before it fails (CapacityTimeout)."""
+    provision_reask_s: int
+    """A capacity request still not provisioned after this long is deleted and made again: one left
+    Accepted can wait indefinitely while a new one is often served at once (kubernetes-sigs/kueue#3245),
+    and one whose node pool went away is never failed (kubernetes/autoscaler#9490)."""
     train_timeout_s: int
     """How long the run waits for the JobSet to finish."""
     train_deadline_reason: str

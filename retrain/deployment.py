@@ -39,6 +39,10 @@ LOCAL_TIME_FACTOR = 60.0
 #: (``--scale-down-unneeded-time``, 10 minutes by default; kubernetes/autoscaler's FAQ): what a released
 #: run's nodes cost after its capacity request is deleted.
 AUTOSCALER_SCALE_DOWN_S = 600.0
+#: Provisioned DWS nodes wait this long for their pods: "You have 10 minutes to start the Pods to consume
+#: provisioned resources. After this time, the cluster autoscaler considers the nodes as not needed and
+#: removes them" (cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest).
+DWS_BOOKING_WINDOW_S = 600.0
 #: Settings whose values are periods of waiting, scaled by LOCAL_TIME_FACTOR locally: the local clock
 #: speeds up what the stack only waits for (the Scheduler, DWS's answer, the autoscaler), never real
 #: work. The tokenize and training deadlines bound work that runs at its own speed here as in the cloud
@@ -50,6 +54,7 @@ SCALED_PERIODS = (
     "stuck_after_s",
     "audit_grace_s",
     "provision_timeout_s",
+    "provision_reask_s",
     "release_timeout_s",
     "poll_interval_s",
     "completion_check_s",
@@ -253,6 +258,14 @@ class Deployment:
             "GOOGLE_CLOUD_SERVICE_ACCOUNT_NAME": str(self.app.evaluate(workflow["service_account"])),
             **self.workflow_env(values),
         }
+
+    @cached_property
+    def bootstrap(self) -> Stage:
+        return Stage(self.infra / "bootstrap", {"project_id": self.project})
+
+    def enabled_services(self) -> list[str]:
+        """The APIs the bootstrap stage enables (``local.services``)."""
+        return [str(s) for s in self.bootstrap.local("services")]
 
     def versioned_buckets(self) -> dict[str, bool]:
         """Each bucket infra/platform creates, by name, and whether it keeps object versions (the local

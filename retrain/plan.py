@@ -250,6 +250,7 @@ def workflow_argument(
         provisioning_request=provreq,
         tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes, run.objects),
         provision_timeout_s=settings.provision_timeout_s,
+        provision_reask_s=settings.provision_reask_s,
         train_timeout_s=deadline,
         train_deadline_reason=deadline_reason,
         release_timeout_s=settings.release_timeout_s,

@@ -36,6 +36,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> 
         gpus_per_node=1,  # one stand-in rank per node: these runs are about their endings, not training
         steps_per_run=4,
         provision_timeout_s=8,
+        provision_reask_s=3,
         provision_delay_s=0.5,
         state_dir=str(tmp_path_factory.mktemp("stack")),
         **overrides,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,9 +45,35 @@ def test_dws_failure(stack: LocalStack, tmp_path: Path) -> None:
 
 
 def test_dws_never_provisions(stack: LocalStack, tmp_path: Path) -> None:
+    """A request left Accepted for good (its node pool removed under it: kubernetes/autoscaler#9490): the
+    run asks again every provision_reask_s (3 s here), then gives up at its provision timeout."""
     run = run_with(stack, tmp_path, Faults(provisioning="never"))
     assert_released(stack, run)
-    assert run.reason == "DWS did not provision 1 node(s) within 8 s"
+    assert run.reason and run.reason.startswith("DWS did not provision 1 node(s) within 8 s (")
+    asked = re.search(r"\((\d+) request\(s\)\)$", run.reason)
+    assert asked and int(asked.group(1)) >= 2, run.reason  # asked again at least once
+
+
+def test_a_request_left_accepted_is_asked_again_and_served(stack: LocalStack, tmp_path: Path) -> None:
+    """kubernetes-sigs/kueue#3245: a request Accepted but never provisioned, while a new one is served at
+    once. Without asking again the run would time out at 8 s; it trains."""
+    run = run_with(stack, tmp_path, Faults(provisioning="stuck_once"))
+    assert_released(stack, run, "succeeded")
+    assert run.checkpoint
+
+
+def test_capacity_revoked_in_training_ends_the_run_truthfully(stack: LocalStack, tmp_path: Path) -> None:
+    run = run_with(stack, tmp_path, Faults(revoke_capacity_after_s=2, hold_training_s=60))
+    assert_released(stack, run)
+    assert run.reason and run.reason.startswith("DWS took the capacity back (CapacityRevoked)"), run.reason
+    assert run.content_returned
+
+
+def test_a_booking_whose_pods_never_start_expires_and_ends_the_run(stack: LocalStack, tmp_path: Path) -> None:
+    """GKE gives the pods 10 minutes (10 s here) to consume provisioned nodes, then takes them back."""
+    run = run_with(stack, tmp_path, Faults(unschedulable=True))
+    assert_released(stack, run)
+    assert run.reason and run.reason.startswith("DWS took the capacity back (BookingExpired)"), run.reason
 
 
 def test_training_fails_after_its_restarts(stack: LocalStack, tmp_path: Path) -> None:
@@ -75,3 +102,29 @@ def test_cancel_while_waiting_for_capacity(stack: LocalStack, tmp_path: Path) ->
     assert ended.reason == f"cancelled by {getpass.getuser()} (local): operator said stop"  # who asked
     with pytest.raises(RuntimeError, match="already ended"):
         request_cancel(ledger, executions, run.run_id, "again")
+
+
+def test_the_doctor_checks_the_local_stack_as_it_would_a_project(stack: LocalStack) -> None:
+    """The same checks through the stack's GKE API front: the bootstrap's APIs, GPU quota for the DWS
+    pool, the version infra/platform asks for, the flex-start pool, the template spec by digest."""
+    from retrain.adapters import objects
+    from retrain.adapters.cluster import GkeCluster, cluster_manager
+    from retrain.deployment import Deployment
+    from retrain.doctor import RestProjectApis, Verdict, examine
+
+    s = stack.settings
+    found = examine(
+        s,
+        RestProjectApis.from_environment(),
+        cluster_manager().get_cluster(name=GkeCluster(s).name),
+        objects.read_bytes,
+        Deployment(project=s.project).enabled_services(),
+    )
+    assert {f.check: f.verdict for f in found} == {
+        "apis": Verdict.PASS,
+        "gpu-quota": Verdict.PASS,
+        "active-resize-requests": Verdict.UNKNOWN,
+        "gke-version": Verdict.PASS,
+        "dws-pool": Verdict.PASS,
+        "template": Verdict.PASS,
+    }, found

@@ -77,6 +77,7 @@ locals {
     RETRAIN_SEQ_LENGTH                 = tostring(var.seq_length)
     RETRAIN_GPUDIRECT_TCPX             = tostring(local.platform.gpudirect_tcpx)
     RETRAIN_PROVISION_TIMEOUT_S        = tostring(var.provision_timeout_s)
+    RETRAIN_PROVISION_REASK_S          = tostring(var.provision_reask_s)
     RETRAIN_TRAIN_TIMEOUT_S            = tostring(var.train_timeout_s)
     RETRAIN_TOKENIZE_TIMEOUT_S         = tostring(var.tokenize_timeout_s)
     RETRAIN_TOKENIZE_MIN_BYTES_PER_S   = tostring(var.tokenize_min_bytes_per_s)

@@ -507,6 +507,12 @@ variable "provision_timeout_s" {
   default     = 3600
 }
 
+variable "provision_reask_s" {
+  type        = number
+  description = "A run's capacity request still not provisioned after this long is deleted and made again (RETRAIN_PROVISION_REASK_S): an Accepted request can wait indefinitely while a new one is often served at once (kubernetes-sigs/kueue#3245)."
+  default     = 1800
+}
+
 variable "train_timeout_s" {
   type        = number
   description = "How long a run waits for the training JobSet to finish (RETRAIN_TRAIN_TIMEOUT_S)."

@@ -70,17 +70,29 @@ HOST_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_E
 FUSE_SYNC_S = 2.0
 
 
+PROVISIONING_FAULTS = ("ok", "fail", "never", "stuck_once")
+
+
 @dataclass
 class Faults:
-    provisioning: str = "ok"  # "ok" | "fail" | "never"
+    provisioning: str = "ok"
+    """ok; fail (Failed=True); never (Accepted, never provisioned: a pool gone from under it,
+    kubernetes/autoscaler#9490); stuck_once (a run's first request stays Accepted, a new one with its name
+    is provisioned: kubernetes-sigs/kueue#3245)."""
     crash_pod_once: bool = False
     crash_pods_always: bool = False  # every attempt's rank 0 dies: the JobSet exhausts maxRestarts
     preempt_node_after_s: float | None = None
     hold_training_s: float = 0.0  # pods that exited 0 count as running until this long after their start
+    revoke_capacity_after_s: float | None = None
+    """DWS takes a provisioned request's capacity back this long after provisioning (CapacityRevoked)."""
+    unschedulable: bool = False
+    """Pods never land on the provisioned nodes: the booking expires (BookingExpired) after the window."""
 
     def __post_init__(self) -> None:
-        if self.provisioning not in ("ok", "fail", "never"):
-            raise ValueError(f"Faults.provisioning must be ok, fail or never, not {self.provisioning!r}")
+        if self.provisioning not in PROVISIONING_FAULTS:
+            raise ValueError(
+                f"Faults.provisioning must be one of {PROVISIONING_FAULTS}, not {self.provisioning!r}"
+            )
 
 
 def _now() -> str:
@@ -130,6 +142,10 @@ class _PR:
     provisioned: bool = False
     nodes: set[str] = field(default_factory=set)
     short_since: float | None = None
+    provisioned_at: float = 0.0
+    stuck: bool = False
+    ended: bool = False
+    """Its capacity was taken back (CapacityRevoked) or its booking expired (BookingExpired)."""
 
 
 @dataclass
@@ -179,7 +195,11 @@ class ClusterTwin:
         poll_s: float = 0.2,
         images: dict[str, LocalImage] | None = None,
         scale_down_delay_s: float = 0.0,
+        booking_window_s: float = 600.0,
     ) -> None:
+        """``booking_window_s``: how long provisioned nodes wait for their pods before the booking expires
+        ("You have 10 minutes to start the Pods to consume provisioned resources", GKE's
+        provisioningrequest page)."""
         from kubernetes import client
 
         self.api = api
@@ -192,6 +212,9 @@ class ClusterTwin:
         self.pod_env = dict(pod_env or {})
         self.images = images if images is not None else local_images(self.workdir)
         self.scale_down_delay_s = scale_down_delay_s
+        self.booking_window_s = booking_window_s
+        self._stuck_names: set[str] = set()
+        self._consumed: set[str] = set()  # nodes a pod has run on
         self._unneeded: dict[str, float] = {}  # node -> since when no ProvisioningRequest holds it
         self.faults = faults or Faults()
         self.poll_s = poll_s
@@ -310,6 +333,9 @@ class ClusterTwin:
                     continue
                 count = int(spec["podSets"][0]["count"])
                 state = self._prs[uid] = _PR(uid, name, count, now)
+                if self.faults.provisioning == "stuck_once" and name not in self._stuck_names:
+                    self._stuck_names.add(name)
+                    state.stuck = True
                 conds = _condition(
                     conds,
                     "Accepted",
@@ -328,8 +354,11 @@ class ClusterTwin:
                 continue
             if _is_true(conds, "Failed"):
                 continue
+            if state.ended:
+                continue
             if not state.provisioned:
-                if self.faults.provisioning == "never" or now - state.seen < self.provision_delay_s:
+                waiting = self.faults.provisioning == "never" or state.stuck
+                if waiting or now - state.seen < self.provision_delay_s:
                     continue
                 others = len([n for n in self._nodes if self._node_owner.get(n) != uid])
                 failure = None
@@ -352,7 +381,7 @@ class ClusterTwin:
                     continue
                 for _ in range(state.count):
                     self._create_node(state)
-                state.provisioned = True
+                state.provisioned, state.provisioned_at = True, now
                 conds = _condition(
                     conds,
                     "Provisioned",
@@ -361,6 +390,14 @@ class ClusterTwin:
                     f"Provisioning Request was successfully provisioned: {state.count} nodes",
                 )
                 self._pr_status(name, conds)
+                continue
+            ended = self._capacity_ended(state, now)
+            if ended is not None:
+                state.ended = True
+                conds = _condition(conds, ended[0], "True", ended[0], ended[1])
+                self._pr_status(name, conds)
+                for node in sorted(state.nodes):
+                    self._delete_node(node)
                 continue
             # Provisioned: replace lost (preempted) nodes after the provisioning delay, within max.
             state.nodes &= set(self._nodes)
@@ -387,6 +424,19 @@ class ClusterTwin:
                     break
                 if node not in busy:
                     self._delete_node(node)
+
+    def _capacity_ended(self, state: _PR, now: float) -> tuple[str, str] | None:
+        """(condition, message) when DWS ends a provisioned request's capacity: revoked by a fault, or its
+        booking expired with no pod started on its nodes within the booking window."""
+        revoke = self.faults.revoke_capacity_after_s
+        if revoke is not None and now - state.provisioned_at >= revoke:
+            return "CapacityRevoked", f"the capacity of {state.count} {self.machine_type} node(s) was revoked"
+        if now - state.provisioned_at >= self.booking_window_s and not state.nodes & self._consumed:
+            return (
+                "BookingExpired",
+                f"no Pod consumed the {state.count} provisioned node(s) within the booking",
+            )
+        return None
 
     def _accelerator(self) -> str:
         for prefix, acc in ACCELERATORS.items():
@@ -592,6 +642,8 @@ class ClusterTwin:
         return True
 
     def _try_start(self, js: dict[str, Any], run: _Run, nodes: dict[str, Any]) -> None:
+        if self.faults.unschedulable:
+            return  # no node fits its pods: they stay pending
         spec = js["spec"]
         wanted: list[tuple[str, int, int, dict[str, Any]]] = []
         for rj in spec.get("replicatedJobs") or []:
@@ -637,6 +689,7 @@ class ClusterTwin:
             obj = self._pod_object(js, run, pod, tmpl)
             self._core.create_namespaced_pod(self.namespace, obj)
             run.pods[pod.name] = pod
+            self._consumed.add(node)
             self._spawn(run, pod, obj, world, attempt_dir)
         run.started = time.monotonic()
         log.info("twin: jobset %s attempt %d started %d pods", run.name, run.attempt, world)

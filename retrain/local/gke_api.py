@@ -1,6 +1,7 @@
 """The GKE API (container.googleapis.com v1) for the local stack: ``projects.locations.clusters.get``,
 the one method retrain calls (``retrain.adapters.cluster``), over HTTP as the client's REST transport
-speaks it.
+speaks it; beside it the two project reads of ``retrain doctor`` (Service Usage ``services.list``,
+Compute Engine ``regions.get``), in their REST shapes.
 
 The cluster it describes is the one ``infra/platform/gke.tf`` declares: its name, its node pools with
 their autoscaling bounds (``google_container_node_pool.*``), and a control plane that is the local
@@ -23,7 +24,9 @@ from retrain.deployment import Deployment
 
 
 def declared_cluster(deployment: Deployment, endpoint: str, ca_pem: str) -> Any:
-    """``container_v1.Cluster`` for the deployment's cluster, its control plane at ``endpoint``."""
+    """``container_v1.Cluster`` for the deployment's cluster, its control plane at ``endpoint``: its node
+    pools with their bounds, queued provisioning and flex-start as infra/platform declares them, and the
+    version it asks for (``kubernetes_version``; the control plane underneath is envtest's kube-apiserver)."""
     from google.cloud import container_v1
 
     platform = deployment.platform
@@ -31,14 +34,23 @@ def declared_cluster(deployment: Deployment, endpoint: str, ca_pem: str) -> Any:
     for body in platform.resources("google_container_node_pool").values():
         (scaling,) = body.get("autoscaling") or [{}]
         limits = {k: int(platform.evaluate(v)) for k, v in scaling.items() if k.endswith("node_count")}
+        (queued,) = body.get("queued_provisioning") or [{}]
+        (node,) = body.get("node_config") or [{}]
         pools.append(
             container_v1.NodePool(
                 name=platform.evaluate(body["name"]),
                 autoscaling=container_v1.NodePoolAutoscaling(enabled=bool(limits), **limits),
+                queued_provisioning=container_v1.NodePool.QueuedProvisioning(
+                    enabled=bool(platform.evaluate(queued.get("enabled", False)))
+                ),
+                config=container_v1.NodeConfig(
+                    flex_start=bool(platform.evaluate(node.get("flex_start", False)))
+                ),
                 status=container_v1.NodePool.Status.RUNNING,
             )
         )
     return container_v1.Cluster(
+        current_master_version=f"{platform.var('kubernetes_version')}.0-gke.0",
         name=str(platform.output("cluster_name")),
         location=str(platform.var("region")),
         endpoint=endpoint,
@@ -58,16 +70,34 @@ def declared_cluster(deployment: Deployment, endpoint: str, ca_pem: str) -> Any:
 class GkeApiServer:
     """Serves ``GET /v1/projects/{project}/locations/{location}/clusters/{cluster}`` for one cluster."""
 
-    def __init__(self, project: str, cluster: Any) -> None:
+    def __init__(
+        self,
+        project: str,
+        cluster: Any,
+        services: list[str] | None = None,
+        quotas: dict[str, float] | None = None,
+    ) -> None:
+        self.project = project
         self.name = f"projects/{project}/locations/{cluster.location}/clusters/{cluster.name}"
         self.cluster = cluster
+        self.services = services or []
+        self.quotas = quotas or {}
         self._server: ThreadingHTTPServer | None = None
 
     @classmethod
     def for_control_plane(cls, deployment: Deployment, server: str, ca_file: str) -> GkeApiServer:
-        """The deployment's cluster with the local control plane at ``server`` (``https://host:port``)."""
+        """The deployment's cluster with the local control plane at ``server`` (``https://host:port``); the
+        project has the APIs the bootstrap enables, and GPU quota for exactly the DWS pool's nodes."""
+        from retrain.doctor import MACHINE_GPUS, PREEMPTIBLE_GPU_QUOTA
+
         endpoint = server.removeprefix("https://")
-        return cls(deployment.project, declared_cluster(deployment, endpoint, Path(ca_file).read_text()))
+        cluster = declared_cluster(deployment, endpoint, Path(ca_file).read_text())
+        p = deployment.platform
+        machine = str(p.output("gpu_machine_type"))
+        gpu = next((g for prefix, g in MACHINE_GPUS.items() if machine.startswith(prefix)), "")
+        gpus = float(p.output("gpu_max_nodes")) * float(p.output("gpus_per_node"))
+        quotas = {PREEMPTIBLE_GPU_QUOTA[gpu]: gpus} if gpu in PREEMPTIBLE_GPU_QUOTA else {}
+        return cls(deployment.project, cluster, deployment.enabled_services(), quotas)
 
     @property
     def base_url(self) -> str:
@@ -78,12 +108,30 @@ class GkeApiServer:
         from google.cloud import container_v1
 
         name, body = self.name, container_v1.Cluster.to_json(self.cluster).encode()
+        # Service Usage services.list and Compute Engine regions.get, the doctor's reads, in their shapes.
+        number = "0"  # the project's number stands in the services' names, as in Service Usage's answers
+        services = {
+            "services": [
+                {"name": f"projects/{number}/services/{s}", "config": {"name": s}, "state": "ENABLED"}
+                for s in self.services
+            ]
+        }
+        region = f"/compute/v1/projects/{self.project}/regions/{self.cluster.location}"
+        quotas = {
+            "name": self.cluster.location,
+            "quotas": [{"metric": m, "limit": limit, "usage": 0.0} for m, limit in self.quotas.items()],
+        }
+        answers = {
+            f"/v1/{name}": body,
+            f"/v1/projects/{self.project}/services": json.dumps(services).encode(),
+            region: json.dumps(quotas).encode(),
+        }
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
-                if path == f"/v1/{name}":
-                    self._answer(200, body)
+                if path in answers:
+                    self._answer(200, answers[path])
                 else:
                     # Google's JSON error shape (the REST transport maps it to NotFound).
                     requested = path.removeprefix("/v1/")

@@ -32,6 +32,19 @@ HOST = "local"
 NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
 #: The local stand-in of a NeMo Framework image with Megatron-Bridge (``nvcr.io/nvidia/nemo:26.08``).
 BRIDGE_STANDIN = "retrain.local/megatron-bridge-standin"
+#: The local stand-in of this project's tokenize image: the launcher runs dataflow/main.py in place.
+TOKENIZE_STANDIN = "retrain.local/tokenize"
+
+
+def tokenize_standin() -> str:
+    """The tokenize stand-in by digest, the way the app stage names an image: the digest of what it runs
+    (the template's Dockerfile and program), so the local template spec has the deployment's shape."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for part in ("dataflow/Dockerfile", "dataflow/main.py"):
+        h.update((REPO / part).read_bytes())
+    return f"{TOKENIZE_STANDIN}@sha256:{h.hexdigest()}"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,13 @@ from typing import Any
 from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR, pool_size
-from retrain.deployment import AUTOSCALER_SCALE_DOWN_S, LOCAL_TIME_FACTOR, Deployment, ScheduledJob
+from retrain.deployment import (
+    AUTOSCALER_SCALE_DOWN_S,
+    DWS_BOOKING_WINDOW_S,
+    LOCAL_TIME_FACTOR,
+    Deployment,
+    ScheduledJob,
+)
 from retrain.local import delivery, emulators, processes
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
 from retrain.local.gke_api import GkeApiServer
@@ -245,7 +251,11 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         if self.deployment is None:
-            self.deployment = Deployment(project=self.settings.project)
+            from retrain.local.images import tokenize_standin
+
+            self.deployment = Deployment(
+                project=self.settings.project, variables={"dataflow_image": tokenize_standin()}
+            )
 
     @property
     def _deployment(self) -> Deployment:
@@ -359,6 +369,7 @@ class LocalStack:
         twin = ClusterTwin(
             api,
             scale_down_delay_s=AUTOSCALER_SCALE_DOWN_S / LOCAL_TIME_FACTOR,
+            booking_window_s=DWS_BOOKING_WINDOW_S / LOCAL_TIME_FACTOR,
             namespace=s.namespace,
             node_pool=s.node_pool,
             machine_type=s.machine_type,
