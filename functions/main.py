@@ -133,7 +133,7 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
     """The workflow's calls into Python (retrain.steps): POST a StepRequest, get a Handover or Results.
 
     Internal-only; the workflow's service account is the only invoker (OIDC).  A plan the trainer would
-    refuse answers 400 with the reason, which the workflow records.
+    refuse answers 400 with the reason, any other failure 500 with what failed; the workflow records it.
     """
     if request.method != "POST":
         return {"error": "POST a StepRequest"}, 405
@@ -142,3 +142,6 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
     except Rejected as e:
         log.warning("step refused: %s", e.reason)
         return {"error": e.reason}, 400
+    except Exception as e:  # the workflow records why (a service's refusal names the permission)
+        log.exception("step failed")
+        return {"error": f"{type(e).__name__}: {e}"}, 500

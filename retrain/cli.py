@@ -330,11 +330,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run = follow(ledger, new[-1].run_id, args.timeout, executions)
         page = _report(settings, run, None)
         accounted = _audit_line(settings, ledger)
+        refused, privileges = _iam_line(stack)
     print(json.dumps(run.to_dict(), indent=2) if args.json else format_run(run))
     _say(f"the run's report: {page}")
     _say(accounted)
+    _say(privileges)
     ok = run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 and accounted.startswith("audit: every")
-    return 0 if ok else 1
+    return 0 if ok and not refused else 1
+
+
+def _iam_line(stack: Any) -> tuple[int, str]:
+    """The stack's IAM in one line: calls allowed and refused, grants no call used (the whole report is
+    written at stop, ``iam-report.json``); and how many calls were refused."""
+    from retrain.local.stack import IAM_REPORT
+
+    guard = stack.guard
+    unused = sum(len(e["unused"]) for e in guard.least_privilege().values())
+    refused = len(guard.refused())
+    line = (
+        f"IAM: {sum(guard.used.values())} call(s) allowed, {refused} refused; {unused} grant(s) no call used "
+        f"({stack.state_dir / IAM_REPORT})"
+    )
+    return refused, line
 
 
 def _audit_line(settings: config.Settings, ledger: Any) -> str:
@@ -560,13 +577,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """What a DWS run needs, checked before anything is spent (``retrain.doctor``): exit 1 on a failure."""
+    from retrain import composition
     from retrain.adapters import objects
-    from retrain.adapters.cluster import GkeCluster, cluster_manager
+    from retrain.adapters.cluster import cluster_manager
     from retrain.deployment import Deployment
     from retrain.doctor import RestProjectApis, Verdict, examine
 
     with reach(args, running=True) as settings:
-        cluster = cluster_manager().get_cluster(name=GkeCluster(settings).name)
+        cluster = cluster_manager().get_cluster(name=composition.cluster(settings).name)
         required = Deployment(project=settings.project).enabled_services()
         findings = examine(
             settings, RestProjectApis.from_environment(), cluster, objects.read_bytes, required

@@ -196,6 +196,9 @@ class Settings:
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
     """Local stack: where emulator data, logs and the stack's endpoints file live."""
+    local_iam: bool = True
+    """Local stack: enforce infra/'s IAM and k8s/'s RBAC on every call (``RETRAIN_LOCAL_IAM=off``: log
+    what would be refused, refuse nothing)."""
 
     def __post_init__(self) -> None:
         # the estimates divide by these
@@ -289,7 +292,7 @@ class Settings:
 
 
 #: Settings only the local stack uses; every other field is set by Terraform (tests/test_contracts.py).
-LOCAL_ONLY = frozenset({"provision_delay_s", "twin_faults", "state_dir"})
+LOCAL_ONLY = frozenset({"provision_delay_s", "twin_faults", "state_dir", "local_iam"})
 
 
 def _coerce(value: str, like: object) -> object:

@@ -217,12 +217,16 @@ class RestProjectApis:
         if local:
             import requests
 
-            return cls(requests.Session(), local, local)
+            from retrain.adapters import credentials
+
+            session = requests.Session()
+            session.headers.update(credentials.bearer())
+            return cls(session, local, local)
         import google.auth  # pragma: no cover - needs Google credentials
         from google.auth.transport.requests import AuthorizedSession
 
-        credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-        return cls(AuthorizedSession(credentials))
+        creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+        return cls(AuthorizedSession(creds))
 
     def _get(self, url: str, params: dict[str, str] | None = None) -> dict[str, Any]:
         answer = self.session.get(url, params=params, timeout=30)

@@ -31,6 +31,10 @@ class HclError(ValueError):
     """An expression this reader cannot evaluate (or a reference to something that does not exist)."""
 
 
+#: The project number Google would compute, as the local stand-ins use it.
+LOCAL_PROJECT_NUMBER = "000000000000"
+
+
 def _tostring(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -439,6 +443,21 @@ class Stage:
             out["id"] = lambda: (
                 f"projects/{project()}/locations/{ev('location')}/repositories/{ev('repository_id')}"
             )
+            out["name"] = lambda: ev("repository_id")
+        elif rtype == "google_project_iam_custom_role":
+            out["name"] = lambda: f"projects/{project()}/roles/{ev('role_id')}"
+            out["id"] = out["name"]
+        elif rtype == "google_cloudfunctions2_function":
+            out["name"] = lambda: ev("name")
         elif rtype == "google_project":  # data source: the number is Google's; a fixed local stand-in
-            out["number"] = lambda: "000000000000"
+            out["number"] = lambda: LOCAL_PROJECT_NUMBER
+        elif rtype == "google_storage_project_service_account":  # data source: Cloud Storage's agent
+            agent = "gs-project-accounts"
+            out["email_address"] = lambda: f"service-{LOCAL_PROJECT_NUMBER}@{agent}.iam.gserviceaccount.com"
+            out["member"] = lambda: f"serviceAccount:{out['email_address']()}"
+        elif rtype == "google_project_service_identity":
+            # a service's agent (cloud.google.com/iam/docs/service-agents)
+            agent = {"pubsub.googleapis.com": "gcp-sa-pubsub"}.get(str(ev("service")), "gcp-sa-unknown")
+            out["email"] = lambda: f"service-{LOCAL_PROJECT_NUMBER}@{agent}.iam.gserviceaccount.com"
+            out["member"] = lambda: f"serviceAccount:{out['email']()}"
         return out

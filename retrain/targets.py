@@ -38,7 +38,7 @@ ENDPOINT_VARS = (
     "RETRAIN_CONTAINER_ENDPOINT",
 )
 """Variables that send a client somewhere other than Google: for a deployment target, all or none."""
-OPTIONAL_ENDPOINT_VARS = ("BIGQUERY_EMULATOR_HOST", "RETRAIN_CLUSTER_TOKEN")
+OPTIONAL_ENDPOINT_VARS = ("BIGQUERY_EMULATOR_HOST", "RETRAIN_LOCAL_ACCESS_TOKEN")
 
 
 @dataclass(frozen=True)

@@ -127,3 +127,35 @@ def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:
     report = audit(s, FirestoreLedger(s.project), objects, settle_s=settle_s)
     lines = [f"{e.account} {e.uri}#{e.generation} ({e.detail}): {e.action}" for e in report.findings]
     assert not lines, "objects not accounted for:\n" + "\n".join(lines)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def infra_copy(into: Path) -> Path:
+    """A copy of the repository's infra/ to mutate, beside links to everything else of the repository
+    (what the Terraform reads: workflows/, k8s/, functions/ ...); returns the copy's infra/."""
+    import shutil
+
+    into.mkdir(parents=True, exist_ok=True)
+    for entry in REPO.iterdir():
+        if entry.name == "infra":
+            shutil.copytree(entry, into / "infra", ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+        elif not entry.name.startswith("."):
+            (into / entry.name).symlink_to(entry)
+    return into / "infra"
+
+
+def remove_resource(infra: Path, stage_file: str, rtype: str, name: str, replace_with: str = "") -> None:
+    """Delete ``resource "rtype" "name" { ... }`` from ``infra/stage_file`` (or put ``replace_with`` in
+    its place); AssertionError when the file has no such resource."""
+    path = infra / stage_file
+    text = path.read_text()
+    start = text.find(f'resource "{rtype}" "{name}" {{')
+    assert start >= 0, f"{stage_file} has no {rtype}.{name}"
+    depth, end = 0, start
+    for end in range(text.index("{", start), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    path.write_text(text[:start] + replace_with + text[end + 1 :])

@@ -29,7 +29,8 @@ from stack_support import (
 )
 
 from retrain import config
-from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR
+from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
+from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.local.cluster_twin import Faults
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
@@ -54,7 +55,7 @@ def operator(stack: LocalStack, tmp_path: Path) -> dict[str, str]:
     env["RETRAIN_WORKFLOWS_ENDPOINT"] = stack.endpoints.workflows
     env["RETRAIN_WORKFLOWS_GRPC_ENDPOINT"] = stack.endpoints.workflows_grpc
     env[CONTAINER_ENDPOINT_VAR] = stack.endpoints.container
-    env[CLUSTER_TOKEN_VAR] = stack.endpoints.cluster_token
+    env[LOCAL_TOKEN_VAR] = stack.endpoints.token
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
     env["RETRAIN_STATE_DIR"] = str(tmp_path / "no-stack")  # what the local target would look in
     return env

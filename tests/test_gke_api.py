@@ -19,6 +19,7 @@ from retrain.adapters.cluster import (
     NodePoolSize,
     access_of,
 )
+from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.deployment import Deployment
 from retrain.local.gke_api import GkeApiServer, declared_cluster
 
@@ -83,6 +84,9 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[GkeApiServer]:
     deployment = Deployment()
     server = GkeApiServer(deployment.project, declared_cluster(deployment, "127.0.0.1:6443", PEM)).start()
     monkeypatch.setenv(CONTAINER_ENDPOINT_VAR, server.base_url)
+    monkeypatch.setenv(
+        LOCAL_TOKEN_VAR, "ya29.local.any"
+    )  # this server checks no caller (tests/test_iam.py does)
     try:
         yield server
     finally:

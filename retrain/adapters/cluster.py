@@ -9,8 +9,9 @@ otherwise. IAM (``container.clusters.get`` and ``.connect``) and Kubernetes RBAC
 decide what the caller may do.
 
 Cloud and local stack differ only by endpoint: ``RETRAIN_CONTAINER_ENDPOINT`` points the client's REST
-transport at the local stack's GKE API (``retrain.local.gke_api``), and ``RETRAIN_CLUSTER_TOKEN`` is the
-bearer token its control plane accepts in place of a Google access token.
+transport at the local stack's GKE API (``retrain.local.gke_api``), and the
+caller's local identity (``retrain.adapters.credentials``) stands in for its Google access token, checked
+by the local GKE API and the cluster's front as GKE checks the real one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from retrain.adapters import credentials
 from retrain.config import Settings
 from retrain.ports import RunLookup
 
@@ -29,9 +31,6 @@ if TYPE_CHECKING:
 
 CONTAINER_ENDPOINT_VAR = "RETRAIN_CONTAINER_ENDPOINT"
 """The GKE API's endpoint when it is not Google's (the local stack's): ``http://127.0.0.1:PORT``."""
-CLUSTER_TOKEN_VAR = "RETRAIN_CLUSTER_TOKEN"
-"""A bearer token for the Kubernetes API in place of the caller's Google access token (the local stack's
-control plane token)."""
 
 
 @dataclass(frozen=True)
@@ -102,11 +101,11 @@ def cluster_manager() -> Any:
     endpoint = os.environ.get(CONTAINER_ENDPOINT_VAR)
     if endpoint:
         from google.api_core.client_options import ClientOptions
-        from google.auth.credentials import AnonymousCredentials
+        from google.oauth2.credentials import Credentials
 
         return container_v1.ClusterManagerClient(
             transport="rest",
-            credentials=AnonymousCredentials(),
+            credentials=Credentials(_access_token()),
             client_options=ClientOptions(api_endpoint=endpoint),
         )
     return container_v1.ClusterManagerClient()  # pragma: no cover - needs Google credentials
@@ -128,15 +127,17 @@ def _ca_file(pem: str) -> str:
 
 
 def _access_token() -> str:
-    token = os.environ.get(CLUSTER_TOKEN_VAR)
-    if token and os.environ.get(CONTAINER_ENDPOINT_VAR):  # never sent to a cluster Google's API named
+    if os.environ.get(CONTAINER_ENDPOINT_VAR):  # the local stack's: never sent to a cluster Google named
+        token = credentials.local_token()
+        if not token:
+            raise RuntimeError(f"{CONTAINER_ENDPOINT_VAR} is set, yet no local identity was given")
         return token
     import google.auth  # pragma: no cover - needs Google credentials
     import google.auth.transport.requests
 
-    credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-    credentials.refresh(google.auth.transport.requests.Request())
-    return str(credentials.token)
+    creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    creds.refresh(google.auth.transport.requests.Request())
+    return str(creds.token)
 
 
 class GkeCluster:

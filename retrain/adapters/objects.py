@@ -2,6 +2,10 @@
 
 The GCS client honours ``STORAGE_EMULATOR_HOST``, so the cloud and the local emulator differ only by
 endpoint.  Local paths exist so that the same jobs (tokenize, train) run on files a user points at.
+
+Against the emulator a caller presents who it is as it would to Google, as a bearer token
+(``retrain.adapters.credentials``), which the local stack's storage front checks against infra/'s IAM
+(``retrain.local.storage_front``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import IO, Any
 
 from google.api_core.exceptions import NotFound
 
+from retrain.adapters import credentials
 from retrain.ports import ObjectInfo
 
 GS = "gs://"
@@ -44,20 +49,25 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
-@lru_cache(maxsize=4)
-def _client(emulator: str | None, project: str | None) -> Any:
+@lru_cache(maxsize=16)
+def _client(emulator: str | None, project: str | None, token: str | None = None) -> Any:
     from google.cloud import storage  # type: ignore[attr-defined]
 
     if emulator:
         from google.auth.credentials import AnonymousCredentials
+        from google.oauth2.credentials import Credentials
 
-        return storage.Client(project=project or "local", credentials=AnonymousCredentials())
+        creds = Credentials(token) if token else AnonymousCredentials()
+        return storage.Client(project=project or "local", credentials=creds)
     return storage.Client(project=project)
 
 
 def storage_client() -> Any:
-    """A GCS client for the current environment (emulator when STORAGE_EMULATOR_HOST is set)."""
-    return _client(os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("GOOGLE_CLOUD_PROJECT"))
+    """A GCS client for the current environment (emulator when STORAGE_EMULATOR_HOST is set, presenting
+    this caller's local identity)."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    token = credentials.local_token() if emulator else None
+    return _client(emulator, os.environ.get("GOOGLE_CLOUD_PROJECT"), token)
 
 
 def _blob(uri: str, generation: int | None = None) -> Any:

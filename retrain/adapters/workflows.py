@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 import requests
 
+from retrain.adapters import credentials
 from retrain.domain.errors import ExecutionLost
 
 CLOUD_ENDPOINT = "https://workflowexecutions.googleapis.com"
@@ -55,6 +56,7 @@ class WorkflowsExecutions:
         if self._session is None:
             if self.local:
                 self._session = requests.Session()
+                self._session.headers.update(credentials.bearer())
             else:  # pragma: no cover - needs Google credentials
                 import google.auth
                 from google.auth.transport.requests import AuthorizedSession
@@ -91,7 +93,16 @@ class WorkflowsExecutions:
         execution = Execution(
             argument=json.dumps(argument), call_log_level=Execution.CallLogLevel.LOG_ERRORS_ONLY
         )
-        return str(self.client().create_execution(parent=self.parent, execution=execution, timeout=30).name)
+        created = self.client().create_execution(
+            parent=self.parent, execution=execution, timeout=30, metadata=self._metadata()
+        )
+        return str(created.name)
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        """The local caller's identity, as gRPC metadata (in the cloud the channel's credentials carry
+        it)."""
+        token = credentials.local_token() if self.local else None
+        return [("authorization", f"Bearer {token}")] if token else []
 
     def get(self, execution: str) -> dict[str, Any]:
         """The execution's resource in its REST (JSON) form; ExecutionLost when there is none (404)."""
@@ -99,13 +110,13 @@ class WorkflowsExecutions:
         from google.cloud.workflows.executions_v1 import Execution
 
         try:
-            found = self.client().get_execution(name=execution, timeout=30)
+            found = self.client().get_execution(name=execution, timeout=30, metadata=self._metadata())
         except NotFound:
             raise ExecutionLost(execution) from None
         return dict(Execution.to_dict(found, use_integers_for_enums=False, preserving_proto_field_name=False))
 
     def cancel(self, execution: str) -> None:
-        self.client().cancel_execution(name=execution, timeout=30)
+        self.client().cancel_execution(name=execution, timeout=30, metadata=self._metadata())
 
     def is_callback_url(self, url: str) -> bool:
         """Only callback URLs of our own workflow's executions may be called with our credentials."""

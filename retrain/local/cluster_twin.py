@@ -37,10 +37,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from google.api_core.exceptions import Forbidden
+
+from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.local import processes
 from retrain.local.emulators import free_port
 from retrain.local.gcsfuse import DRIVER as GCSFUSE_DRIVER
@@ -196,10 +200,13 @@ class ClusterTwin:
         images: dict[str, LocalImage] | None = None,
         scale_down_delay_s: float = 0.0,
         booking_window_s: float = 600.0,
+        pod_identity: Callable[[str, str], Mapping[str, str]] | None = None,
     ) -> None:
         """``booking_window_s``: how long provisioned nodes wait for their pods before the booking expires
         ("You have 10 minutes to start the Pods to consume provisioned resources", GKE's
-        provisioningrequest page)."""
+        provisioningrequest page).  ``pod_identity``: (namespace, Kubernetes service account) -> the
+        environment a pod's processes get to call Google as the account Workload Identity maps it to
+        (its ``RETRAIN_LOCAL_ACCESS_TOKEN`` is what its Cloud Storage FUSE mounts present too)."""
         from kubernetes import client
 
         self.api = api
@@ -210,6 +217,7 @@ class ClusterTwin:
         self.provision_delay_s = provision_delay_s
         self.workdir = Path(workdir)
         self.pod_env = dict(pod_env or {})
+        self.pod_identity = pod_identity
         self.images = images if images is not None else local_images(self.workdir)
         self.scale_down_delay_s = scale_down_delay_s
         self.booking_window_s = booking_window_s
@@ -767,6 +775,8 @@ class ClusterTwin:
         logf = open(self.workdir / "logs" / f"{pod.name}.log", "ab")  # noqa: SIM115 - closed when the run ends
         pod.logs.append(logf)
         volumes = {v["name"]: v for v in obj["spec"].get("volumes") or []}
+        ksa = str(obj["spec"].get("serviceAccountName") or "default")
+        identity = dict(self.pod_identity(obj["metadata"]["namespace"], ksa)) if self.pod_identity else {}
         for c in obj["spec"].get("containers") or []:
             pod.containers.append(c["name"])
             image = self.images.get(str(c.get("image", "")))
@@ -790,15 +800,22 @@ class ClusterTwin:
                 if csi.get("driver") == GCSFUSE_DRIVER:
                     read_only = bool(vm.get("readOnly") or csi.get("readOnly"))
                     host = cwd / "root" / mount_path.lstrip("/")
+                    bucket = csi["volumeAttributes"]["bucketName"]
                     fuse = pod.fuse.setdefault(
-                        mount_path, FuseMount(csi["volumeAttributes"]["bucketName"], host, read_only)
+                        mount_path, FuseMount(bucket, host, read_only, identity.get(LOCAL_TOKEN_VAR))
                     )
-                    fuse.fetch(named_paths(mount_path, named))
+                    try:
+                        fuse.fetch(named_paths(mount_path, named))
+                    except Forbidden as refused:  # the gcsfuse sidecar fails the mount, so the pod
+                        pod.forced_failure = f"MountVolume.SetUp failed for volume {vm['name']!r}: {refused}"
+                        continue
                     paths[mount_path] = str(host)
                 elif "emptyDir" in volume:
                     host = cwd / "volumes" / vm["name"]
                     host.mkdir(parents=True, exist_ok=True)
                     paths[mount_path] = str(host)
+            if pod.forced_failure:  # a mount failed: the container never starts
+                continue
             env = {k: v for k, v in os.environ.items() if k in HOST_ENV}
             for e in c.get("env") or []:
                 if "value" in e:
@@ -806,6 +823,7 @@ class ClusterTwin:
                 elif (e.get("valueFrom") or {}).get("fieldRef"):
                     env[e["name"]] = self._field_ref(obj, e["valueFrom"]["fieldRef"]["fieldPath"])
             env.update(self.pod_env)
+            env.update(identity)
             env.update(
                 {
                     "MASTER_ADDR": "127.0.0.1",
@@ -916,20 +934,28 @@ class ClusterTwin:
                 raise
 
     def _finish_pod(self, pod: _Pod, result: str, reason: str, message: str) -> None:
-        self._sync(pod)  # what the container wrote through its Cloud Storage FUSE mounts is in the bucket
+        refused = self._sync(pod)  # what the container wrote through its FUSE mounts is in the bucket
+        if refused and result == "Succeeded":  # a file closed under a refused write fails its writer
+            result, reason, message = "Failed", "Error", f"gcsfuse: {refused}"
         pod.result, pod.reason = result, message or reason
         self._pod_status(pod, result, reason, message)
 
-    def _sync(self, pod: _Pod, every_s: float = 0.0) -> None:
+    def _sync(self, pod: _Pod, every_s: float = 0.0) -> str | None:
+        """Write the pod's FUSE mounts back; a write Cloud Storage refused, if any."""
         now = time.monotonic()
         if now - pod.synced_at < every_s:
-            return
+            return None
         pod.synced_at = now
+        refused = None
         for fuse in pod.fuse.values():
             try:
                 fuse.sync()
+            except Forbidden as e:
+                refused = refused or str(e)
+                log.warning("twin: gcsfuse %s of %s: %s", fuse.bucket, pod.name, e)
             except Exception as e:  # the emulator going away must not stop the twin
                 log.warning("twin: gcsfuse %s of %s: %s", fuse.bucket, pod.name, e)
+        return refused
 
     def _success(self, spec: dict[str, Any], run: _Run) -> bool:
         policy = spec.get("successPolicy") or {}

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,10 @@ from typing import Any
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from google.api_core.exceptions import NotFound
 
-from retrain.adapters import objects
+from retrain.adapters import credentials, objects
 from retrain.local import processes
+from retrain.local.iam import Kind, Resource
+from retrain.local.identities import Caller, connector_require
 from retrain.workflows import WorkflowError, http_error
 
 Args = dict[str, Any]
@@ -89,6 +91,13 @@ class LocalDataflow:
     log_dir: Path
     env: Mapping[str, str]
     program: Path = TEMPLATE_PROGRAM
+    caller: Caller | None = None
+    """Who launches (the workflow's service account): ``flexTemplates.launch`` needs
+    ``dataflow.jobs.create`` on the project and ``iam.serviceAccounts.actAs`` on the worker account
+    (cloud.google.com/dataflow/docs/concepts/security-and-permissions), and reads the template spec as
+    the caller; None: unchecked."""
+    identity_env: Callable[[str], Mapping[str, str]] = lambda _member: {}
+    """The environment a job's processes get to run as a member (its workers' service account)."""
     jobs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -98,11 +107,18 @@ class LocalDataflow:
 
     def launch(self, args: Args, _: Args) -> Any:
         launch = args["body"]["launchParameter"]
+        project = Resource(Kind.PROJECT, str(args.get("projectId")))
+        connector_require(self.caller, "dataflow.jobs.create", project)
         spec_uri = str(launch.get("containerSpecGcsPath") or "")
         try:
-            spec = json.loads(objects.read_bytes(spec_uri))
+            with credentials.acting_as(self.caller.token if self.caller else None):
+                spec = json.loads(objects.read_bytes(spec_uri))
         except (FileNotFoundError, NotFound, ValueError) as e:
             raise _refuse(400, f"cannot read the template spec {spec_uri!r}: {e}") from None
+        except Exception as e:
+            if getattr(e, "code", None) == 403:
+                raise _refuse(403, f"cannot read the template spec {spec_uri!r}: {e}") from None
+            raise
         params = dict(launch.get("parameters") or {})
         check_parameters(params, spec.get("metadata") or {})
         # Not Dataflow's rule but the deployment's: workers never run as the default compute account on
@@ -111,6 +127,8 @@ class LocalDataflow:
         for required in ("serviceAccountEmail", "subnetwork", "tempLocation"):
             if not environment.get(required):
                 raise _refuse(400, f"launchParameter.environment.{required} is required")
+        worker = str(environment["serviceAccountEmail"])
+        connector_require(self.caller, "iam.serviceAccounts.actAs", Resource(Kind.SERVICE_ACCOUNT, worker))
         job_id = f"{launch.get('jobName', 'job')}-{uuid.uuid4().hex[:8]}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = [
@@ -125,7 +143,8 @@ class LocalDataflow:
             "--direct_num_workers=2",
             "--direct_running_mode=multi_threading",
         ]
-        env = {**os.environ, **self.env, JOB_FILE_VAR: str(self._job_file(job_id))}
+        identity = self.identity_env(f"serviceAccount:{worker}")
+        env = {**os.environ, **self.env, **identity, JOB_FILE_VAR: str(self._job_file(job_id))}
         log = open(self.log_dir / f"{job_id}.log", "wb")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
@@ -165,11 +184,17 @@ class LocalDataflow:
         return "JOB_STATE_DONE"
 
     def get(self, args: Args, _: Args) -> Any:
+        connector_require(
+            self.caller, "dataflow.jobs.get", Resource(Kind.PROJECT, str(args.get("projectId")))
+        )
         return {"id": args["jobId"], "currentState": self.state(args["jobId"], self._job(args))}
 
     def update(self, args: Args, _: Args) -> Any:
         """jobs.update: ``requestedState`` JOB_STATE_CANCELLED stops a running job (Dataflow's cancel)."""
         requested = (args.get("body") or {}).get("requestedState")
+        connector_require(
+            self.caller, "dataflow.jobs.cancel", Resource(Kind.PROJECT, str(args.get("projectId")))
+        )
         if requested != "JOB_STATE_CANCELLED":
             raise _refuse(400, f"requestedState {requested!r} is not supported locally")
         proc = self._job(args)

@@ -32,11 +32,13 @@ def push_subscription(
     *,
     max_delivery_attempts: int = MAX_DELIVERY_ATTEMPTS,
     ack_deadline_s: int = 60,
+    name: str | None = None,
 ) -> str:
-    """Create (or re-point) ``topic``'s push subscription to ``endpoint``; returns its name."""
+    """Create (or re-point) ``topic``'s push subscription to ``endpoint`` (named ``name``, a full
+    ``projects/P/subscriptions/S``: by default the topic's id and ``-push``); returns its name."""
     ensure_topic(publisher, topic)
     ensure_topic(publisher, dead_letter_topic)
-    name = topic.replace("/topics/", "/subscriptions/") + "-push"
+    name = name or topic.replace("/topics/", "/subscriptions/") + "-push"
     request = {
         "name": name,
         "topic": topic,

@@ -7,7 +7,9 @@ command names (fetched before the container starts) and is written back to the b
 container runs and once more when it stops: new and changed files are uploaded, files that disappeared
 are deleted.  Hidden files (a writer's temporary ``.name.tmp``) are never uploaded, like a FUSE file
 that is not closed yet.  Objects are reached through :mod:`retrain.adapters.objects` (the GCS emulator
-locally).
+locally), as the pod's Google account: the CSI driver authenticates with the pod's Workload Identity
+(cloud.google.com/kubernetes-engine/docs/how-to/cloud-storage-fuse-csi-driver-setup#authentication), so
+a read or write that account may not make is refused (``Forbidden``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from google.api_core.exceptions import NotFound
 
-from retrain.adapters import objects
+from retrain.adapters import credentials, objects
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,12 @@ def named_paths(mount_path: str, texts: Iterable[str]) -> set[str]:
 class FuseMount:
     """One bucket mounted at ``host_dir`` for one pod."""
 
-    def __init__(self, bucket: str, host_dir: Path, read_only: bool) -> None:
+    def __init__(self, bucket: str, host_dir: Path, read_only: bool, token: str | None = None) -> None:
+        """``token``: the pod's local identity (None: this process's own)."""
         self.bucket = bucket
         self.host_dir = host_dir
         self.read_only = read_only
+        self.token = token
         self._synced: dict[str, tuple[int, int]] = {}
         """relative path -> (size, mtime_ns) as last fetched or uploaded"""
 
@@ -53,6 +57,15 @@ class FuseMount:
 
     def fetch(self, prefixes: Iterable[str]) -> int:
         """Bring the objects under each prefix into the folder; how many objects came."""
+        with credentials.acting_as(self.token):
+            return self._fetch(prefixes)
+
+    def sync(self) -> tuple[int, int]:
+        """Write the folder back to the bucket (read-write mounts only): (uploaded, deleted)."""
+        with credentials.acting_as(self.token):
+            return self._sync()
+
+    def _fetch(self, prefixes: Iterable[str]) -> int:
         self.host_dir.mkdir(parents=True, exist_ok=True)
         count = 0
         for prefix in sorted(set(prefixes)):
@@ -67,8 +80,7 @@ class FuseMount:
                 count += 1
         return count
 
-    def sync(self) -> tuple[int, int]:
-        """Write the folder back to the bucket (read-write mounts only): (uploaded, deleted)."""
+    def _sync(self) -> tuple[int, int]:
         if self.read_only or not self.host_dir.exists():
             return 0, 0
         seen: set[str] = set()

@@ -16,11 +16,13 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from retrain.deployment import Deployment
+from retrain.local.http import LoopbackServer
 
 
 def declared_cluster(deployment: Deployment, endpoint: str, ca_pem: str) -> Any:
@@ -76,16 +78,26 @@ class GkeApiServer:
         cluster: Any,
         services: list[str] | None = None,
         quotas: dict[str, float] | None = None,
+        authorize: Callable[[str | None, str], str | None] | None = None,
     ) -> None:
+        self.authorize = authorize
+        """(the caller's bearer token, the permission) -> None, or why it is refused (403); None: any
+        caller may read."""
         self.project = project
         self.name = f"projects/{project}/locations/{cluster.location}/clusters/{cluster.name}"
         self.cluster = cluster
         self.services = services or []
         self.quotas = quotas or {}
-        self._server: ThreadingHTTPServer | None = None
+        self._server: LoopbackServer | None = None
 
     @classmethod
-    def for_control_plane(cls, deployment: Deployment, server: str, ca_file: str) -> GkeApiServer:
+    def for_control_plane(
+        cls,
+        deployment: Deployment,
+        server: str,
+        ca_file: str,
+        authorize: Callable[[str | None, str], str | None] | None = None,
+    ) -> GkeApiServer:
         """The deployment's cluster with the local control plane at ``server`` (``https://host:port``); the
         project has the APIs the bootstrap enables, and GPU quota for exactly the DWS pool's nodes."""
         from retrain.doctor import MACHINE_GPUS, PREEMPTIBLE_GPU_QUOTA
@@ -97,7 +109,7 @@ class GkeApiServer:
         gpu = next((g for prefix, g in MACHINE_GPUS.items() if machine.startswith(prefix)), "")
         gpus = float(p.output("gpu_max_nodes")) * float(p.output("gpus_per_node"))
         quotas = {PREEMPTIBLE_GPU_QUOTA[gpu]: gpus} if gpu in PREEMPTIBLE_GPU_QUOTA else {}
-        return cls(deployment.project, cluster, deployment.enabled_services(), quotas)
+        return cls(deployment.project, cluster, deployment.enabled_services(), quotas, authorize)
 
     @property
     def base_url(self) -> str:
@@ -121,17 +133,29 @@ class GkeApiServer:
             "name": self.cluster.location,
             "quotas": [{"metric": m, "limit": limit, "usage": 0.0} for m, limit in self.quotas.items()],
         }
+        # each read with the permission Google checks for it
         answers = {
-            f"/v1/{name}": body,
-            f"/v1/projects/{self.project}/services": json.dumps(services).encode(),
-            region: json.dumps(quotas).encode(),
+            f"/v1/{name}": (body, "container.clusters.get"),
+            f"/v1/projects/{self.project}/services": (
+                json.dumps(services).encode(),
+                "serviceusage.services.list",
+            ),
+            region: (json.dumps(quotas).encode(), "compute.regions.get"),
         }
+        authorize = self.authorize
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path in answers:
-                    self._answer(200, answers[path])
+                    payload, permission = answers[path]
+                    token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or None
+                    refusal = authorize(token, permission) if authorize else None
+                    if refusal is not None:
+                        error = {"code": 403, "message": refusal, "status": "PERMISSION_DENIED"}
+                        self._answer(403, json.dumps({"error": error}).encode())
+                        return
+                    self._answer(200, payload)
                 else:
                     # Google's JSON error shape (the REST transport maps it to NotFound).
                     requested = path.removeprefix("/v1/")
@@ -148,7 +172,7 @@ class GkeApiServer:
             def log_message(self, *_: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = LoopbackServer(Handler)
         threading.Thread(target=self._server.serve_forever, name="gke-api", daemon=True).start()
         return self
 

@@ -45,6 +45,8 @@ class Kind(StrEnum):
     """A Cloud Run service (a gen2 function)."""
     TABLE = "table"
     REPOSITORY = "repository"
+    WORKFLOW = "workflow"
+    """A workflow (its executions and their callbacks are checked on it)."""
 
 
 #: CEL's ``resource.type`` of each kind (cloud.google.com/iam/docs/conditions-resource-attributes).
@@ -76,7 +78,8 @@ class Resource:
             return f"projects/_/buckets/{self.key}"
         if self.kind in (Kind.OBJECT, Kind.MANAGED_FOLDER):
             bucket, _, path = self.key.partition("/")
-            return f"projects/_/buckets/{bucket}/{'objects' if self.kind == Kind.OBJECT else 'managedFolders'}/{path}"
+            collection = "objects" if self.kind == Kind.OBJECT else "managedFolders"
+            return f"projects/_/buckets/{bucket}/{collection}/{path}"
         return self.key
 
 
@@ -112,9 +115,20 @@ class Decision:
     def reason(self) -> str:
         """As Google words a refusal: who lacks which permission on what."""
         if self.allowed:
-            return f"{self.member} has {self.permission} on {self.resource.name} ({self.by and self.by.address})"
+            return (
+                f"{self.member} has {self.permission} on {self.resource.name} ({self.by and self.by.address})"
+            )
         who = self.member.partition(":")[2] or self.member
         return f"{who} does not have {self.permission} access to {self.resource.name}"
+
+    @property
+    def message(self) -> str:
+        """A refusal as Google's APIs word ``IAM_PERMISSION_DENIED`` (AIP-193 ``ErrorInfo``), with the
+        caller named."""
+        return (
+            f"Permission '{self.permission}' denied on resource '{self.resource.name}' "
+            f"(or it may not exist). [caller: {self.member}]"
+        )
 
 
 @cache
@@ -126,7 +140,9 @@ def predefined_roles() -> dict[str, frozenset[str]]:
 
 # --- conditions: the CEL subset infra uses --------------------------------------------------------
 
-_TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<op>&&|\|\||==|!=|[!().,])|(?P<id>[A-Za-z_][\w.]*))')
+_TOKEN = re.compile(
+    r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<op>&&|\|\||==|!=|[!().,])|(?P<id>[A-Za-z_][\w.]*))'
+)
 
 
 def _tokens(text: str) -> list[str]:
@@ -135,7 +151,7 @@ def _tokens(text: str) -> list[str]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
-            raise ValueError(f"condition {text!r}: cannot read at {pos}: {text[pos:pos + 20]!r}")
+            raise ValueError(f"condition {text!r}: cannot read at {pos}: {text[pos : pos + 20]!r}")
         out.append(m.group(0).strip())
         pos = m.end()
     return out
@@ -200,6 +216,10 @@ def condition_holds(expression: str, resource: Resource) -> bool:
 # --- the policy -----------------------------------------------------------------------------------
 
 
+#: How much a binding set on each kind reaches (narrowest first).
+_BREADTH = {kind: 2 for kind in Kind} | {Kind.OBJECT: 0, Kind.MANAGED_FOLDER: 1, Kind.PROJECT: 3}
+
+
 def _applies(on: Resource, to: Resource) -> bool:
     """Whether a binding set on ``on`` reaches ``to`` (IAM's inheritance, as far as infra uses it)."""
     if on.kind == Kind.PROJECT:
@@ -228,14 +248,20 @@ class Policy:
         return roles[role]
 
     def check(self, member: str, permission: str, resource: Resource) -> Decision:
-        """Whether ``member`` holds ``permission`` on ``resource``, and through which binding."""
-        for b in self.bindings:
-            if b.member != member or permission not in self.permissions_of(b.role) or not _applies(b.on, resource):
-                continue
-            if b.condition is not None and not condition_holds(b.condition, resource):
-                continue
-            return Decision(True, member, permission, resource, b)
-        return Decision(False, member, permission, resource)
+        """Whether ``member`` holds ``permission`` on ``resource``, and through which binding: of several
+        that grant it, the narrowest (the grant meant for this access; a broader one then shows as
+        unused in the least-privilege report)."""
+        granting = [
+            b
+            for b in self.bindings
+            if b.member == member
+            and permission in self.permissions_of(b.role)
+            and _applies(b.on, resource)
+            and (b.condition is None or condition_holds(b.condition, resource))
+        ]
+        if not granting:
+            return Decision(False, member, permission, resource)
+        return Decision(True, member, permission, resource, min(granting, key=lambda b: _BREADTH[b.on.kind]))
 
     def granted(self, member: str) -> Iterator[tuple[Binding, str]]:
         """Each (binding, permission) ``member`` holds: what least privilege is measured against."""
@@ -272,7 +298,7 @@ def policy_of(stages: Mapping[str, Any]) -> Policy:
     """The policy the given Terraform stages (``retrain.hcl.Stage`` by name) declare."""
     policy = Policy()
     for stage_name, stage in stages.items():
-        for name, body in stage.resources("google_project_iam_custom_role").items():
+        for body in stage.resources("google_project_iam_custom_role").values():
             role = f"projects/{stage.evaluate(body['project'])}/roles/{stage.evaluate(body['role_id'])}"
             policy.custom_roles[role] = frozenset(str(p) for p in stage.evaluate(body["permissions"]))
         for rtype, (kind, attrs) in _SCOPES.items():
@@ -286,7 +312,9 @@ def policy_of(stages: Mapping[str, Any]) -> Policy:
                             member=str(stage.evaluate(body["member"], **each)),
                             role=str(stage.evaluate(body["role"], **each)),
                             on=Resource(kind, key),
-                            condition=str(stage.evaluate(condition["expression"], **each)) if condition else None,
+                            condition=str(stage.evaluate(condition["expression"], **each))
+                            if condition
+                            else None,
                             address=f"infra/{stage_name}: {rtype}.{name}",
                         )
                     )

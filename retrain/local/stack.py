@@ -6,8 +6,13 @@
   ◀── cluster twin (DWS provisioner, JobSet controller, kubelet) ── notifier ──▶ Pub/Sub emulator
   ──push──▶ functions-framework (on_jobset_event) ──callback──▶ the waiting execution.
 
-The stack writes its endpoints to ``<state_dir>/stack.json`` so other commands (drop, runs, status)
-find it while it runs in the background.
+Every part runs as the identity infra/ deploys it with, and every call is checked against infra/'s IAM
+and k8s/'s RBAC (``retrain.local.identities``): Cloud Storage and Firestore behind fronts that check each
+call, each function behind Cloud Run's invoker check, the cluster's API behind GKE's front, and the
+executions service, the GKE API, the workflow's connectors and the notifier checking their callers.
+
+The stack writes its endpoints (and the operator's token) to ``<state_dir>/stack.json``, readable by its
+owner only, so other commands (drop, runs, status) find it while it runs in the background.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR, pool_size
+from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, pool_size
+from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.deployment import (
     AUTOSCALER_SCALE_DOWN_S,
     DWS_BOOKING_WINDOW_S,
@@ -38,7 +44,13 @@ from retrain.deployment import (
 )
 from retrain.local import delivery, emulators, processes
 from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
+from retrain.local.firestore_front import FirestoreFront
 from retrain.local.gke_api import GkeApiServer
+from retrain.local.iam import Kind, Resource
+from retrain.local.identities import OPERATOR, Caller, Deployed, Guard
+from retrain.local.invoker_front import InvokerFront
+from retrain.local.kube_front import KubeFront
+from retrain.local.storage_front import StorageFront
 
 log = logging.getLogger("retrain.stack")
 
@@ -50,6 +62,8 @@ Progress = Callable[[str], None]
 
 #: Where the stack records every process it starts (retrain.local.processes).
 PROCESS_REGISTRY = "processes.jsonl"
+#: Where a stopped stack leaves who used which permission, and every refusal (retrain.local.identities).
+IAM_REPORT = "iam-report.json"
 #: The ledger is exported this often (and at a clean stop): a crash of the stack loses at most this much.
 LEDGER_EXPORT_S = 5.0
 
@@ -87,11 +101,12 @@ class Endpoints:
     scheduler_function: str = ""
     steps_function: str = ""
     container: str = ""
-    cluster_token: str = ""
+    token: str = ""
+    """The operator's local token (``retrain.adapters.credentials``): what the CLI presents."""
     pid: int = 0
 
     def env(self) -> dict[str, str]:
-        """Environment that points the client libraries (and retrain) at this stack."""
+        """Environment that points the client libraries (and retrain) at this stack, as the operator."""
         return {
             "FIRESTORE_EMULATOR_HOST": self.firestore,
             "PUBSUB_EMULATOR_HOST": self.pubsub,
@@ -99,11 +114,14 @@ class Endpoints:
             "RETRAIN_WORKFLOWS_ENDPOINT": self.workflows,
             "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": self.workflows_grpc,
             CONTAINER_ENDPOINT_VAR: self.container,
-            CLUSTER_TOKEN_VAR: self.cluster_token,
+            LOCAL_TOKEN_VAR: self.token,
         }
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.__dict__, indent=2))
+        """Written readable by its owner alone: it holds the operator's token."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.__dict__, indent=2))
 
     @classmethod
     def load(cls, path: Path) -> Endpoints:
@@ -314,27 +332,48 @@ class LocalStack:
             for kept in (self.state_dir / "gcs", self.firestore_data):
                 shutil.rmtree(kept, ignore_errors=True)
         self.progress("starting emulators: GCS, Firestore, Pub/Sub")
-        gcs, ep.storage = emulators.gcs(self.state_dir)
-        fs, ep.firestore = emulators.firestore(self.state_dir, import_from=self.firestore_data)
+        gcs, gcs_host = emulators.gcs(self.state_dir)
+        fs, self._firestore_host = emulators.firestore(self.state_dir, import_from=self.firestore_data)
         ps, ep.pubsub = emulators.pubsub(self.state_dir)
         for proc in (gcs, fs, ps):
             self._spawn(proc)
         self._closers.append(self._keep_ledger)
         self._closers.append(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
 
+        # Who runs what (infra/), and the fronts that check every call against infra/'s IAM.
+        deployed = Deployed.read(self._deployment)
+        guard = self.guard = Guard(deployed, enforce=s.local_iam)
+        self._closers.append(lambda: guard.write_usage(self.state_dir / IAM_REPORT))
+        storage = StorageFront(gcs_host, guard).start()
+        self._closers.append(storage.stop)
+        self.firestore_front = FirestoreFront(self._firestore_host, guard, s.project)
+        self._closers.append(self.firestore_front.stop)
+        ep.storage, ep.token = storage.url, guard.token(OPERATOR)
+        ep.firestore = self.firestore_front.endpoint(OPERATOR)
+
         self.progress("starting the Kubernetes control plane (kube-apiserver + etcd, CRDs)")
         control_plane = ControlPlane(self.state_dir / "kube")
         control_plane.start()
         self._closers.append(control_plane.stop)
-        # The GKE API finds the cluster (retrain.adapters.cluster): the control plane as its endpoint,
-        # node pools as infra/platform declares them; its token stands in for a Google access token.
+        # The GKE API finds the cluster (retrain.adapters.cluster): GKE's front of the control plane as
+        # its endpoint, node pools as infra/platform declares them.
         kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
-        gke_api = GkeApiServer.for_control_plane(self._deployment, kube.server, kube.ca_file).start()
+        kube_front = KubeFront(
+            kube.server, kube.token, kube.ca_file, guard, control_plane.run_dir / "pki"
+        ).start()
+        self._closers.append(kube_front.stop)
+        project = Resource(Kind.PROJECT, s.project)
+        gke_api = GkeApiServer.for_control_plane(
+            self._deployment,
+            kube_front.url,
+            kube.ca_file,
+            authorize=lambda token, permission: guard.authorize(token, permission, project),
+        ).start()
         self._closers.append(gke_api.stop)
-        ep.container, ep.cluster_token = gke_api.base_url, kube.token
+        ep.container = gke_api.base_url
         self._setenv({**ep.env(), **config.to_env(s)})
 
-        client = objects.storage_client()
+        client = objects.storage_client()  # as the operator, who applies Terraform
         versioned = self._deployment.versioned_buckets()
         for name in (s.landing_bucket, s.artifacts_bucket):
             bucket = client.lookup_bucket(name) or client.create_bucket(name)
@@ -367,7 +406,7 @@ class LocalStack:
         apply_documents(api, [settings_map, *documents(values)])
         child_env = {**ep.env(), **self.pod_env}
         twin = ClusterTwin(
-            api,
+            api,  # GKE's own controllers (DWS, the JobSet controller, the kubelet) act as the cluster's admin
             scale_down_delay_s=AUTOSCALER_SCALE_DOWN_S / LOCAL_TIME_FACTOR,
             booking_window_s=DWS_BOOKING_WINDOW_S / LOCAL_TIME_FACTOR,
             namespace=s.namespace,
@@ -378,6 +417,7 @@ class LocalStack:
             workdir=self.state_dir / "pods",
             pod_env=child_env,
             faults=parse_faults(s.twin_faults),
+            pod_identity=lambda namespace, ksa: self.identity_env(self.workload_member(namespace, ksa)),
         )
         # The pool's bounds are the GKE API's (Terraform's google_container_node_pool.gpu_dws).
         size = {p.name: pool_size(p) for p in gke_api.cluster.node_pools}.get(s.node_pool)
@@ -396,40 +436,74 @@ class LocalStack:
         publisher = pubsub_v1.PublisherClient()
         topic = publisher.topic_path(s.project, s.jobset_topic)
         delivery.ensure_topic(publisher, topic)
+        # The notifier is a pod: its Kubernetes service account's own token for the API server, and the
+        # Google account Workload Identity maps that account to for Pub/Sub.
+        notifier_as = Caller(guard, self.workload_member(values.namespace, values.notifier_ksa))
 
         def publish(data: bytes, attributes: dict[str, str]) -> None:
+            notifier_as.require("pubsub.topics.publish", Resource(Kind.TOPIC, s.jobset_topic))
             publisher.publish(topic, data, **attributes).result(timeout=30)
 
-        notifier = Notifier(api, publish, namespace=s.namespace, state_path=self.state_dir / "notifier.json")
+        notifier_api = (
+            self._service_account_client(kube, values.namespace, values.notifier_ksa) if s.local_iam else api
+        )
+        notifier = Notifier(
+            notifier_api, publish, namespace=s.namespace, state_path=self.state_dir / "notifier.json"
+        )
         notifier.start()
         self._closers.append(notifier.stop)
         self.notifier = notifier
 
-        fn_env = {**config.to_env(s), **ep.env(), "PYTHONUNBUFFERED": "1"}
+        # Each function: its own identity, behind Cloud Run's invoker check.
+        fn_env = {**config.to_env(s), "PYTHONUNBUFFERED": "1"}
+        fronts: dict[str, str] = {}
+        push_routes: dict[str, str] = {}
+
+        def serve(target: str, signature: str = "cloudevent") -> str:
+            function = deployed.functions[target]
+            env = {**fn_env, **self.identity_env(function.member)}
+            proc, url = function_server(target, self.state_dir / f"function-{target}.log", env, signature)
+            self._spawn(proc)
+            pushed = {t: p.member for t, p in deployed.pushes.items() if push_routes.get(t) == target}
+            front = InvokerFront(
+                url,
+                function.service,
+                guard,
+                trigger_member=function.trigger_member,
+                storage_agent=deployed.storage_agent if target == "on_object_finalized" else None,
+                push_members=pushed,
+            ).start()
+            self._closers.append(front.stop)
+            fronts[target] = front.url
+            return front.url
+
         self.progress("starting the run_step function (the workflow's steps in Python)")
-        proc, ep.steps_function = function_server(
-            "run_step", self.state_dir / "function-run_step.log", fn_env, signature="http"
-        )
-        self._spawn(proc)
+        ep.steps_function = serve("run_step", signature="http")
 
         self.progress("starting the workflow executions service")
         from retrain.workflows import ExecutionsServer, load_workflow
 
-        dataflow = LocalDataflow(self.state_dir / "dataflow", child_env)
+        workflow_as = Caller(guard, deployed.workflow)
+        dataflow = LocalDataflow(
+            self.state_dir / "dataflow", child_env, caller=workflow_as, identity_env=self.identity_env
+        )
         self._closers.append(dataflow.stop)
         self.dataflow = dataflow
         registry = local_registry(
-            firestore_host=ep.firestore,
+            firestore_host=self._firestore_host,
             pubsub_host=ep.pubsub,
-            kube=kube,
-            kube_user=values.workflow_user,
+            kube=KubeEndpoint(kube_front.url, workflow_as.token, kube.ca_file),
             dataflow=dataflow,
+            caller=workflow_as,
         )
         workflow = load_workflow(WORKFLOW_FILE)
         server = ExecutionsServer(
             lambda _name: workflow,
             registry,
             self._deployment.execution_env({"RETRAIN_STEPS_URL": ep.steps_function}),
+            authorize=lambda token, permission, name: guard.authorize(
+                token, permission, Resource(Kind.WORKFLOW, name)
+            ),
         )
         server.start()
         self._closers.append(server.stop)
@@ -437,28 +511,39 @@ class LocalStack:
         self._setenv(
             {"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows, "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc}
         )
+        fn_env.update(
+            {"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows, "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc}
+        )
         self.executions = server
 
         self.progress("starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event")
-        fn_env = {**config.to_env(s), **ep.env(), "PYTHONUNBUFFERED": "1"}
-        for target, attr in (
-            ("on_object_finalized", "ingest_function"),
-            ("on_jobset_event", "relay_function"),
-            ("on_scheduler_tick", "scheduler_function"),
-        ):
-            proc, url = function_server(target, self.state_dir / f"function-{target}.log", fn_env)
-            self._spawn(proc)
-            setattr(ep, attr, url)
+        jobs = self._deployment.scheduler_jobs()
+        ticks = sorted({job.topic for job in jobs})
+        push_routes.update({s.jobset_topic: "on_jobset_event"})
+        push_routes.update({t.rsplit("/", 1)[-1]: "on_scheduler_tick" for t in ticks})
+        ep.ingest_function = serve("on_object_finalized") + "/_eventarc"
+        ep.relay_function = serve("on_jobset_event")
+        ep.scheduler_function = serve("on_scheduler_tick")
         # A function that dies is started again on its port (Cloud Run starts a new instance).
         self._closers.append(periodically(1.0, self._restart_dead_functions, "function supervisor"))
 
         subscriber = pubsub_v1.SubscriberClient()
-        jobs = self._deployment.scheduler_jobs()
-        ticks = {job.topic for job in jobs}
         dead_letters = self._deployment.topic("dead_letter_topic_id")
-        routes = [(topic, ep.relay_function), *((t, ep.scheduler_function) for t in sorted(ticks))]
-        for source, url in routes:
-            delivery.push_subscription(subscriber, publisher, source, f"{url}/{source}", dead_letters)
+        for source in [topic, *ticks]:
+            # as infra/app/events.tf declares it: its name, who pushes, where dead letters go (whose
+            # forwarding Pub/Sub's agent makes: publish on the dead-letter topic, consume on the
+            # subscription, cloud.google.com/pubsub/docs/handling-failures#grant_forwarding_permissions)
+            topic_id = source.rsplit("/", 1)[-1]
+            push = deployed.pushes[topic_id]
+            name = f"projects/{s.project}/subscriptions/{push.name}"
+            guard.check(
+                deployed.pubsub_agent, "pubsub.topics.publish", Resource(Kind.TOPIC, push.dead_letter_topic)
+            )
+            guard.check(
+                deployed.pubsub_agent, "pubsub.subscriptions.consume", Resource(Kind.SUBSCRIPTION, push.name)
+            )
+            endpoint = f"{fronts[push_routes[topic_id]]}/_push/{topic_id}"
+            delivery.push_subscription(subscriber, publisher, source, endpoint, dead_letters, name=name)
         delivery.dead_letter_subscription(subscriber, publisher, dead_letters)
 
         def publish_tick(job: ScheduledJob) -> None:
@@ -472,6 +557,48 @@ class LocalStack:
         ep.save(stack_file(s))
         self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
         self.progress("local stack is up")
+
+    def identity_env(self, member: str) -> dict[str, str]:
+        """The environment of a process that runs as ``member``: the stack's endpoints, its own Firestore
+        endpoint and its own token."""
+        return {
+            **self.endpoints.env(),
+            "FIRESTORE_EMULATOR_HOST": self.firestore_front.endpoint(member),
+            LOCAL_TOKEN_VAR: self.guard.token(member),
+        }
+
+    def workload_member(self, namespace: str, ksa: str) -> str:
+        """Who a pod running as ``ksa`` is to Google (Workload Identity, as the guard decides it from the
+        service account's annotation in the cluster and infra/'s bindings)."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            account = client.CoreV1Api(self.kube_api).read_namespaced_service_account(ksa, namespace)
+            annotations = dict((account.metadata and account.metadata.annotations) or {})
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            annotations = {}
+        return self.guard.workload_member(namespace, ksa, annotations)
+
+    def _service_account_client(self, kube: KubeEndpoint, namespace: str, ksa: str) -> Any:
+        """A Kubernetes client that is ``ksa``, with a token the API server issues it (TokenRequest), as
+        a pod's projected service account token."""
+        from kubernetes import client
+
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=2 * 86400)
+        )
+        answer = client.CoreV1Api(self.kube_api).create_namespaced_service_account_token(
+            ksa, namespace, request
+        )
+        configuration = client.Configuration()
+        configuration.host = kube.server
+        configuration.ssl_ca_cert = kube.ca_file
+        assert answer.status is not None, "TokenRequest answered without a token"
+        configuration.api_key = {"authorization": f"Bearer {answer.status.token}"}
+        return client.ApiClient(configuration)
 
     @property
     def firestore_data(self) -> Path:
@@ -527,7 +654,7 @@ class LocalStack:
         """Export the ledger so run records outlive the stack (`retrain runs` after `retrain demo`, and
         after a crash: it is exported every LEDGER_EXPORT_S too)."""
         with self._ledger_lock:
-            emulators.export_firestore(self.endpoints.firestore, self.settings.project, self.firestore_data)
+            emulators.export_firestore(self._firestore_host, self.settings.project, self.firestore_data)
 
     def stop(self) -> None:
         """Stop everything that started, newest first; never raises."""

@@ -84,10 +84,15 @@ class ChildExecutions(Protocol):
 
 
 class ConnectorRegistry:
-    """Local stand-ins for ``googleapis.*`` connectors, keyed by their full call name."""
+    """Local stand-ins for ``googleapis.*`` connectors, keyed by their full call name, and the
+    credentials of the identity the executions run as."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self._fns: dict[str, ConnectorFn] = {}
+        self.token = token
+        """The local stand-in of the workflow service account's token, which ``http.*`` calls with an
+        ``auth`` argument present as a bearer token, as Workflows adds an OIDC or OAuth2 token of that
+        account (cloud.google.com/workflows/docs/authenticate-from-workflow); None: no identity."""
 
     def register(self, name: str, fn: ConnectorFn) -> None:
         self._fns[name] = fn

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.cloud.workflows.executions_v1 import types
 
+from retrain.workflows.server import workflow_of
+
 if TYPE_CHECKING:
     from retrain.workflows.server import ExecutionsServer
 
@@ -43,8 +45,18 @@ def execution(resource: dict[str, Any]) -> types.Execution:
 
 
 def _handlers(server: ExecutionsServer) -> grpc.GenericRpcHandler:
-    def guarded(fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def guarded(
+        fn: Callable[[Any, grpc.ServicerContext], Any], permission: str
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
         def call(request: Any, context: grpc.ServicerContext) -> Any:
+            if server.authorize is not None:
+                token = next(
+                    (v for k, v in context.invocation_metadata() if k == "authorization"), ""
+                ).removeprefix("Bearer ")
+                name = getattr(request, "parent", "") or getattr(request, "name", "")
+                refusal = server.authorize(token or None, permission, workflow_of(name))
+                if refusal is not None:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
             try:
                 return fn(request, context)
             except KeyError as e:
@@ -66,18 +78,27 @@ def _handlers(server: ExecutionsServer) -> grpc.GenericRpcHandler:
     def list_(request: types.ListExecutionsRequest, _: grpc.ServicerContext) -> types.ListExecutionsResponse:
         return types.ListExecutionsResponse(executions=[execution(r) for r in server.list(request.parent)])
 
-    def unary(fn: Callable[..., Any], request: Any, response: Any) -> grpc.RpcMethodHandler:
+    def unary(fn: Callable[..., Any], request: Any, response: Any, permission: str) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            guarded(fn), request_deserializer=request.deserialize, response_serializer=response.serialize
+            guarded(fn, permission),
+            request_deserializer=request.deserialize,
+            response_serializer=response.serialize,
         )
 
+    executions = "workflows.executions."
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "CreateExecution": unary(create, types.CreateExecutionRequest, types.Execution),
-            "GetExecution": unary(get, types.GetExecutionRequest, types.Execution),
-            "CancelExecution": unary(cancel, types.CancelExecutionRequest, types.Execution),
-            "ListExecutions": unary(list_, types.ListExecutionsRequest, types.ListExecutionsResponse),
+            "CreateExecution": unary(
+                create, types.CreateExecutionRequest, types.Execution, executions + "create"
+            ),
+            "GetExecution": unary(get, types.GetExecutionRequest, types.Execution, executions + "get"),
+            "CancelExecution": unary(
+                cancel, types.CancelExecutionRequest, types.Execution, executions + "cancel"
+            ),
+            "ListExecutions": unary(
+                list_, types.ListExecutionsRequest, types.ListExecutionsResponse, executions + "list"
+            ),
         },
     )
 

@@ -77,6 +77,15 @@ class _Record:
         return out
 
 
+#: (bearer token or None, permission, workflow resource name) -> None when allowed, else the refusal.
+Authorize = Callable[[str | None, str, str], str | None]
+
+
+def workflow_of(name: str) -> str:
+    """``projects/P/locations/L/workflows/W`` of an execution, callback or workflow name."""
+    return "/".join(name.split("/")[:6])
+
+
 class ExecutionsServer:
     """Runs executions in threads and serves them over HTTP on 127.0.0.1."""
 
@@ -87,10 +96,14 @@ class ExecutionsServer:
         env: Mapping[str, str],
         host: str = "127.0.0.1",
         port: int = 0,
+        authorize: Authorize | None = None,
     ) -> None:
         self.resolve = resolve
         self.connectors = connectors
         self.env = dict(env)
+        self.authorize = authorize
+        """Who may call: (the caller's bearer token, the permission, the workflow's name) -> None, or the
+        refusal's message (the Workflows API's PERMISSION_DENIED); None: every caller may."""
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
@@ -360,12 +373,35 @@ class ExecutionsServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(length) if length > 0 else b""
 
+            def _refused(self, permission: str, name: str) -> bool:
+                if server.authorize is None:
+                    return False
+                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or None
+                refusal = server.authorize(token, permission, workflow_of(name))
+                if refusal is not None:
+                    self._fail(403, "PERMISSION_DENIED", refusal)
+                return refusal is not None
+
             def _handle(self, method: str) -> None:
                 parsed = urlparse(self.path)
                 path = parsed.path
                 body = self._body()
                 if not path.startswith("/v1/"):
                     self._fail(404, "NOT_FOUND", f"no such path {path}")
+                    return
+                rest = path[len("/v1/") :].rstrip("/")
+                # Workflows' permissions per method (cloud.google.com/workflows/docs/access-control)
+                if "/callbacks/" in path:
+                    permission = "workflows.callbacks.send"
+                elif rest.endswith(":cancel"):
+                    permission = "workflows.executions.cancel"
+                elif rest.endswith("/executions"):
+                    permission = (
+                        "workflows.executions.create" if method == "POST" else "workflows.executions.list"
+                    )
+                else:
+                    permission = "workflows.executions.get"
+                if self._refused(permission, rest):
                     return
                 if "/callbacks/" in path:
                     headers = {k: v for k, v in self.headers.items()}
@@ -374,7 +410,6 @@ class ExecutionsServer:
                     else:
                         self._fail(404, "NOT_FOUND", f"no callback awaiting {method} at {path}")
                     return
-                rest = path[len("/v1/") :].rstrip("/")
                 try:
                     if method == "POST" and rest.endswith(":cancel"):
                         self._send(200, server.cancel(rest[: -len(":cancel")]))

@@ -40,6 +40,7 @@ class Runtime(Protocol):
     execution_name: str
     hub: Any
     executions: Any
+    connectors: Any
 
     def sleep(self, seconds: float) -> None: ...
 
@@ -773,7 +774,8 @@ def http_request(
     timeout: Any = None,
     private_service_name: Any = None,
 ) -> Any:
-    """Real HTTP through requests; ``auth`` is accepted and ignored locally (no Google tokens)."""
+    """Real HTTP through requests; with ``auth``, the request carries the execution's identity (the
+    registry's token: the workflow service account's, locally) as Workflows adds the account's token."""
     _want(url, "string", "http.request", "url")
     _want(method, "string", "http.request", "method")
     hdrs: dict[str, str] = {}
@@ -781,6 +783,9 @@ def http_request(
         _want(headers, "map", "http.request", "headers")
         hdrs = {str(k): to_display_string(v) for k, v in headers.items()}
     data = _encode_body(body, hdrs)
+    token = getattr(rt.connectors, "token", None)
+    if auth is not None and token:
+        hdrs["Authorization"] = f"Bearer {token}"
     # "default: 300.0 ... The maximum allowed timeout is 1800 seconds"; ValueError "If timeout is > 1800"
     # (cloud.google.com/workflows/docs/reference/stdlib/http/request, .../http/get).
     if timeout is not None:

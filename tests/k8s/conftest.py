@@ -49,7 +49,8 @@ def namespace(api: Any) -> str:
 def gke_api(control_plane: ControlPlane, project: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The GKE API describing infra/'s cluster in ``project`` with this control plane as its endpoint;
     the process's clients find the cluster through it (RETRAIN_CONTAINER_ENDPOINT), as the stack's do."""
-    from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR
+    from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
+    from retrain.adapters.credentials import LOCAL_TOKEN_VAR
     from retrain.deployment import Deployment
     from retrain.local.connectors import KubeEndpoint
     from retrain.local.gke_api import GkeApiServer
@@ -57,7 +58,7 @@ def gke_api(control_plane: ControlPlane, project: str, monkeypatch: pytest.Monke
     kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
     server = GkeApiServer.for_control_plane(Deployment(project=project), kube.server, kube.ca_file).start()
     monkeypatch.setenv(CONTAINER_ENDPOINT_VAR, server.base_url)
-    monkeypatch.setenv(CLUSTER_TOKEN_VAR, kube.token)
+    monkeypatch.setenv(LOCAL_TOKEN_VAR, kube.token)  # no GKE front: the control plane's own
     try:
         yield server
     finally:

@@ -23,7 +23,8 @@ import pytest
 from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
 from retrain import config
-from retrain.adapters.cluster import CLUSTER_TOKEN_VAR, CONTAINER_ENDPOINT_VAR, GkeCluster
+from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, GkeCluster
+from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.errors import Rejected
@@ -243,7 +244,7 @@ def test_a_message_the_function_keeps_failing_on_is_dead_lettered_and_bad_ones_a
         **config.to_env(relay.settings),
         "FIRESTORE_EMULATOR_HOST": firestore_host,
         CONTAINER_ENDPOINT_VAR: os.environ[CONTAINER_ENDPOINT_VAR],
-        CLUSTER_TOKEN_VAR: os.environ[CLUSTER_TOKEN_VAR],
+        LOCAL_TOKEN_VAR: os.environ[LOCAL_TOKEN_VAR],
         "RETRAIN_WORKFLOWS_ENDPOINT": down,
     }
     proc, url = function_server("on_jobset_event", tmp_path / "relay.log", env)
