@@ -297,9 +297,9 @@ LOCAL_ONLY = frozenset({"provision_delay_s", "twin_faults", "state_dir", "local_
 
 def _coerce(value: str, like: object) -> object:
     if isinstance(like, bool):
-        if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
-            raise ValueError("expected true or false")
-        return value.lower() in ("1", "true", "yes")
+        if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError("expected true or false (or on/off)")
+        return value.lower() in ("1", "true", "yes", "on")
     if isinstance(like, int):
         return int(value)
     if isinstance(like, float):
