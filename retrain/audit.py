@@ -19,7 +19,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -28,6 +28,7 @@ from retrain.config import DATASET_RE, Settings
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, RunStatus, now_iso
+from retrain.plan import set_aside
 from retrain.ports import DatasetRecords, Ledger, ObjectInfo, ObjectStore, Rejection
 
 log = logging.getLogger("retrain.audit")
@@ -298,6 +299,9 @@ def audit_once(
             r.run_id for r in records.runs if r.status != RunStatus.PENDING or r.execution
         }
         manifests = {r.run_id: _manifest(settings, store, r) for r in records.runs if r.run_id in started}
+        # every object a run set aside, also those past the 100 its record names
+        runs = [replace(r, quarantined_objects=set_aside(settings, store, r)) for r in records.runs]
+        records = replace(records, runs=runs)
         report.entries += classify(
             settings,
             records,
@@ -366,7 +370,7 @@ def repair(report: AuditReport, settings: Settings, ledger: Ledger, store: Objec
         elif e.account == Account.STRANDED and (run := run_of(e.run_id)) is not None:
             ledger.give_back(run)
         elif e.account == Account.UNTRAINED and (run := run_of(e.run_id)) is not None:
-            give_back_unread(ledger, store, run)
+            give_back_unread(settings, ledger, store, run)
         elif e.account == Account.UNHELD and e.dataset is not None:
             size = store.stat(e.uri, e.generation or None).size
             version = ObjectVersion(e.uri, e.generation, size, e.content_hash)

@@ -259,6 +259,11 @@ class SetAside(StrEnum):
     """Its pages decompress past the job's limit (a decompression bomb)."""
 
 
+def tokenize_detail_uri(report_uri: str) -> str:
+    """Where a tokenize report's per-object detail goes: ``..._shards.json`` beside it (``shards_uri``)."""
+    return report_uri.removesuffix(".json") + "_shards.json"
+
+
 @dataclass(frozen=True)
 class TokenizeReport:
     """``runs/<run_id>/tokenize_report.json``: what tokenizing a run's objects produced.  Written last
@@ -282,17 +287,29 @@ class TokenizeReport:
     """Objects whose shard already existed (same content), reused."""
     tokenized: dict[str, int]
     """The totals above restricted to the newly tokenized objects."""
-    shards: list[dict[str, Any]]
-    """One entry per object version: ``object``, ``generation`` (as the manifest recorded it; None for an
-    object named by a pattern), ``sha256``, ``data_prefix``, ``documents``, ``tokens``, ``reused``."""
+    shards_uri: str | None
+    """Where each object's entry is (``tokenize_report_shards.json`` beside the report: ``{"shards": [...],
+    "quarantined_objects": [...]}``,
+    one per object version: ``object``, ``generation`` (as the manifest recorded it; None for an object
+    named by a pattern), ``sha256``, ``data_prefix``, ``documents``, ``tokens``, ``reused``).  Not in the
+    report itself, which the workflow reads into a variable whatever the run's size."""
+    packs: list[dict[str, Any]]
+    """The datasets the trainer reads, at most ``--max-packs`` of them whatever the run's size
+    (:mod:`retrain.tokenize.packs`): each ``data_prefix``, ``tokens``, ``shards`` (how many objects' shards it
+    concatenates; a pack of one is that shard) and ``written`` (by this job, or reused)."""
     data_prefix_blend: list[Any]
-    """Megatron's blend: ``[weight, prefix, weight, prefix, ...]``, weights proportional to tokens."""
+    """Megatron's blend over the packs: ``[weight, prefix, weight, prefix, ...]``, weights proportional to
+    tokens."""
     quarantine_reasons: dict[str, int]
     """Quarantined records by reason, over every shard (the records are in each shard's
     ``_quarantine.jsonl``)."""
     quarantined_objects: list[dict[str, Any]]
     """Objects set aside whole, each ``object``, ``generation``, ``reason`` (``unreadable``,
-    ``object_changed``, ``decompressed_too_large``) and ``detail``: the others are tokenized all the same."""
+    ``object_changed``, ``decompressed_too_large``) and ``detail``: the others are tokenized all the same.
+    The first 100 only (the workflow copies them into the run record); every one is in ``shards_uri``'s
+    object under ``quarantined_objects``."""
+    quarantined_object_count: int
+    """How many objects were set aside whole."""
     tokenizer: dict[str, Any]
     """The tokenizer's files, kept beside the shards for the trainer (:class:`retrain.trainers.
     TokenizerFiles`): ``type`` and ``vocab_file``/``merge_file`` or ``tokenizer_json`` (``gs://``)."""

@@ -47,11 +47,12 @@ DWS_BOOKING_WINDOW_S = 600.0
 #: speeds up what the stack only waits for (the Scheduler, DWS's answer, the autoscaler), never real
 #: work. The tokenize and training deadlines bound work that runs at its own speed here as in the cloud
 #: (the Beam pipeline, the stand-in trainer), so they are not scaled: a deadline cut sixty-fold would
-#: stop a healthy local run.
+#: stop a healthy local run.  ``stuck_after_s`` is such a deadline too: how long a starter may work on a
+#: claimed run (fixing a run of 2,000 objects and writing its manifest) before the sweeper takes it to
+#: have crashed; cut to 2 s, a healthy start was started again, two executions for one run.
 SCALED_PERIODS = (
     "quiet_period_s",
     "max_batch_age_s",
-    "stuck_after_s",
     "audit_grace_s",
     "provision_timeout_s",
     "provision_reask_s",

@@ -42,7 +42,9 @@ class IndexedDatasetError(ValueError):
     """A .bin/.idx pair that Megatron would misread."""
 
 
-def encode_index(dtype: type[np.generic], lengths: Sequence[int], document_indices: Sequence[int]) -> bytes:
+def encode_index(
+    dtype: type[np.generic], lengths: Sequence[int] | np.ndarray, document_indices: Sequence[int] | np.ndarray
+) -> bytes:
     """The bytes of PREFIX.idx for sequences of ``lengths`` grouped by ``document_indices``."""
     lens = np.asarray(lengths, dtype=np.int32)
     itemsize = np.dtype(dtype).itemsize
@@ -113,8 +115,46 @@ class IndexedDataset:
         return int(self.document_indices.size) - 1
 
 
-def decode(idx: bytes, bin_data: bytes | memoryview | np.ndarray) -> IndexedDataset:
-    """Parse and check a pair: magic, version, dtype, counts, pointers and .bin size."""
+@dataclass(frozen=True)
+class Index:
+    """What a PREFIX.idx says, without its .bin: the dtype, sequence lengths and document indices."""
+
+    dtype: type[np.generic]
+    lengths: np.ndarray
+    document_indices: np.ndarray
+
+    @property
+    def bin_bytes(self) -> int:
+        """The size its .bin must have."""
+        return int(self.lengths.astype(np.int64).sum()) * np.dtype(self.dtype).itemsize
+
+
+def decode_index(idx: bytes) -> Index:
+    """Parse and check an index on its own (header, counts, pointers, document indices)."""
+    d = decode(idx, None)
+    return Index(d.dtype, d.lengths, d.document_indices)
+
+
+def merge_indexes(indexes: Sequence[Index]) -> bytes:
+    """The index of the datasets' .bin files concatenated in this order: megatron-core's
+    ``IndexedDatasetBuilder.add_index`` (megatron/core/datasets/indexed_dataset.py), which appends the
+    lengths and each later document index offset by the sequences before it, its leading 0 dropped."""
+    if not indexes:
+        raise IndexedDatasetError("nothing to merge")
+    dtypes = {i.dtype for i in indexes}
+    if len(dtypes) > 1:
+        raise IndexedDatasetError(f"cannot merge datasets of different dtypes {sorted(map(str, dtypes))}")
+    lengths = np.concatenate([i.lengths for i in indexes])
+    docs, offset = [np.zeros(1, dtype=np.int64)], 0
+    for i in indexes:
+        docs.append(i.document_indices[1:].astype(np.int64) + offset)
+        offset += int(i.lengths.size)
+    return encode_index(indexes[0].dtype, lengths, np.concatenate(docs))
+
+
+def decode(idx: bytes, bin_data: bytes | memoryview | np.ndarray | None) -> IndexedDataset:
+    """Parse and check a pair: magic, version, dtype, counts, pointers and .bin size (the index alone when
+    ``bin_data`` is None: then ``data`` is empty)."""
     if idx[:9] != MAGIC:
         raise IndexedDatasetError("bad magic: not a Megatron mmap index")
     (version,) = struct.unpack_from("<Q", idx, 9)
@@ -140,6 +180,8 @@ def decode(idx: bytes, bin_data: bytes | memoryview | np.ndarray) -> IndexedData
         raise IndexedDatasetError("sequence pointers are not the running sum of lengths")
     if doc_count == 0 or docs[0] != 0 or docs[-1] != seq_count or np.any(np.diff(docs) < 0):
         raise IndexedDatasetError("document indices must rise from 0 to the sequence count")
+    if bin_data is None:
+        return IndexedDataset(dtype, lengths, pointers, docs, np.zeros(0, dtype=dtype))
     data = np.frombuffer(bin_data, dtype=dtype)
     if data.size != int(lengths.astype(np.int64).sum()):
         raise IndexedDatasetError(f".bin holds {data.size} tokens, index says {int(lengths.sum())}")

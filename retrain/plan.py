@@ -10,11 +10,12 @@ Not part of the domain: the plan renders Kubernetes objects and names the traine
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from retrain.config import Settings
-from retrain.contracts import WorkflowArgument
+from retrain.contracts import WorkflowArgument, tokenize_detail_uri
 from retrain.domain.errors import PlanError
 from retrain.domain.runs import Champion, Run
 from retrain.k8s.render import (
@@ -24,6 +25,7 @@ from retrain.k8s.render import (
     render_jobset,
     render_provisioning_request,
 )
+from retrain.ports import ObjectStore
 from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan, profile
 
 
@@ -34,6 +36,16 @@ def run_root(settings: Settings, run_id: str) -> str:
 def tokenize_report_uri(run_root: str) -> str:
     """Where the tokenize job writes its report (:class:`retrain.contracts.TokenizeReport`)."""
     return f"{run_root}/tokenize_report.json"
+
+
+def set_aside(settings: Settings, store: ObjectStore, run: Run) -> list[dict[str, Any]]:
+    """Every object ``run``'s tokenize job set aside whole: the record names the first 100, the
+    report's detail object all of them."""
+    if run.quarantined_object_count <= len(run.quarantined_objects):
+        return list(run.quarantined_objects)
+    report = tokenize_report_uri(run_root(settings, run.run_id))
+    detail = json.loads(store.read_bytes(tokenize_detail_uri(report)))
+    return list(detail["quarantined_objects"])
 
 
 def manifest_object(run_id: str) -> str:

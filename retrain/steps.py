@@ -38,7 +38,7 @@ from retrain.contracts import (
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate
-from retrain.plan import render_training, tokenize_report_uri
+from retrain.plan import render_training, set_aside, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
@@ -89,12 +89,14 @@ def trainer_outputs(store: ObjectStore, run_dir: str) -> tuple[list[Scalar], set
     return scalars, checkpoints
 
 
-def give_back_unread(ledger: Ledger, store: ObjectStore, run: Run) -> int:
+def give_back_unread(settings: Settings, ledger: Ledger, store: ObjectStore, run: Run) -> int:
     """Give back the content of the objects ``run`` set aside whole (gone since they arrived, unreadable,
     too large): it never trained.  When one was gone (overwritten or deleted), a copy of its bytes that
     arrived under another name and was skipped as held by this run arrives again, so that it trains in a
     later run; how many objects' content went back."""
-    unread = {(str(q.get("object")), int(q.get("generation") or 0)): q for q in run.quarantined_objects}
+    unread = {
+        (str(q.get("object")), int(q.get("generation") or 0)): q for q in set_aside(settings, store, run)
+    }
     if not unread:
         return 0
     held = [v for v in ledger.run_objects(run) if (v.uri, v.generation) in unread]
@@ -178,7 +180,7 @@ class Steps:
             return Finished(0)
         if run.status != RunStatus.SUCCEEDED and not run.promoted:
             return Finished(self.ledger.give_back(run))
-        return Finished(give_back_unread(self.ledger, self.store, run))
+        return Finished(give_back_unread(self.settings, self.ledger, self.store, run))
 
     def results(self, plan: TrainingPlan) -> Results:
         trainer = profile(plan.profile)

@@ -71,8 +71,10 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     command = run["command"]
     assert command[:2] == ["bash", "-c"] and "megatron_gpt_pretraining.py" in command[2]
     (data,) = [a for a in command if a.startswith("model.data.data_prefix=[")]
-    assert "@" not in data and data.count("/gcs/") == 2 and "trainer.devices=8" in command
-    assert run["blend"][1].startswith("gs://") and run["blend"][1].replace("gs://", "/gcs/") in data
+    # the two objects' shards, packed into one dataset (retrain.tokenize.packs)
+    assert "@" not in data and data.count("/gcs/") == 1 and "trainer.devices=8" in command
+    assert run["blend"][0] == 1.0 and "/shards/pack-" in run["blend"][1]
+    assert run["blend"][1].replace("gs://", "/gcs/") in data
     assert run["image"] == "retrain.local/nemo-24.12-standin" and run["profile"] == "nemo-24.12"
     assert run["base_checkpoint"] is None and run["base_step"] == 0  # the dataset's first run
     assert run["metrics"]["steps"] == 10 and run["metrics"]["final_loss"] > 0, run

@@ -16,11 +16,11 @@ import requests
 from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
-from retrain.contracts import StepName, StepRequest
+from retrain.contracts import StepName, StepRequest, tokenize_detail_uri
 from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run
-from retrain.plan import training_plan
+from retrain.plan import run_root, tokenize_report_uri, training_plan
 from retrain.steps import Steps
 from retrain.tensorboard import EventWriter
 
@@ -53,13 +53,28 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
         "quarantined": 0,
         "quarantine_reasons": {},
         "quarantined_objects": [],
+        "quarantined_object_count": 0,
         "input_records": 3,
         "bytes": 4000,
         "seconds": 1.0,
         "new_objects": 2,
         "reused_objects": 0,
         "tokenized": {},
-        "shards": [],
+        "shards_uri": f"{plan['output_dir']}/tokenize_report_shards.json",
+        "packs": [
+            {
+                "data_prefix": f"gs://{art}/shards/aa/data_text_document",
+                "tokens": 1,
+                "shards": 1,
+                "written": False,
+            },
+            {
+                "data_prefix": f"gs://{art}/shards/bb/data_text_document",
+                "tokens": 3,
+                "shards": 1,
+                "written": False,
+            },
+        ],
         "data_prefix_blend": [
             0.25,
             f"gs://{art}/shards/aa/data_text_document",
@@ -427,6 +442,31 @@ def test_a_run_that_succeeded_gives_back_what_it_could_not_read(steps: Steps) ->
     assert [v.uri for v in steps.ledger.run_objects(after)] == [read.uri]  # what it read stays trained
     again = steps.ledger.seal("back", "manual").run  # the copy arrived again: it trains now
     assert again is not None and [v.uri for v in steps.ledger.run_objects(again)] == [copy.uri]
+
+
+def test_every_object_set_aside_goes_back_also_past_the_hundred_the_record_names(steps: Steps) -> None:
+    """The report (which the workflow reads into a variable) and the run record name the first 100
+    objects set aside whole; the report's detail object names all of them, and all go back."""
+    if objects.storage_client().lookup_bucket(steps.settings.landing_bucket) is None:
+        objects.storage_client().create_bucket(steps.settings.landing_bucket)
+    landed = [
+        _landed(steps, f"aside-{i:03d}-{uuid.uuid4().hex}.txt", f"set aside {i}".encode()) for i in range(150)
+    ]
+    run = steps.ledger.seal("back", "manual").run
+    assert run is not None
+    aside = [
+        {"object": v.uri, "generation": v.generation, "reason": "unreadable", "detail": ""} for v in landed
+    ]
+    report = tokenize_report_uri(run_root(steps.settings, run.run_id))
+    objects.write_bytes(
+        tokenize_detail_uri(report), json.dumps({"shards": [], "quarantined_objects": aside}).encode()
+    )
+    fields = {"status": "succeeded", "quarantined_objects": aside[:100], "quarantined_object_count": 150}
+    steps.ledger.update_run(run.run_id, fields)
+    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 150}
+    after = steps.ledger.get_run(run.run_id)
+    assert after is not None and after.returned_untrained == 150 and not steps.ledger.run_objects(after)
 
 
 def test_a_run_that_failed_after_its_checkpoint_was_promoted_keeps_its_content(steps: Steps) -> None:

@@ -235,7 +235,10 @@ class Run:
     """Those records by reason (``invalid_json``, ``missing_key``, ...); each record is in the
     quarantine file beside its shard, with its object and line."""
     quarantined_objects: list[dict[str, Any]] = field(default_factory=list)
-    """Objects set aside whole: ``object``, ``generation``, ``reason``, ``detail``."""
+    """Objects set aside whole: ``object``, ``generation``, ``reason``, ``detail`` (the first 100; all of
+    them are in the run's ``tokenize_report_shards.json``)."""
+    quarantined_object_count: int = 0
+    """How many objects were set aside whole."""
     nodes: int = 0
     """GPU nodes it asked DWS for."""
     gpu_node_seconds: float = 0.0

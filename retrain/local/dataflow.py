@@ -129,7 +129,19 @@ class LocalDataflow:
                 raise _refuse(400, f"launchParameter.environment.{required} is required")
         worker = str(environment["serviceAccountEmail"])
         connector_require(self.caller, "iam.serviceAccounts.actAs", Resource(Kind.SERVICE_ACCOUNT, worker))
-        job_id = f"{launch.get('jobName', 'job')}-{uuid.uuid4().hex[:8]}"
+        name = str(launch.get("jobName", "job"))
+        with self.lock:
+            active = [j for j, p in self.jobs.items() if j.rsplit("-", 1)[0] == name and self._active(j, p)]
+        if active:
+            # A job name is unique among a project's active jobs; Dataflow's answer, as apache/beam#29441
+            # quotes it (a retried or duplicated launch meets it on the cloud first).
+            message = (
+                f"There is already an active job named {name}. If you want to  submit a second job, try "
+                "again by setting a different name."
+            )
+            body = {"error": {"code": 409, "message": message, "status": "ALREADY_EXISTS"}}
+            raise WorkflowError(http_error(409, message, body))
+        job_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             sys.executable,
@@ -168,6 +180,9 @@ class LocalDataflow:
         if proc is None:
             raise _refuse(404, f"job {job_id} not found")
         return proc
+
+    def _active(self, job_id: str, proc: subprocess.Popen[bytes]) -> bool:
+        return proc.poll() is None and job_id not in self.cancelled
 
     def state(self, job_id: str, proc: subprocess.Popen[bytes]) -> str:
         code = proc.poll()

@@ -226,10 +226,14 @@ def parse_faults(spec: str) -> Any:
     return Faults(**values)
 
 
-def scheduler_twin(jobs: list[ScheduledJob], publish: Callable[[ScheduledJob], None]) -> Callable[[], None]:
+def scheduler_twin(
+    jobs: list[ScheduledJob], publish: Callable[[ScheduledJob], None], paused: set[str] | None = None
+) -> Callable[[], None]:
     """Cloud Scheduler's twin: publishes each job's message on its schedule, sped up by
-    LOCAL_TIME_FACTOR (the first tick of each job comes one period after the start, as in the cloud).
+    LOCAL_TIME_FACTOR (the first tick of each job comes one period after the start, as in the cloud);
+    a job named in ``paused`` skips its ticks while it is there (``gcloud scheduler jobs pause``).
     Returns the function that stops it."""
+    paused = set() if paused is None else paused
     stop = threading.Event()
     periods = {job.name: job.period_s / LOCAL_TIME_FACTOR for job in jobs}
 
@@ -241,6 +245,8 @@ def scheduler_twin(jobs: list[ScheduledJob], publish: Callable[[ScheduledJob], N
             if stop.wait(max(0.0, due[job.name] - time.monotonic())):
                 return
             due[job.name] += periods[job.name]
+            if job.name in paused:
+                continue
             try:
                 publish(job)
             except Exception as e:  # a missed tick is harmless; the next one does the work
@@ -258,6 +264,8 @@ class LocalStack:
     """Start from empty buckets and an empty ledger instead of the state kept by the last stop."""
     pod_env: dict[str, str] = field(default_factory=dict)
     endpoints: Endpoints = field(default_factory=Endpoints)
+    paused_jobs: set[str] = field(default_factory=set)
+    """Scheduler jobs (``var.scheduler_jobs`` keys) whose ticks are skipped while named here."""
     _procs: list[emulators.ManagedProcess] = field(default_factory=list)
     _closers: list[Callable[[], None]] = field(default_factory=list)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
@@ -549,7 +557,7 @@ class LocalStack:
         def publish_tick(job: ScheduledJob) -> None:
             publisher.publish(job.topic, job.data, **job.attributes).result(timeout=30)
 
-        self._closers.append(scheduler_twin(jobs, publish_tick))
+        self._closers.append(scheduler_twin(jobs, publish_tick, self.paused_jobs))
         from retrain.local.eventarc import Redelivery
 
         redelivery = Redelivery(s.project, ep.ingest_function, dead_letters).start()

@@ -24,7 +24,7 @@ from google.api_core.exceptions import GoogleAPICallError
 
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectVersion
-from retrain.tokenize import records
+from retrain.tokenize import packs, records
 from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
 
 
@@ -45,6 +45,15 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--output-prefix", help="write PREFIX_{key}_document.bin/.idx, PREFIX_report.json")
     out.add_argument("--shard-root", help="incremental: one shard per object at ROOT/<sha256>/data")
     p.add_argument("--report", help="incremental: also write the aggregate report here")
+    p.add_argument(
+        "--pack-bytes",
+        type=int,
+        default=packs.PACK_BYTES,
+        help="incremental: the trainer reads the shards through packs of at least this many bytes",
+    )
+    p.add_argument(
+        "--max-packs", type=int, default=packs.MAX_PACKS, help="incremental: the most packs a blend holds"
+    )
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-json")
@@ -107,7 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.shard_root:
             report = tokenize_incremental(
-                args.inputs, args.shard_root, pinned=pinned, report_uri=args.report, **common
+                args.inputs,
+                args.shard_root,
+                pinned=pinned,
+                report_uri=args.report,
+                pack_bytes=args.pack_bytes,
+                max_packs=args.max_packs,
+                **common,
             )
         else:
             report = tokenize_to_prefix(args.inputs, args.output_prefix, **common)

@@ -34,8 +34,9 @@ from google.api_core.exceptions import NotFound
 
 from retrain import megatron
 from retrain.adapters import objects
+from retrain.contracts import tokenize_detail_uri
 from retrain.domain.events import ObjectVersion
-from retrain.tokenize import records, tables
+from retrain.tokenize import packs, records, tables
 from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
 from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
 
@@ -528,15 +529,22 @@ def _shard_entry(
     }
 
 
+QUARANTINED_LISTED = 100
+"""Objects set aside whole that the report names (the workflow reads it into a variable, and the run
+record copies them); every one is in the report's ``shards_uri`` object."""
+
+
 def incremental_report(
     entries: list[dict[str, Any]],
     reports: dict[str, dict[str, Any]],
     seconds: float,
     tokenizer: dict[str, str],
     quarantined_objects: list[dict[str, Any]] | None = None,
+    packed: Sequence[tuple[packs.Pack, bool]] = (),
 ) -> dict[str, Any]:
-    """The aggregate: totals over every object's shard (each distinct shard once), the shards, the blend,
-    and the objects quarantined whole (unreadable, changed since they arrived, over a size limit)."""
+    """The aggregate: totals over every object's shard (each distinct shard once), the shards, the packs
+    and their blend, and the objects quarantined whole (unreadable, changed since they arrived, over a size
+    limit).  ``packed``: each pack of the run, and whether this job wrote it."""
     totals = dict.fromkeys(("documents", "tokens", "quarantined", "input_records", "bytes"), 0)
     new = dict(totals)
     for prefix, r in reports.items():
@@ -549,25 +557,22 @@ def incremental_report(
     for r in reports.values():
         for reason, n in (r.get("quarantine_reasons") or {}).items():
             reasons[reason] = reasons.get(reason, 0) + int(n)
-    blend: list[Any] = []
-    seen: dict[str, int] = {}
-    for e in entries:
-        if e["tokens"] > 0 and e["data_prefix"] not in seen:
-            seen[e["data_prefix"]] = e["tokens"]
-    total_tokens = sum(seen.values())
-    for data_prefix, n in seen.items():
-        blend += [n / total_tokens, data_prefix]
     return {
         **totals,
         "seconds": round(seconds, 3),
         "new_objects": sum(1 for e in entries if not e["reused"]),
         "reused_objects": sum(1 for e in entries if e["reused"]),
         "tokenized": new,
-        "shards": entries,
-        "data_prefix_blend": blend,
+        "shards_uri": None,
+        "packs": [
+            {"data_prefix": p.data_prefix, "tokens": p.tokens, "shards": len(p.members), "written": written}
+            for p, written in packed
+        ],
+        "data_prefix_blend": packs.blend([p for p, _ in packed]),
         "tokenizer": tokenizer,
         "quarantine_reasons": dict(sorted(reasons.items())),
-        "quarantined_objects": quarantined_objects or [],
+        "quarantined_objects": (quarantined_objects or [])[:QUARANTINED_LISTED],
+        "quarantined_object_count": len(quarantined_objects or []),
     }
 
 
@@ -681,6 +686,8 @@ def tokenize_incremental(
     split_bytes: int = records.DEFAULT_SPLIT_BYTES,
     pipeline_args: Sequence[str] | None = None,
     wait: bool = True,
+    pack_bytes: int = packs.PACK_BYTES,
+    max_packs: int = packs.MAX_PACKS,
 ) -> dict[str, Any]:
     """Tokenize each object once into its own shard ``shard_root/<format>-<sha256 of its bytes>/data``.
 
@@ -689,7 +696,8 @@ def tokenize_incremental(
     is complete (its data_report.json exists) are reused, not re-read beyond hashing; an object that
     cannot be read (gone, changed since it arrived, not what its suffix says, decompressing past
     ``max_decompressed_bytes``) is quarantined whole, with its reason, and the others go on.  A shard made
-    with other tokenizer settings is an error (use another shard_root), never reused.
+    with other tokenizer settings is an error (use another shard_root), never reused.  The trainer reads
+    the shards through at most ``max_packs`` packs (:mod:`retrain.tokenize.packs`), the report's blend.
     """
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
@@ -756,12 +764,31 @@ def tokenize_incremental(
         for r in new_reports:
             all_reports[r["shard"]] = r
         entries = [_shard_entry(u, g, s, p, all_reports[p], key, reused) for u, g, s, p, reused in plan]
+        members = [
+            packs.Member(
+                e["data_prefix"], e["tokens"], e["tokens"] * np.dtype(all_reports[p]["dtype"]).itemsize
+            )
+            for e, (_, _, _, p, _) in zip(entries, plan, strict=True)
+        ]
+        run_packs = packs.plan_packs(members, shard_root, key, pack_bytes=pack_bytes, max_packs=max_packs)
+        written = packs.write_packs(run_packs)
+        log.info("%d shard(s) in %d pack(s), %d written now", len(members), len(run_packs), sum(written))
         agg = incremental_report(
-            entries, all_reports, time.time() - started, tokenizer_files, quarantined_objects
+            entries,
+            all_reports,
+            time.time() - started,
+            tokenizer_files,
+            quarantined_objects,
+            list(zip(run_packs, written, strict=True)),
         )
         if report_uri:
+            # The report stays small whatever the run's size (the workflow reads it into a variable): each
+            # object's entry goes beside it.
+            agg["shards_uri"] = tokenize_detail_uri(report_uri)
+            detail = json.dumps({"shards": entries, "quarantined_objects": quarantined_objects}).encode()
+            objects.write_bytes(agg["shards_uri"], detail, "application/json")
             objects.write_bytes(report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json")
-        return agg
+        return {**agg, "shards": entries}
 
     if not todo and not wait:
         # Every object's shard exists already (a retry, content given back and dropped again). A flex

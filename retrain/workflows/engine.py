@@ -290,6 +290,7 @@ class _Execution:
         self.lock = threading.RLock()
         self.steps_run = 0
         self.memory = 0  # memory_of every variable of every live scope (frames, iterations, branches)
+        self.peak_memory = 0  # the most self.memory has been
 
     @contextmanager
     def scope(self, parent: _Scope | None = None, shared: set[str] | None = None) -> Iterator[_Scope]:
@@ -335,6 +336,7 @@ class _Execution:
                     del target[slot]
                 raise
             self.memory += size - scope.sizes.get(name, 0)
+            self.peak_memory = max(self.peak_memory, self.memory)
             scope.sizes[name] = size
 
     # -- Runtime interface for stdlib ------------------------------------------------------
@@ -749,6 +751,9 @@ class Workflow:
         self.source = source
         self.name = name or (Path(source).stem if source != "<string>" else "workflow")
         self.revision_id = "000001-local"
+        self.peak_memory: dict[str, int] = {}
+        """Each execution's peak memory of variables (as MAX_VARIABLE_MEMORY counts it): how far a run
+        stays from the limit, which no Google API reports."""
         self._result_targets: dict[int, Target] = {}
 
     def result_target(self, step: Step) -> Target:
@@ -805,7 +810,8 @@ class Workflow:
         finally:
             if hub is not None:
                 hub.release(execution_name)
-        log.debug("%s: finished", execution_name)
+            self.peak_memory[execution_name] = ex.peak_memory
+        log.debug("%s: finished, peak variable memory %d bytes", execution_name, ex.peak_memory)
         return out
 
 

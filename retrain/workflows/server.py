@@ -215,6 +215,12 @@ class ExecutionsServer:
         workflow = self.resolve(parts[5])
         return self.get(self.start_execution(workflow, argument, parent=parent))
 
+    def peak_memory(self, name: str) -> int | None:
+        """The peak memory of an ended execution's variables (None while it runs or when unknown)."""
+        with self._lock:
+            rec = self._records.get(name)
+        return None if rec is None else rec.workflow.peak_memory.get(name)
+
     def _run(self, rec: _Record) -> None:
         env = dict(self.env)
         parts = rec.name.split("/")

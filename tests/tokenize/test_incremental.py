@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import corpus_documents, megatron_bytes, read_pair, write_jsonl
 
+from retrain import megatron
 from retrain.tokenize import tokenize_incremental
 from retrain.tokenize.cli import main as cli_main
 
@@ -42,8 +43,13 @@ def two_runs(tmp_path_factory):
     out = d / "r2.json"
     rc = cli_main([str(a), str(b), str(c), str(dup), "--shard-root", str(root), "--report", str(out)])
     assert rc == 0
-    second = json.loads(out.read_text())
-    return d, docs, first, before, second, (a, b, c, dup)
+    return d, docs, first, before, _with_shards(out), (a, b, c, dup)
+
+
+def _with_shards(report: Path) -> dict:
+    """A written report with its per-object entries (kept beside it, so the report stays small)."""
+    body = json.loads(report.read_text())
+    return {**body, **json.loads(Path(body["shards_uri"]).read_text())}
 
 
 def test_first_run_tokenizes_everything(two_runs):
@@ -51,7 +57,7 @@ def test_first_run_tokenizes_everything(two_runs):
     assert first["new_objects"] == 2 and first["reused_objects"] == 0
     assert [s["sha256"] for s in first["shards"]] == [_sha(a), _sha(b)]
     assert not any(s["reused"] for s in first["shards"])
-    assert json.loads((d / "r1.json").read_text())["shards"] == first["shards"]
+    assert _with_shards(d / "r1.json") == first
 
 
 def test_second_run_only_tokenizes_the_new_object(two_runs):
@@ -62,7 +68,7 @@ def test_second_run_only_tokenizes_the_new_object(two_runs):
     assert second["new_objects"] == 1 and second["reused_objects"] == 3
     after = _snapshot(root)
     assert {k: v for k, v in after.items() if k in before} == before, "old shards were rewritten"
-    assert {k for k in set(after) - set(before) if not k.startswith("_index/")} == {
+    assert {k for k in set(after) - set(before) if not k.startswith(("_index/", "pack-"))} == {
         f"jsonl-{_sha(c)}/data_{s}"
         for s in ("text_document.bin", "text_document.idx", "report.json", "quarantine.jsonl")
     }
@@ -74,17 +80,25 @@ def test_second_run_only_tokenizes_the_new_object(two_runs):
     assert second["tokenized"]["documents"] == shard["documents"]
 
 
-def test_blend_weights_proportional_to_tokens(two_runs, gpt2):
+def test_the_blend_is_one_pack_of_each_distinct_shard(two_runs, gpt2):
+    """A run under PACK_BYTES trains on one dataset: its distinct shards (in prefix order) back to back."""
     _d, docs, _, _, second, (_a, _b, _c, _dup) = two_runs
     shards = second["shards"]
     assert shards[1]["data_prefix"] == shards[3]["data_prefix"]  # same content, same shard
-    blend = second["data_prefix_blend"]
-    prefixes = blend[1::2]
-    assert prefixes == [s["data_prefix"] for s in shards[:3]]  # each shard once
-    total = sum(s["tokens"] for s in shards[:3])
-    assert blend[0::2] == pytest.approx([s["tokens"] / total for s in shards[:3]])
-    assert second["tokens"] == total
-    # the shard content is what Megatron would write for that object alone
+    (pack,) = second["packs"]
+    assert second["data_prefix_blend"] == [1.0, pack["data_prefix"]]
+    members = sorted({s["data_prefix"] for s in shards})
+    assert pack["shards"] == 3 and pack["tokens"] == second["tokens"] == sum(s["tokens"] for s in shards[:3])
+    bins, docs_in = b"", []
+    for m in members:
+        d = megatron.read(m)
+        bins += Path(m + ".bin").read_bytes()
+        docs_in += [d[i].tolist() for i in range(len(d))]
+    packed = megatron.read(pack["data_prefix"])
+    assert Path(pack["data_prefix"] + ".bin").read_bytes() == bins
+    assert [packed[i].tolist() for i in range(len(packed))] == docs_in
+    assert packed.documents == sum(megatron.read(m).documents for m in members)
+    # each shard's content is what Megatron would write for that object alone
     want = megatron_bytes([gpt2.encode(docs[-5]).ids])
     assert read_pair(shards[1]["data_prefix"]) == want
 
@@ -109,7 +123,7 @@ def test_no_wait_path_writes_the_report_from_inside_the_pipeline(tmp_path, gpt2)
     rep = tmp_path / "report.json"
     out = tokenize_incremental([str(src)], str(tmp_path / "s"), report_uri=str(rep), wait=False)
     assert out["submitted"] is True and out["new_objects"] == 1
-    report = json.loads(rep.read_text())
+    report = _with_shards(rep)
     (shard,) = report["shards"]
     assert shard["sha256"] == _sha(src) and not shard["reused"]
     assert shard["tokens"] == len(gpt2.encode("a small document").ids) + 1

@@ -103,3 +103,21 @@ def test_parameters_are_checked_against_the_template_metadata(
 def test_a_launch_without_its_template_spec_is_refused(gcs_emulator: str, tmp_path: Path) -> None:
     with pytest.raises(WorkflowError, match="cannot read the template spec"):
         LocalDataflow(tmp_path, {}).launch(launch_args(f"{gcs_emulator}/templates/none.json"), {})
+
+
+def test_a_second_launch_under_an_active_job_s_name_is_refused(template: str, tmp_path: Path) -> None:
+    """A job name is unique among active jobs (409 ALREADY_EXISTS, apache/beam#29441); once the job has
+    ended, the name is free again."""
+    program = tmp_path / "main.py"
+    program.write_text("import time\ntime.sleep(3)\n")
+    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program)
+    args = launch_args(template, manifest="gs://b/m.json")
+    first = dataflow.launch(args, {})["job"]["id"]
+    with pytest.raises(WorkflowError, match="already an active job named tokenize-test") as refused:
+        dataflow.launch(args, {})
+    assert refused.value.value["code"] == 409
+    assert refused.value.value["body"]["error"]["status"] == "ALREADY_EXISTS"
+    while dataflow.get({"jobId": first}, {})["currentState"] == "JOB_STATE_RUNNING":
+        time.sleep(0.2)
+    assert dataflow.launch(args, {})["job"]["id"] != first
+    dataflow.stop()

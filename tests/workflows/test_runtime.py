@@ -561,6 +561,36 @@ keep:
     assert wf.run() == [["MemoryLimitExceededError"], 600]
 
 
+def test_each_execution_s_peak_memory_is_kept_for_who_measures_how_far_it_stayed_from_the_limit() -> None:
+    """The peak counts every live frame at once (600 + 600 here), not what is left at the end."""
+    wf = load_workflow(
+        """\
+main:
+  steps:
+    - hold:
+        assign:
+          - a: "A_STRING"
+    - inner:
+        call: keep
+        result: kept
+    - drop:
+        assign:
+          - a: null
+    - done:
+        return: ${kept}
+keep:
+  steps:
+    - hold:
+        assign:
+          - b: "B_STRING"
+    - give:
+        return: ${len(b)}
+""".replace("A_STRING", "y" * 600).replace("B_STRING", "z" * 600)
+    )
+    assert wf.run(execution_name="projects/p/locations/l/workflows/w/executions/e1") == 600
+    assert 1200 <= wf.peak_memory["projects/p/locations/l/workflows/w/executions/e1"] < 1400
+
+
 def test_a_write_over_the_memory_limit_is_undone_so_the_except_block_can_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,0 +1,125 @@
+"""Packs: a run of any number of objects trains on a bounded number of datasets (retrain.tokenize.packs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrain import megatron
+from retrain.tokenize import packs, tokenize_incremental
+
+OBJECTS = 2000
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], dict]:
+    """2,000 small JSONL objects (one document each, sizes varied) tokenized with at most 8 packs."""
+    d = tmp_path_factory.mktemp("many")
+    files = []
+    for i in range(OBJECTS):
+        f = d / "in" / f"f{i:04d}.jsonl"
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(json.dumps({"text": f"document {i} " + "word " * (i % 50)}) + "\n")
+        files.append(str(f))
+    report = tokenize_incremental(files, str(d / "shards"), max_packs=8, pack_bytes=1)
+    return d, files, report
+
+
+def test_thousands_of_objects_train_on_at_most_max_packs_datasets(many) -> None:
+    _, _, report = many
+    assert len(report["shards"]) == OBJECTS and report["new_objects"] == OBJECTS
+    assert 1 < len(report["packs"]) <= 8
+    assert sum(p["shards"] for p in report["packs"]) == OBJECTS  # every shard in exactly one pack
+    blend = report["data_prefix_blend"]
+    assert blend[1::2] == [p["data_prefix"] for p in report["packs"]]
+    assert blend[0::2] == pytest.approx([p["tokens"] / report["tokens"] for p in report["packs"]])
+    assert sum(p["tokens"] for p in report["packs"]) == report["tokens"]
+
+
+def test_a_pack_is_its_shards_back_to_back(many) -> None:
+    """Every document of every shard, once, in the pack's order; the .idx as megatron-core's add_index
+    would write it (the optional tier below compares with megatron-core itself)."""
+    _, _, report = many
+    members = sorted({s["data_prefix"] for s in report["shards"]})
+    got: list[list[int]] = []
+    for p in report["packs"]:
+        pack = megatron.read(p["data_prefix"])  # checks pointers, document indices and .bin size
+        assert pack.tokens == p["tokens"] and pack.documents == p["shards"]
+        got += [pack[i].tolist() for i in range(len(pack))]
+    want = []
+    for m in members:
+        d = megatron.read(m)
+        want += [d[i].tolist() for i in range(len(d))]
+    assert got == want
+
+
+def test_a_rerun_reuses_every_pack_and_rewrites_nothing(many) -> None:
+    d, files, report = many
+    before = {p: p.stat().st_mtime_ns for p in (d / "shards").rglob("pack-*/*")}
+    again = tokenize_incremental(files, str(d / "shards"), max_packs=8, pack_bytes=1)
+    assert again["new_objects"] == 0 and [p["written"] for p in again["packs"]] == [False] * len(
+        report["packs"]
+    )
+    assert again["data_prefix_blend"] == report["data_prefix_blend"]
+    assert {p: p.stat().st_mtime_ns for p in (d / "shards").rglob("pack-*/*")} == before
+
+
+def test_packs_cut_at_least_pack_bytes_and_never_more_than_max_packs() -> None:
+    members = [
+        packs.Member(f"gs://b/shards/s{i:05d}/data_text_document", 10, 20 + i % 7) for i in range(10_000)
+    ]
+    for max_packs in (1, 3, 64):
+        cut = packs.plan_packs(members, "gs://b/shards", "text", pack_bytes=100, max_packs=max_packs)
+        assert len(cut) <= max_packs
+        assert [m for p in cut for m in p.members] == members  # each once, in prefix order
+    small = packs.plan_packs(members[:3], "gs://b/shards", "text", pack_bytes=1 << 30)
+    assert len(small) == 1 and len(small[0].members) == 3
+    (alone,) = packs.plan_packs(members[:1], "gs://b/shards", "text")
+    assert alone.data_prefix == members[0].data_prefix  # a pack of one shard is that shard
+    again = packs.plan_packs(list(reversed(members[:3])), "gs://b/shards", "text")
+    assert again == small  # named by its members, whatever order they come in
+
+
+def test_merged_index_is_what_megatron_core_writes(many, tmp_path: Path) -> None:
+    """Optional tier: megatron-core's IndexedDatasetBuilder.add_index over the same shards."""
+    try:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    except Exception as e:  # torch or megatron-core missing
+        pytest.skip(f"megatron.core not importable ({type(e).__name__}: {e})")
+    _, _, report = many
+    p = report["packs"][0]
+    members = json.loads(Path(p["data_prefix"] + "_pack.json").read_text())["members"]
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    for m in members:
+        builder.add_index(m)
+    builder.finalize(str(tmp_path / "ref.idx"))
+    assert Path(p["data_prefix"] + ".idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+    assert Path(p["data_prefix"] + ".bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
+    assert len(IndexedDataset(p["data_prefix"])) == p["shards"]
+
+
+def test_datasets_of_other_dtypes_are_never_merged() -> None:
+    a = megatron.Index(np.uint16, np.array([3], dtype=np.int32), np.array([0, 1], dtype=np.int64))
+    b = megatron.Index(np.int32, np.array([3], dtype=np.int32), np.array([0, 1], dtype=np.int64))
+    with pytest.raises(megatron.IndexedDatasetError, match="different dtypes"):
+        megatron.merge_indexes([a, b])
+
+
+def test_large_members_are_streamed_one_by_one_into_the_same_bytes(many, monkeypatch, tmp_path: Path) -> None:
+    """Members over the read window are streamed alone (memory stays bounded): the pack is the same."""
+    _, _, report = many
+    members = [packs.Member(s["data_prefix"], s["tokens"], s["tokens"] * 2) for s in report["shards"][:40]]
+    (windowed,) = packs.plan_packs(members, str(tmp_path / "a"), "text")
+    (streamed,) = packs.plan_packs(members, str(tmp_path / "b"), "text")
+    assert packs.write_packs([windowed]) == [True]
+    monkeypatch.setattr(packs, "_WINDOW_BYTES", 1)
+    assert packs.write_packs([streamed]) == [True]
+    for suffix in (".bin", ".idx"):
+        assert (
+            Path(streamed.data_prefix + suffix).read_bytes()
+            == Path(windowed.data_prefix + suffix).read_bytes()
+        )
+    assert megatron.read(streamed.data_prefix).documents == 40
