@@ -13,9 +13,17 @@ measured as the run meets it:
   would be with one blend entry per object (no packs: the limit this bench exists for);
 * record: the run record's training fields (command and blend; Firestore allows 1 MiB a document);
 * data start-up: the stand-in trainer's reading of every dataset of the blend before its first step
-  (``retrain.train.data.load_blend``), what Megatron's index building scales with.
+  (``retrain.train.data.load_blend``), what Megatron's index building scales with, and what it would
+  be with one dataset per object.
 The 100-object run is the baseline: the last lines print each figure's ratio 10,000 / 100 (the goal is
 within 3x).  Times are medians of --repeat; the machine is shared and noisy.
+
+    python bench/any_size_bench.py --stack 10000
+
+drops that many small files into the whole local stack as one batch (eight writers, the hourly seal
+paused, then one seal) and follows the run to its end: exit 0 only when it succeeded with every
+document counted and nodes back at zero; it prints the run's phases, packs, argument, record and the
+execution's peak variable memory.  Expect about a quarter of a second of local tokenizing per object.
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ def measure(n: int, total_bytes: int, work: Path, repeat: int) -> dict[str, floa
 
     handover_s, answer = median_s(handover, repeat)
     loading_s, _ = median_s(lambda: load_blend(report["data_prefix_blend"]).close(), repeat)
+    per_shard = [x for s in report["shards"] for x in (1.0, s["data_prefix"])]  # the blend without packs
+    unpacked_loading_s, _ = median_s(lambda: load_blend(per_shard).close(), 1)
     per_object = sum(
         len(f"{1 / n:.17g},{s['data_prefix'].replace(str(local_root), gs_root)},") for s in report["shards"]
     )
@@ -107,15 +117,83 @@ def measure(n: int, total_bytes: int, work: Path, repeat: int) -> dict[str, floa
         "unpacked_argument_bytes": per_object,
         "record_bytes": len(json.dumps({"command": answer.command, "blend": report["data_prefix_blend"]})),
         "data_startup_s": loading_s,
+        "unpacked_data_startup_s": unpacked_loading_s,
     }
+
+
+def through_the_stack(n: int, work: Path) -> int:
+    """One run of ``n`` small objects through the local stack (see the module docstring)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from retrain.adapters.ledger import FirestoreLedger
+    from retrain.adapters.workflows import WorkflowsExecutions
+    from retrain.cli import follow
+    from retrain.deployment import local_settings
+    from retrain.local.landing import drop
+    from retrain.local.stack import LocalStack
+
+    files = []
+    for i in range(n):
+        f = work / "drop" / f"note-{i:05d}.txt"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f"note {i}: " + TEXT[(i * 37) % 100_000 :][: 200 + i % 300])
+        files.append(f)
+    settings = dataclasses.replace(local_settings({}), state_dir=str(work / "stack"), quiet_period_s=120.0)
+    dataset = f"size{n}"
+    with LocalStack(settings, fresh=True) as stack:
+        stack.paused_jobs.add("seal")
+        t = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            done = [
+                pool.submit(
+                    drop,
+                    stack.settings,
+                    stack.endpoints.ingest_function,
+                    files[i::8],
+                    dataset=dataset,
+                    seal=False,
+                )
+                for i in range(8)
+            ]
+            queued = sum(d.result().queued for d in done)
+        drop(stack.settings, stack.endpoints.ingest_function, [], dataset=dataset)
+        dropped_s = time.perf_counter() - t
+        ledger = FirestoreLedger(settings.project)
+        while not (runs := [r for r in ledger.list_runs(10) if r.dataset == dataset]):
+            time.sleep(1)
+        (run,) = runs
+        executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
+        run = follow(ledger, run.run_id, 4 * 3600, executions)
+        record = ledger.get_run(run.run_id)
+        peak = stack.executions.peak_memory(str(run.execution))
+        print(
+            f"{n:,} objects dropped in {dropped_s:.0f} s ({queued} queued for redelivery); run {run.run_id}: "
+            f"{run.status}, {run.objects:,} objects, {run.documents:,} documents, "
+            f"{len(run.blend or []) // 2} pack(s), nodes at end {run.nodes_at_end}"
+        )
+        print(
+            f"phases: created {run.created_at}, tokenizing {run.tokenizing_at}, "
+            f"provisioning {run.provisioning_at}, finished {run.finished_at}"
+        )
+        print(
+            f"argument {max(len(a.encode()) for a in run.command or ['']):,} B; record "
+            f"{len(json.dumps(record.to_dict() if record else {}, default=str)):,} B; "
+            f"peak workflow variables {peak or 0:,} B"
+        )
+        ok = run.status == "succeeded" and run.objects == n and run.documents == n and run.nodes_at_end == 0
+        return 0 if ok else 1
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stack", type=int, help="one run of this many objects through the local stack")
     ap.add_argument("--total-bytes", type=int, default=2_000_000)
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    if args.stack:
+        with tempfile.TemporaryDirectory(prefix="any-size-stack-") as tmp:
+            return through_the_stack(args.stack, Path(tmp))
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="any-size-") as tmp:
@@ -126,7 +204,8 @@ def main() -> int:
                 f"{n:>6} objects: {r['packs']} pack(s); tokenize {r['tokenize_s']:.1f} s; handover "
                 f"{r['handover_s'] * 1e3:.1f} ms, answer {r['answer_bytes']:,} B; argument "
                 f"{r['argument_bytes']:,} B (one entry per object: {r['unpacked_argument_bytes']:,} B); "
-                f"record {r['record_bytes']:,} B; data start-up {r['data_startup_s'] * 1e3:.1f} ms",
+                f"record {r['record_bytes']:,} B; data start-up {r['data_startup_s'] * 1e3:.1f} ms "
+                f"(one dataset per object: {r['unpacked_data_startup_s'] * 1e3:.0f} ms)",
                 flush=True,
             )
     base, last = rows[0], rows[-1]

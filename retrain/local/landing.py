@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from retrain.domain.runs import now_iso
 from retrain.local import eventarc
 
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
+log = logging.getLogger(__name__)
 
 
 def finalized_event(resource: dict[str, Any]) -> tuple[dict[str, str], bytes]:
@@ -85,6 +87,7 @@ def announce(settings: Settings, function_url: str, resource: dict[str, Any]) ->
     status = eventarc.post(function_url, headers, body)
     if 200 <= status < 300:
         return True
+    log.warning("%s: the function answered %d; queued for redelivery", resource.get("name"), status)
     eventarc.enqueue(settings.project, headers, body)
     return False
 

@@ -266,6 +266,9 @@ class LocalStack:
     endpoints: Endpoints = field(default_factory=Endpoints)
     paused_jobs: set[str] = field(default_factory=set)
     """Scheduler jobs (``var.scheduler_jobs`` keys) whose ticks are skipped while named here."""
+    redelivery: Any = None
+    """Eventarc's twin for events that missed their first attempt (``retrain.local.eventarc.Redelivery``:
+    its ``delivered`` counts them)."""
     _procs: list[emulators.ManagedProcess] = field(default_factory=list)
     _closers: list[Callable[[], None]] = field(default_factory=list)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
@@ -562,6 +565,7 @@ class LocalStack:
 
         redelivery = Redelivery(s.project, ep.ingest_function, dead_letters).start()
         self._closers.append(redelivery.stop)
+        self.redelivery = redelivery
         ep.save(stack_file(s))
         self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
         self.progress("local stack is up")
