@@ -524,9 +524,12 @@ class Ingest:
                 each(f"seal {pending.dataset}", partial(self.seal, pending.dataset, "quiet-period"))
             elif pending.first_arrival_at < old_before:
                 each(f"seal {pending.dataset}", partial(self.seal, pending.dataset, "max-age"))
+        sealing: set[str] = set()  # datasets whose sealer is still putting a batch into the pending run
         for batch in self.ledger.batches_in(BatchState.SEALED):
             if batch.get("sealed_at", "") < stuck_before:
                 each(f"batch {batch['batch_id']}", partial(self._materialized, batch["batch_id"]))
+            else:
+                sealing.add(str(batch.get("dataset")))
         ended = False
         live = (RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING, RunStatus.PENDING)
         for run in self.ledger.runs_in(*live):
@@ -545,8 +548,10 @@ class Ingest:
             each(f"give back {run.run_id}", partial(self._settle, run))
         for run in self.ledger.runs_in(RunStatus.PENDING):
             # queued behind a finished run, or orphaned by a crash (a start claimed moments ago is left
-            # to its starter: claim_start says so)
-            if not run.execution:
+            # to its starter: claim_start says so).  Not while its dataset's sealer is still joining a
+            # batch into it: started then, the rest of that batch (10,000 objects join 400 at a time)
+            # would go to another run, one batch cut in two.
+            if not run.execution and run.dataset not in sealing:
                 each(f"start {run.run_id}", partial(self.start, run))
         if self.warehouse is not None:
             # Last, and only while the round is within half the function's timeout: BigQuery may be

@@ -553,3 +553,25 @@ def test_the_audit_job_records_an_object_whose_event_never_came(ingest: Ingest) 
     assert started.action == "started"
     run = ingest.ledger.get_run(started.run_id)
     assert run is not None and [v.uri for v in ingest.ledger.run_objects(run)] == [uri]
+
+
+def test_the_sweeper_leaves_a_pending_run_to_the_sealer_still_joining_a_batch_into_it(ingest: Ingest) -> None:
+    """A large batch joins its run 400 contents at a time; a sweep in between must not start the run,
+    or the rest of the batch goes to another run (one batch cut in two).  Once the batch is stuck (its
+    sealer died), the sweeper finishes it and starts the run: one run holding everything."""
+    for i in range(3):
+        arrive(ingest, "big", f"{i}.txt")
+    first = ingest.ledger.seal("big", "manual").run  # joined, not started yet: the pending run
+    assert first is not None and first.execution is None
+    for i in range(3, 5):
+        arrive(ingest, "big", f"{i}.txt")
+    finish = ingest.ledger.materialize
+    ingest.ledger.materialize = lambda batch_id: None  # type: ignore[method-assign,assignment,return-value]
+    ingest.ledger.seal("big", "manual")  # cut; its sealer still joining when the sweep comes
+    ingest.ledger.materialize = finish  # type: ignore[method-assign]
+    assert [o for o in ingest.sweep() if o.run_id] == []  # the pending run is left to its sealer
+    ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+    started = [o for o in ingest.sweep() if o.action == "started"]
+    assert [o.run_id for o in started] == [first.run_id]
+    run = ingest.ledger.get_run(first.run_id)
+    assert run is not None and run.objects == 5 and len(ingest.ledger.run_objects(run)) == 5
