@@ -161,6 +161,11 @@ def through_the_stack(n: int, work: Path) -> int:
         ledger = FirestoreLedger(settings.project)
         while not (runs := [r for r in ledger.list_runs(10) if r.dataset == dataset]):
             time.sleep(1)
+        time.sleep(2 * settings.poll_interval_s)  # a second run would show by now
+        runs = [r for r in ledger.list_runs(10) if r.dataset == dataset]
+        if len(runs) != 1:
+            print(f"one batch made {len(runs)} runs: " + ", ".join(f"{r.run_id} ({r.objects})" for r in runs))
+            return 1
         (run,) = runs
         executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
         run = follow(ledger, run.run_id, 4 * 3600, executions)
