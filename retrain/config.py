@@ -89,8 +89,10 @@ class Settings:
     """GKE cluster name."""
     node_pool: str = "a3-dws"
     """The DWS queued-provisioning GPU node pool."""
-    namespace: str = "default"
-    """Kubernetes namespace of training JobSets."""
+    namespace: str = "retrain"
+    """Kubernetes namespace of training JobSets: one of retrain's own (the app stage creates it), never
+    ``default``, where the workflow's right to create JobSets would run pods as other workloads' service
+    accounts."""
     training_ksa: str = "retrain-trainer"
     """Kubernetes service account training pods run as (bound to the training Google service account
     through Workload Identity: without it the Cloud Storage FUSE mounts are refused)."""

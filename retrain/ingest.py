@@ -420,7 +420,22 @@ class Ingest:
             log.warning("reaper: GPU nodes up with no live run: %s", nodes)
         if report["errors"]:
             raise Retry(f"reaper: {report['errors']}")
+        if not report["nodes_up"]:
+            observed = self._record_release()
+            if observed:
+                detail += f"; zero nodes recorded for {', '.join(observed)}"
         return Outcome(Action.REAPED, detail)
+
+    def _record_release(self) -> list[str]:
+        """The pool is at zero nodes: every ended run whose record never observed its release (its
+        execution was lost, so nothing recorded ``nodes_at_end``) gets the zero the reaper sees, so that
+        the record, which operators trust, says its GPUs are released.  The node time such a run used
+        cannot be observed after the fact: its ``gpu_node_seconds`` stay what its execution recorded."""
+        observed = []
+        for run in self.ledger.unobserved_release():
+            self.ledger.update_run(run.run_id, {"nodes_at_end": 0, "release_observed_at": now_iso()})
+            observed.append(run.run_id)
+        return observed
 
     def retry(self, run_id: str) -> Outcome:
         """Run a failed or cancelled run's objects again: its content is given back (if its end did not

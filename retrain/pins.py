@@ -62,6 +62,15 @@ LOOPBACK = ("http://127.0.0.1:", "http://localhost:")
 MAX_BYTES = 32 * 1024 * 1024
 
 
+#: A registry host as a reference names it: DNS labels, an optional port; nothing a URL reads otherwise.
+_HOST = re.compile(
+    r"(?i)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*(?::[0-9]{1,5})?"
+)
+#: Artifact Registry's Docker hosts: LOCATION-docker.pkg.dev
+#: (cloud.google.com/artifact-registry/docs/docker/names).
+_ARTIFACT_REGISTRY = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*-docker\.pkg\.dev")
+
+
 class PinError(RuntimeError):
     """An artifact could not be pinned; the message says which and why."""
 
@@ -81,6 +90,9 @@ class ImageRef:
         host, _, path = ref.partition("/")
         if not path or not ("." in host or ":" in host or host == "localhost"):
             raise PinError(f"{ref!r} does not name its registry host (e.g. nvcr.io/nvidia/nemo:24.12)")
+        if not _HOST.fullmatch(host):
+            # "evil.example#.pkg.dev" ends in .pkg.dev but its URL's host is evil.example
+            raise PinError(f"{ref!r}: {host!r} is not a registry host (a DNS name, optionally :port)")
         repository, sep, tag = path.rpartition(":")
         if not sep or not tag or "/" in tag:
             raise PinError(f"{ref!r} has no tag")
@@ -149,7 +161,7 @@ Credentials = Callable[[str], str | None]
 
 def default_credentials(host: str) -> str | None:
     """Artifact Registry: ADC's access token as the bearer; nvcr.io's realm: NGC_API_KEY if set."""
-    if host.endswith(".pkg.dev"):
+    if _ARTIFACT_REGISTRY.fullmatch(host):
         import google.auth
         import google.auth.exceptions
         import google.auth.transport.requests
@@ -211,10 +223,15 @@ def bearer_challenge(header: str) -> dict[str, str]:
     return {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', params)}
 
 
-def _token(challenge: Mapping[str, str], authorization: str | None) -> str:
+def _token(challenge: Mapping[str, str], authorization: str | None, registry: str) -> str:
+    """A token from the challenge's realm.  The registry's credential goes with the request only when the
+    realm is on the registry's own host (nvcr.io's is https://nvcr.io/proxy_auth, sapcc/keppel#731):
+    a challenge is the registry's answer, and must not send an operator's credential elsewhere."""
     realm = challenge.get("realm", "")
     if not realm.startswith(("https://", *LOOPBACK)):
         raise PinError(f"token realm {realm[:200]!r} is not https")
+    if urllib.parse.urlsplit(realm).hostname != urllib.parse.urlsplit(f"//{registry}").hostname:
+        authorization = None
     query = {k: challenge[k] for k in ("service", "scope") if k in challenge}
     url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query) if query else realm
     status, _, body = _get(url, {"Authorization": authorization} if authorization else {})
@@ -246,7 +263,7 @@ def _manifest_digest(ref: ImageRef, credentials: Credentials) -> str:
     status, answer, body = _get(ref.manifest_url, headers)
     if status == 401 and "Authorization" not in headers:
         challenge = bearer_challenge(answer.get("WWW-Authenticate", ""))
-        headers["Authorization"] = f"Bearer {_token(challenge, authorization)}"
+        headers["Authorization"] = f"Bearer {_token(challenge, authorization, ref.registry)}"
         status, answer, body = _get(ref.manifest_url, headers)
     if status != 200:
         raise PinError(f"the registry answered HTTP {status} for its manifest")

@@ -37,7 +37,7 @@ from retrain.contracts import (
 )
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate
+from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
 from retrain.plan import render_training, set_aside, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
@@ -47,10 +47,18 @@ EVENTS = "events.out.tfevents."
 
 
 def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics | None:
-    """The run's metrics from its TensorBoard scalars (NeMo's tags), None when there are none."""
+    """The run's metrics from its TensorBoard scalars (NeMo's tags), None when there are none.
+
+    A scalar at a step the plan cannot reach (below 0, past ``plan.final_step``) is not the run's: it is
+    left out and counted, so that one planted or corrupt event cannot make the champion's step (which the
+    next run trains on from) or the steps the next cost estimate divides by."""
     latest: dict[str, Scalar] = {}
     base_val: float | None = None
+    outside = 0
     for s in scalars:
+        if not 0 <= s.step <= plan.final_step:
+            outside += 1
+            continue
         if s.tag == "val_loss" and s.step <= plan.base_step:
             # the base checkpoint, validated on this run's data before training (the local trainer does)
             base_val = s.value if plan.base_checkpoint and s.step == plan.base_step else base_val
@@ -61,7 +69,7 @@ def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics |
         return None
     steps = max(s.step for s in latest.values())
     samples = latest.get("consumed_samples")
-    consumed = int(samples.value) if samples else None
+    consumed = int(samples.value) if samples and finite(samples.value) is not None else None
     return TrainingMetrics(
         steps=steps,
         run_steps=steps - plan.base_step,
@@ -70,6 +78,7 @@ def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics |
         consumed_samples=consumed,
         tokens_seen=consumed * plan.seq_length if consumed is not None else None,
         base_val_loss=base_val,
+        outside_plan=outside,
     )
 
 

@@ -86,7 +86,7 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
         "champion_run": None,
         "compared_on": None,
         "promoted": True,
-        "reason": "the dataset's first checkpoint",
+        "reason": "the dataset's first checkpoint (no validation ran)",
     }, run["eval"]
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown

@@ -185,6 +185,13 @@ def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(
     while stack.twin.node_names():  # the reaper deleted its JobSet; the autoscaler takes the node
         assert time.monotonic() < deadline, "the lost run's node never went away"
         time.sleep(0.5)
+    # the record says so: the reaper's next pass sees the pool at zero and writes it into the lost run's
+    # record, which its execution never could
+    ledger = FirestoreLedger(stack.settings.project)
+    while (seen := ledger.get_run(run.run_id)) is not None and seen.nodes_at_end is None:
+        assert time.monotonic() < deadline, "the lost run's record never observed its release"
+        time.sleep(0.5)
+    assert seen is not None and seen.nodes_at_end == 0 and seen.release_observed_at, seen
     assert_nothing_left(stack)
     seconds = time.monotonic() - started
     print(f"\nFAULT workflow execution lost in training: failed; no node left {seconds:.0f} s after the drop")

@@ -378,3 +378,38 @@ def test_a_reference_names_the_manifest_it_pins() -> None:
     for bad in ("nemo:24.12", "nvcr.io/nvidia/nemo", "nvcr.io/nvidia/nemo:24.12@sha256:" + "0" * 64):
         with pytest.raises(pins.PinError):
             pins.ImageRef.parse(bad)
+
+
+def test_credentials_go_only_to_the_host_they_were_chosen_for() -> None:
+    """A registry string that ends in .pkg.dev but names another host in its URL ("evil.example#.pkg.dev")
+    is refused before any credential is chosen; ADC goes only to LOCATION-docker.pkg.dev; and a token
+    realm on another host than the registry's gets no credential (nvcr.io's realm is its own host)."""
+    for bad in ("evil.example#.pkg.dev/p/r/i:1", "evil.example?.pkg.dev/p/r/i:1", "a_b.example/x:1"):
+        with pytest.raises(pins.PinError, match="is not a registry host"):
+            pins.ImageRef.parse(bad)
+    assert pins.ImageRef.parse("us-central1-docker.pkg.dev/p/r/i:1").registry == "us-central1-docker.pkg.dev"
+    assert pins.default_credentials("evil.pkg.dev") is None  # not Artifact Registry: ADC never asked
+
+    seen: list[str | None] = []
+
+    class Realm(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = b'{"token": "t"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Realm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        realm = {"realm": f"http://127.0.0.1:{server.server_address[1]}/token"}
+        assert pins._token(realm, "Basic secret", "127.0.0.1:5000") == "t"  # the registry's own host
+        assert pins._token(realm, "Basic secret", "localhost:5000") == "t"  # another host: anonymous
+        assert seen == ["Basic secret", None]
+    finally:
+        server.shutdown()

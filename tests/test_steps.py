@@ -148,10 +148,11 @@ def upload_outputs(
     events: bool,
     val_loss: float = 3.1,
     base_val: float | None = None,
+    planted: dict[int, dict[str, float]] | None = None,
 ) -> str:
     """What NeMo leaves under <exp_dir>/megatron_gpt for a run of 60 steps from the plan's base step:
     checkpoint folders and (optionally) events; ``base_val`` is the base checkpoint validated on the
-    run's data before training (as the local trainer logs it)."""
+    run's data before training (as the local trainer logs it); ``planted`` adds scalars at other steps."""
     run_dir = f"{plan['output_dir']}/megatron_gpt"
     end = plan["base_step"] + 60
     name = f"megatron_gpt--val_loss={val_loss:.2f}-step={end}-consumed_samples={end * 8}.0"
@@ -164,6 +165,8 @@ def upload_outputs(
         for step in (plan["base_step"] + 10, end):
             writer.scalars(step, {"reduced_train_loss": 9.0 - step / 10, "consumed_samples": step * 8.0})
         writer.scalars(end, {"val_loss": val_loss})
+        for step, values in (planted or {}).items():
+            writer.scalars(step, values)
         objects.upload_file(writer.path, f"{run_dir}/{writer.path.name}")
     return f"{run_dir}/checkpoints/{name}-last"
 
@@ -182,6 +185,7 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
         "consumed_samples": 480,
         "tokens_seen": 480 * steps.settings.seq_length,
         "base_val_loss": None,  # a first run: no base checkpoint to validate
+        "outside_plan": 0,
     }
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.checkpoint == last and record.metrics == answer["metrics"]
@@ -242,6 +246,34 @@ def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_
     assert here["champion_val_loss"] == pytest.approx(3.4) and beats_it_here["metrics"][
         "val_loss"
     ] == pytest.approx(3.3)
+
+
+def test_a_loss_that_is_not_a_number_never_promotes_and_the_answer_stays_json(
+    steps: Steps, tmp_path: Path
+) -> None:
+    plan = new_run(steps, "nan")
+    upload_outputs(plan, tmp_path, events=True, val_loss=float("nan"))
+    answer = steps.handle(request(StepName.RESULTS, plan))
+    json.dumps(answer, allow_nan=False)  # the workflow parses the answer as JSON, which has no NaN
+    assert answer["promoted"] is False and answer["metrics"]["val_loss"] is None
+    assert steps.ledger.champion("nan") is None  # never a champion, so never a gate that compares nothing
+    record = steps.ledger.get_run(plan["run_id"])
+    assert record is not None and record.eval is not None
+    assert (record.eval["promoted"], record.eval["reason"]) == (
+        False,
+        "val_loss nan is not a finite number: refused",
+    )
+
+
+def test_scalars_at_steps_outside_the_plan_are_left_out_and_counted(steps: Steps, tmp_path: Path) -> None:
+    plan = new_run(steps, "planted")
+    planted = {10**12: {"consumed_samples": 1.0, "reduced_train_loss": 0.1}, -5: {"val_loss": 0.01}}
+    upload_outputs(plan, tmp_path, events=True, planted=planted)
+    metrics = steps.handle(request(StepName.RESULTS, plan))["metrics"]
+    assert (metrics["steps"], metrics["run_steps"], metrics["outside_plan"]) == (60, 60, 3)
+    assert (metrics["consumed_samples"], metrics["final_loss"]) == (480, 3.0)
+    champion = steps.ledger.champion("planted")
+    assert champion is not None and champion.step == 60  # the next run trains on from the plan's step
 
 
 def test_with_an_eval_set_the_champion_is_judged_on_the_same_documents(steps: Steps, tmp_path: Path) -> None:
@@ -385,6 +417,7 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
         "consumed_samples": 800,  # the lineage's: the base's 320 and Bridge's own count of 480 from 0
         "tokens_seen": 800 * steps.settings.seq_length,
         "base_val_loss": pytest.approx(3.4),
+        "outside_plan": 0,
     }
     champion = steps.ledger.champion("bridged")
     assert champion == Champion(

@@ -103,3 +103,26 @@ def test_endpoint_variables_for_a_deployment_are_all_or_none() -> None:
 def test_a_project_id_becomes_a_target_name() -> None:
     assert targets.name_for_project("acme-prod") == "acme-prod"
     assert targets.name_for_project("example.com:ml-prod") == "example-com-ml-prod"
+
+
+def test_a_google_token_never_goes_to_a_cluster_a_local_gke_api_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With RETRAIN_CONTAINER_ENDPOINT set, the cluster's address comes from that endpoint, which nobody
+    authenticates: only the local identity's token may go there, never Application Default Credentials
+    (the security review's L9)."""
+    import google.auth
+
+    from retrain.adapters import cluster
+    from retrain.adapters.credentials import LOCAL_TOKEN_VAR
+
+    def adc(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Application Default Credentials were asked for")
+
+    monkeypatch.setattr(google.auth, "default", adc)
+    monkeypatch.setenv(cluster.CONTAINER_ENDPOINT_VAR, "http://127.0.0.1:1")
+    monkeypatch.delenv(LOCAL_TOKEN_VAR, raising=False)
+    with pytest.raises(RuntimeError, match="yet no local identity was given"):
+        cluster._access_token()
+    monkeypatch.setenv(LOCAL_TOKEN_VAR, "local-token")
+    assert cluster._access_token() == "local-token"

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from retrain import config
 from retrain.domain.runs import Champion, Run
@@ -226,3 +227,16 @@ def test_both_profiles_render_one_plan() -> None:
     for name in ("nemo-24.12", "megatron-bridge"):
         trainer = profile(name)
         trainer.validate(trainer.render(dataclasses.replace(plan, profile=name), GcsMounts().path))
+
+
+@pytest.mark.parametrize("name", ["nemo-24.12", "megatron-bridge"])
+def test_an_interpolation_in_a_path_is_refused_though_quoted(name: str) -> None:
+    # Hydra keeps ${...} inside a quoted override value and OmegaConf resolves it when the trainer reads
+    # the key: ${oc.env:...} would put the pod's environment into the path
+    assert (
+        OverridesParser.create().parse_override("k='/gcs/a${oc.env:HOME}'").value() == "/gcs/a${oc.env:HOME}"
+    )
+    planted = "gs://retrain-artifacts/eval/${oc.env:HOME}_text_document"
+    plan = dataclasses.replace(example_plan(), profile=name, eval_set=planted)
+    with pytest.raises(PlanError, match=r"holds '\$\{', which Hydra would resolve as an interpolation"):
+        profile(name).render(plan, GcsMounts().path)

@@ -292,8 +292,13 @@ variable "message_retention_duration" {
 
 variable "k8s_namespace" {
   type        = string
-  description = "Namespace of the training JobSets and the notifier (RETRAIN_NAMESPACE)."
-  default     = "default"
+  description = "Namespace of the training JobSets and the notifier (RETRAIN_NAMESPACE): retrain's own, created by the app stage. Not \"default\": the workflow may create JobSets there, and a JobSet's pods may run as any service account of its namespace."
+  default     = "retrain"
+
+  validation {
+    condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", var.k8s_namespace)) && !contains(["default", "kube-system", "kube-public", "kube-node-lease"], var.k8s_namespace)
+    error_message = "k8s_namespace must be a DNS-1123 label of retrain's own, not default or a kube-* namespace."
+  }
 }
 
 variable "notifier_ksa" {

@@ -801,6 +801,18 @@ class FirestoreLedger:
             found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
         return sorted(found, key=lambda r: r.created_at)
 
+    def unobserved_release(self) -> list[Run]:
+        """Ended runs whose record has no ``nodes_at_end`` (their execution was lost, or ended before it
+        could observe the release), oldest first; equality filters only, as :meth:`unsettled`."""
+        runs = self.db.collection("runs")
+        found = []
+        for status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED):
+            query = runs.where(filter=FieldFilter("status", "==", str(status))).where(
+                filter=FieldFilter("nodes_at_end", "==", None)
+            )
+            found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
+        return sorted(found, key=lambda r: r.created_at)
+
     def attach_execution(self, run_id: str, execution: str) -> None:
         self.update_run(run_id, {"execution": execution})
 

@@ -8,6 +8,7 @@ what every later reader (the CLI, the reaper, a person) relies on, so its fields
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -141,6 +142,12 @@ EVAL_SET = "the dataset's eval set"
 CHAMPIONS_DATA = "the champion's own validation data"
 
 
+def finite(loss: float | None) -> float | None:
+    """``loss`` when it is a finite number, else None: a NaN compares false with everything and an
+    infinity with nothing useful, so neither may decide (or, as a champion's, disable) the gate."""
+    return loss if isinstance(loss, int | float) and math.isfinite(loss) else None
+
+
 def evaluate(
     val_loss: float | None,
     champion: Champion | None,
@@ -151,21 +158,36 @@ def evaluate(
     """Promote a checkpoint only when its validation loss is not worse than the champion's by more than
     ``margin`` (relative: 0.02 lets it be 2% worse); a dataset's first checkpoint is promoted as is.
 
-    The champion's loss is taken on the data ``val_loss`` was measured on when it is known there:
-    ``base_val_loss`` (the trainer validated the champion before training, on this run's validation
-    split or ``eval_set``), or the champion's own loss when it was measured on the same ``eval_set``;
-    else the one its own run recorded, on its own data."""
+    The champion's loss is taken on the data ``val_loss`` was measured on when it is known there: the
+    champion's own loss when it was measured on the same ``eval_set`` (the ledger's number, which no
+    trainer output can change), else ``base_val_loss`` (the trainer validated the champion before
+    training, on this run's validation split); else the one its own run recorded, on its own data.
+    A loss that is not a finite number never promotes: not the run's, and not as a champion's."""
+    if val_loss is not None and finite(val_loss) is None:
+        return Evaluation(
+            None,
+            finite(champion.val_loss) if champion else None,
+            champion.run_id if champion else None,
+            None,
+            False,
+            f"val_loss {val_loss} is not a finite number: refused",
+        )
     if champion is None:
+        if val_loss is None:
+            return Evaluation(
+                None, None, None, None, True, "the dataset's first checkpoint (no validation ran)"
+            )
         return Evaluation(val_loss, None, None, None, True, "the dataset's first checkpoint")
     theirs: float | None
-    if base_val_loss is not None:
-        theirs, on = base_val_loss, EVAL_SET if eval_set else SAME_DATA
-    elif eval_set and champion.eval_set == eval_set:
-        theirs, on = champion.val_loss, EVAL_SET
+    recorded = finite(champion.val_loss)
+    if eval_set and champion.eval_set == eval_set and recorded is not None:
+        theirs, on = recorded, EVAL_SET
+    elif finite(base_val_loss) is not None:
+        theirs, on = finite(base_val_loss), EVAL_SET if eval_set else SAME_DATA
     else:
-        theirs, on = champion.val_loss, CHAMPIONS_DATA
+        theirs, on = recorded, CHAMPIONS_DATA
     if theirs is None:
-        return Evaluation(val_loss, None, champion.run_id, None, True, "the champion has no validation loss")
+        return Evaluation(val_loss, None, champion.run_id, None, True, NOTHING_TO_COMPARE)
     base = Evaluation(val_loss, theirs, champion.run_id, on, False, "")
     if val_loss is None:
         return replace(base, reason="no validation loss to compare with the champion's")
@@ -181,6 +203,9 @@ def evaluate(
         promoted=True,
         reason=f"val_loss {val_loss:.4f} is within the margin of the champion's {theirs:.4f} on {on}",
     )
+
+
+NOTHING_TO_COMPARE = "the champion has no validation loss: promoted without a comparison"
 
 
 @dataclass(frozen=True)
@@ -202,9 +227,14 @@ class TrainingMetrics:
     base_val_loss: float | None = None
     """The base checkpoint's validation loss on this run's validation data, measured before training
     (None: the trainer did not measure it, as NeMo's script does not)."""
+    outside_plan: int = 0
+    """Scalars left out because their step lies outside the run's plan (below 0 or past its last step):
+    they are not this run's, and would otherwise set the champion's step and the next cost estimate."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record's ``metrics``: a loss that is not a finite number is None here (JSON has no NaN,
+        and the workflow parses the answer as JSON); the eval gate saw it and said so in ``eval``."""
+        return {k: finite(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 @dataclass
@@ -255,6 +285,9 @@ class Run:
     """The per-run cost cap it started under (None: none)."""
     nodes_at_end: int | None = None
     """GPU nodes still up when it ended (0 when every GPU went back)."""
+    release_observed_at: str | None = None
+    """When the reaper saw the node pool at zero for a run whose own end did not record ``nodes_at_end``
+    (its execution was lost); None when its end recorded it."""
     profile: str | None = None
     """The trainer profile that rendered its command (``nemo-24.12`` or ``megatron-bridge``)."""
     image: str | None = None

@@ -9,8 +9,9 @@ belongs to no live run:
 
 - the run has no record in the ledger (``runs/{run_id}``), or
 - its record is terminal (succeeded / failed / cancelled), or
-- the run is older than ``max_age_s`` (stuck: no run lives that long; the default is the provisioning
-  and training timeouts plus two hours).
+- the run's work began longer than ``max_age_s`` ago (stuck: no run works that long; the default is the
+  provisioning and training timeouts plus two hours; the time it waited queued behind another run does
+  not count).
 
 Objects of a live run (a record still pending / tokenizing / provisioning / training and younger than
 the max age) are never touched; a ledger that cannot be read stops the reaper before it deletes anything.
@@ -200,7 +201,10 @@ def _verdict(
     status = str(run.status)
     if run.status.terminal:
         return False, f"run {status}"
-    born = _parse_time(run.created_at) or obj_created
+    # Age counts from when the run's execution began work (tokenizing, or the first stage it recorded),
+    # never from the record's creation: a run queued a day behind another is not a day into its work.
+    began = run.tokenizing_at or run.provisioning_at or run.training_at
+    born = _parse_time(began) or obj_created
     if born is not None:
         age = (now - born).total_seconds()
         if age > max_age_s:

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import numpy as np
+
 from retrain.adapters import objects
 from retrain.contracts import SetAside
 from retrain.domain.events import object_format
@@ -98,7 +100,62 @@ def check_object(uri: str, generation: int | None, max_decompressed: int) -> tup
     unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
     if unpacked > max_decompressed:
         return DECOMPRESSED_TOO_LARGE, f"its pages decompress to {unpacked} bytes > max {max_decompressed}"
+    decoded = _dictionary_decoded_bytes(uri, generation, meta, max_decompressed)
+    if decoded > max_decompressed:
+        return (
+            DECOMPRESSED_TOO_LARGE,
+            f"its dictionary-encoded values decode to over {decoded} bytes > max {max_decompressed}",
+        )
     return None
+
+
+#: Rows per Parquet batch: a batch's strings stay dictionary-encoded (one copy of a repeated value), and
+#: each row is materialised alone once its size is known, so a batch never holds many copies of a value.
+PARQUET_BATCH_ROWS = 256
+
+
+def _dictionary_decoded_bytes(uri: str, generation: int | None, meta: Any, limit: int) -> int:
+    """The bytes the dictionary-encoded string columns decode to, counted from each row's index into its
+    dictionary without building a value (stops once past ``limit``).  A footer's sizes count a dictionary
+    value once however many rows repeat it: 700 rows of one 8 MiB string are a 120 KB file whose footer
+    says 3.7 GB, and they decode to 5.9 GB."""
+    import pyarrow.parquet as pq
+
+    encoded = {
+        meta.row_group(g).column(c).path_in_schema
+        for g in range(meta.num_row_groups)
+        for c in range(meta.num_columns)
+        if any("DICTIONARY" in e for e in meta.row_group(g).column(c).encodings)
+    }
+    schema = meta.schema.to_arrow_schema()
+    columns = [f.name for f in schema if f.name in encoded and _is_text_or_bytes(f.type)]
+    if not columns:
+        return 0
+    total = 0
+    with objects.open_read(uri, generation) as f:
+        pf = pq.ParquetFile(f, read_dictionary=columns)
+        for rb in pf.iter_batches(batch_size=64 * PARQUET_BATCH_ROWS, columns=columns):
+            for name in columns:
+                total += _row_bytes(rb.column(name)).sum()
+            if total > limit:
+                break
+    return int(total)
+
+
+def _row_bytes(column: Any) -> Any:
+    """Each row's value size in bytes (0 for null or a value that is not text or bytes), as a numpy
+    array, without materialising a value: a dictionary column's sizes are its dictionary's, by index."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if not _is_text_or_bytes(kind):
+        return np.zeros(len(column), dtype=np.int64)
+    if pa.types.is_dictionary(column.type):
+        lengths = pc.binary_length(column.dictionary).take(column.indices)
+    else:
+        lengths = pc.binary_length(column)
+    return lengths.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def sha256_of(uri: str, generation: int | None = None) -> str:
@@ -343,37 +400,70 @@ class _Reader:
         yield self._add(0, [text] * len(self.keys), len(raw))
 
     def _parquet(self) -> Iterator[Batch | Rejected | None]:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.stats.lines = 0
         with objects.open_read(self.split.uri, self.split.generation) as f:
-            pf = pq.ParquetFile(f)
-            names = set(pf.schema_arrow.names)
-            present = [k for k in self.keys if k in names]
+            schema = pq.ParquetFile(f).schema_arrow
+            present = [k for k in self.keys if k in schema.names]
+            strings = [k for k in present if _is_text_or_bytes(schema.field(k).type)]
+            f.seek(0)
+            # Strings stay dictionary-encoded in a batch (a value repeated by many rows is held once), and
+            # a row is built only once its size is known; check_object bounded the whole object's.
+            pf = pq.ParquetFile(f, read_dictionary=strings or None)
             row = 0
-            for rb in pf.iter_batches(batch_size=1024, columns=present or None):
-                cols = [rb.column(k).to_pylist() if k in names else None for k in self.keys]
+            for rb in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=present or None):
+                cols: list[pa.Array | None] = [rb.column(k) if k in present else None for k in self.keys]
+                sizes = sum((_row_bytes(c) for c in cols if c is not None), np.zeros(rb.num_rows, np.int64))
                 for i in range(rb.num_rows):
                     self.stats.records += 1
-                    values = [c[i] if c is not None else _MISSING for c in cols]
-                    nbytes = sum(
-                        len(v.encode("utf-8", "surrogatepass")) for v in values if isinstance(v, str)
-                    )
+                    nbytes = int(sizes[i])
+                    too_large = nbytes > self.max
+                    read = _value_start if too_large else _as_py
+                    values = [_MISSING if c is None else read(c[i]) for c in cols]
                     record = json.dumps(
                         dict(zip(self.keys, [None if v is _MISSING else v for v in values], strict=True)),
                         default=str,
                     )[: EXCERPT_CHARS * 2]
-                    if nbytes > self.max:
+                    if too_large:
                         yield self._reject(
                             row, TOO_LARGE, f"{nbytes} bytes > max {self.max}", record, nbytes, row=row
                         )
+                    elif bad := self._check_values(values):
+                        yield self._reject(row, bad[0], bad[1], record, nbytes, row=row)
                     else:
-                        bad = self._check_values(values)
-                        if bad:
-                            yield self._reject(row, bad[0], bad[1], record, nbytes, row=row)
-                        else:
-                            yield self._add(row, values, nbytes)
+                        yield self._add(row, values, nbytes)
                     row += 1
+
+
+def _is_text_or_bytes(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
+
+
+def _as_py(scalar: Any) -> Any:
+    return scalar.as_py()
+
+
+def _value_start(scalar: Any) -> Any:
+    """The start of a value too large to keep, for the quarantine record (the value is never built)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(scalar.type):
+        scalar = scalar.value
+    if scalar is None or not scalar.is_valid or not _is_text_or_bytes(scalar.type):
+        return None if scalar is None else scalar.as_py()
+    if pa.types.is_string(scalar.type) or pa.types.is_large_string(scalar.type):
+        return pc.utf8_slice_codeunits(scalar, 0, EXCERPT_CHARS).as_py()
+    return pc.binary_slice(scalar, 0, EXCERPT_CHARS).as_py()
 
 
 class _Missing:

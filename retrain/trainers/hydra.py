@@ -24,7 +24,13 @@ _PLAIN = re.compile(r"^[A-Za-z0-9_./:+-]+$")
 
 
 def hydra_string(value: str) -> str:
-    """``value`` as a Hydra override value: bare when the grammar reads it back unchanged, else quoted."""
+    """``value`` as a Hydra override value: bare when the grammar reads it back unchanged, else quoted.
+
+    Quoting does not stop interpolation: Hydra's grammar keeps ``${...}`` inside a quoted value, and
+    OmegaConf resolves it when the trainer reads the key (``${oc.env:...}`` reads the pod's environment),
+    so a value holding ``${`` is refused; no name this project writes holds one."""
+    if "${" in value:
+        raise PlanError(f"{value!r} holds '${{', which Hydra would resolve as an interpolation")
     if (
         _PLAIN.match(value)
         and not re.match(r"^[-+]?[0-9.]", value)

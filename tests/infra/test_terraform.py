@@ -1297,3 +1297,17 @@ def test_run_http_invokers_are_validated_by_kind(model: Model) -> None:
         "user:ops@example.com allUsers",
     ):
         assert not pattern.search(member), member
+
+
+def test_the_training_namespace_is_retrains_own(model: Model) -> None:
+    """Not ``default``: the workflow may create JobSets in the namespace, and a JobSet's pods may run as
+    any service account there (other workloads' Workload Identity accounts included). The setting's
+    default is Terraform's, the variable refuses ``default`` and kube-*, and the app stage creates it."""
+    from retrain import config
+
+    default = model.variable_default("platform", "k8s_namespace")
+    assert default == config.Settings().namespace and default != "default"
+    (variable,) = [b for b in model.of("variable") if b.stage == "platform" and b.name == "k8s_namespace"]
+    refused = json.dumps([v.get("condition") for v in variable.body.get("validation", [])])
+    assert all(f'\\"{ns}\\"' in refused for ns in ("default", "kube-system")), refused
+    assert [b.name for b in model.of("resource", "kubernetes_namespace_v1")] == ["retrain"]

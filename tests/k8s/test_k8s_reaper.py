@@ -120,9 +120,20 @@ def cluster(api: Any, namespace: str) -> Iterator[Cluster]:
         c.delete_nodes()  # nodes are cluster-wide: leave none to the next test
 
 
-def record(ledger: Any, run_id: str, status: RunStatus, age_s: float = 60.0) -> None:
-    created = (datetime.now(UTC) - timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    run = Run(run_id=run_id, dataset="d", trigger="test", status=status, created_at=created)
+def record(ledger: Any, run_id: str, status: RunStatus, age_s: float = 60.0, queued_s: float = 0.0) -> None:
+    """A run record whose work began ``age_s`` ago, after ``queued_s`` queued behind another run."""
+
+    def ago(seconds: float) -> str:
+        return (datetime.now(UTC) - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    run = Run(
+        run_id=run_id,
+        dataset="d",
+        trigger="test",
+        status=status,
+        created_at=ago(age_s + queued_s),
+        tokenizing_at=ago(age_s),
+    )
     ledger.db.collection("runs").document(run_id).set(run.to_dict())
 
 
@@ -132,7 +143,11 @@ def names(run_id: str) -> set[tuple[str, str]]:
 
 
 def test_reaps_orphaned_terminal_and_stale_runs_keeps_live_ones(cluster: Cluster, ledger: Any) -> None:
-    live = {"live-train": RunStatus.TRAINING, "live-prov": RunStatus.PROVISIONING}
+    live = {
+        "live-train": RunStatus.TRAINING,
+        "live-prov": RunStatus.PROVISIONING,
+        "queued-long": RunStatus.TRAINING,
+    }
     terminal = {
         "done-ok": RunStatus.SUCCEEDED,
         "done-fail": RunStatus.FAILED,
@@ -140,6 +155,8 @@ def test_reaps_orphaned_terminal_and_stale_runs_keeps_live_ones(cluster: Cluster
     }
     for run_id, status in {**live, **terminal}.items():
         record(ledger, run_id, status)
+    # queued a day behind another run, then an hour into its work: live (its age is its work's)
+    record(ledger, "queued-long", RunStatus.TRAINING, age_s=HOUR, queued_s=30 * HOUR)
     record(ledger, "stuck-run", RunStatus.TRAINING, age_s=30 * HOUR)  # older than the max age
     runs = [*live, *terminal, "stuck-run", "ghost-run"]  # ghost-run: objects without any record
     for run_id in runs:
@@ -160,8 +177,10 @@ def test_reaps_orphaned_terminal_and_stale_runs_keeps_live_ones(cluster: Cluster
     assert cluster.inventory() == everything  # a dry run deletes nothing
     doomed = set().union(*(names(r) for r in [*terminal, "stuck-run", "ghost-run"]))
     assert {(d.kind, d.name) for d in dry.deleted} == doomed
-    assert {(k.kind, k.name) for k in dry.kept} == names("live-train") | names("live-prov")
-    assert dry.live_runs == ["live-prov", "live-train"] and not dry.errors and dry.exit_code == 0
+    assert {(k.kind, k.name) for k in dry.kept} == set().union(*(names(r) for r in live))
+    assert (
+        dry.live_runs == ["live-prov", "live-train", "queued-long"] and not dry.errors and dry.exit_code == 0
+    )
 
     report = reaper.reap(cluster.api, ledger, dry_run=False, **kw)
     assert cluster.inventory() == everything - doomed
@@ -179,12 +198,13 @@ def test_reaps_orphaned_terminal_and_stale_runs_keeps_live_ones(cluster: Cluster
     assert report.nodes_up == [] and report.exit_code == 0
 
     again = reaper.reap(cluster.api, ledger, dry_run=False, **kw)  # idempotent
-    assert again.deleted == [] and {(k.kind, k.name) for k in again.kept} == names("live-train") | names(
-        "live-prov"
+    assert again.deleted == [] and {(k.kind, k.name) for k in again.kept} == set().union(
+        *(names(r) for r in live)
     )
     # Once the live runs end, the next pass takes their objects too.
     record(ledger, "live-train", RunStatus.SUCCEEDED)
     record(ledger, "live-prov", RunStatus.FAILED)
+    record(ledger, "queued-long", RunStatus.SUCCEEDED)
     reaper.reap(cluster.api, ledger, dry_run=False, **kw)
     assert cluster.inventory() == {("PodTemplate", "not-retrain")}
 

@@ -102,3 +102,45 @@ def test_a_mislabelled_parquet_and_a_decompression_bomb_are_quarantined_the_rest
     assert "not a Parquet file" in detail[liar.uri] and "> max 1000000" in detail[bomb.uri]
     assert [s["object"] for s in report["shards"]] == [good.uri, fine.uri]
     assert report["documents"] == 5 and report["input_records"] == report["documents"] + report["quarantined"]
+
+
+def _one_value_repeated(rows: int, size: int) -> bytes:
+    """Parquet of ``rows`` rows holding one ``size``-byte string: dictionary-encoded (pyarrow's default),
+    the value is stored once however many rows repeat it."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["x" * size] * rows}), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def test_dictionary_encoding_cannot_hide_what_a_parquet_object_decodes_to(gcs_emulator: str) -> None:
+    """200 rows of one 1 MiB string are a file of a few hundred bytes whose footer says about 1 MiB: it
+    passed a 2 MiB limit, then 200 MiB of documents were built and tokenized.  Counted from each row's
+    dictionary index, it is set aside whole; the object beside it trains."""
+    good = _write(f"{gcs_emulator}/dict/good.jsonl", b'{"text": "fine"}\n')
+    bomb_bytes = _one_value_repeated(200, 1 << 20)
+    footer = pq.ParquetFile(io.BytesIO(bomb_bytes)).metadata.row_group(0).total_byte_size
+    assert len(bomb_bytes) < 2_000 and footer < 2 << 20  # what the footer alone lets through
+    bomb = _write(f"{gcs_emulator}/dict/repeated.parquet", bomb_bytes)
+    report = tokenize_incremental(
+        [], f"{gcs_emulator}/shards-dict", pinned=[good, bomb], max_decompressed_bytes=2 << 20
+    )
+    (set_aside,) = report["quarantined_objects"]
+    assert (set_aside["object"], set_aside["reason"]) == (bomb.uri, "decompressed_too_large")
+    assert "dictionary-encoded values decode to over" in set_aside["detail"]
+    assert [s["object"] for s in report["shards"]] == [good.uri] and report["documents"] == 1
+
+
+def test_rows_over_the_document_limit_are_quarantined_without_being_built(gcs_emulator: str) -> None:
+    """Within the object's limit, each row too large is quarantined with an excerpt and counted (input =
+    written + quarantined); the rows are sized from the dictionary, never built whole."""
+    rows = _one_value_repeated(40, 1 << 20)
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["small one", "small two"]}), buf)
+    mixed = _write(f"{gcs_emulator}/dict/mixed.parquet", rows)
+    small = _write(f"{gcs_emulator}/dict/small.parquet", buf.getvalue())
+    report = tokenize_incremental(
+        [], f"{gcs_emulator}/shards-rows", pinned=[mixed, small], max_document_bytes=512 << 10
+    )
+    assert report["quarantine_reasons"] == {"too_large": 40} and report["documents"] == 2
+    assert report["input_records"] == 42 == report["documents"] + report["quarantined"]
+    assert report["quarantined_objects"] == []
