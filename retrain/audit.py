@@ -2,7 +2,9 @@
 
 Each object version that landed is exactly one of: trained by a run that succeeded, held by its
 dataset's live or pending run, a pending arrival (since the last seal), a duplicate of content in one of
-those, given back by a run that did not succeed (waiting for ``retrain run --retry``), gone before any
+those, trained by a run whose checkpoint the eval gate refused (not in the lineage: ``retrain run
+--retry`` trains it on the champion), given back by a run that did not succeed (waiting for ``retrain run
+--retry``), gone before any
 run could read it, set aside whole by the run that held it (unreadable), refused with a recorded reason,
 or a seal marker.  Anything else is a finding, named object by object with what to do; ``retrain audit``
 exits non-zero on one, the Scheduler's ``audit`` job logs them (and records the arrivals of objects
@@ -52,6 +54,9 @@ class Account(StrEnum):
     """A run that did not succeed gave its content back: ``retrain run --retry RUN`` trains it."""
     WITHDRAWN = "withdrawn"
     """Deleted or overwritten before any run read it, its content in no run: nothing is left to train."""
+    REFUSED = "refused"
+    """Its content trained in a run that succeeded whose checkpoint the eval gate refused: it is not in
+    the lineage the next run continues; ``retrain run --retry RUN`` trains it on the champion."""
     SET_ASIDE = "set-aside"
     """The run that held it set it aside whole (unreadable, too large) and gave its content back."""
     REJECTED = "rejected"
@@ -114,6 +119,7 @@ class Entry:
         run = self.run_id or "RUN"
         return {
             Account.RETURNED: f"`retrain run --retry {run}` trains it",
+            Account.REFUSED: f"`retrain run --retry {run}` trains it on the champion, if you decide so",
             Account.UNRECORDED: "`retrain audit --repair` records its arrival (as its event would have)",
             Account.STRANDED: f"`retrain audit --repair` gives it back (then `retrain run --retry {run}`)",
             Account.UNHELD: "`retrain audit --repair` makes it arrive again; the next seal takes it",
@@ -245,6 +251,8 @@ def classify(
                 return entry(key, Account.STRANDED, run.run_id, f"run {run.run_id} ended {run.status}")
             if not own:
                 return entry(key, Account.DUPLICATE, run.run_id, f"same content as {holding.version.uri}")
+            if run.refused:
+                return entry(key, Account.REFUSED, run.run_id, str((run.eval or {}).get("reason", "")))
             return entry(key, Account.HELD if not run.status.terminal else Account.TRAINED, run.run_id)
         if records.last_cut is None or max(arrivals[key]) > records.last_cut:
             return entry(key, Account.PENDING)
@@ -253,7 +261,7 @@ def classify(
             return entry(key, Account.UNHELD, detail="sealed; its content is in no run")
         if info is None:
             return entry(key, Account.WITHDRAWN, giver.run_id, "gone since it arrived")
-        if giver.status == RunStatus.SUCCEEDED:
+        if giver.status == RunStatus.SUCCEEDED and not giver.refused:
             if key in unread(giver):
                 return entry(key, Account.SET_ASIDE, giver.run_id)
             return entry(key, Account.UNHELD, giver.run_id, f"run {giver.run_id} could not read its copy")

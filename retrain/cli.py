@@ -130,6 +130,12 @@ def format_run(run: Run) -> str:
         ("nodes at end", run.nodes_at_end),
         ("checkpoint", run.checkpoint),
         ("eval", _eval_line(run.eval)),
+        (
+            "lineage",
+            f"its data is not in the lineage: `retrain run --retry {run.run_id}` trains it on the champion"
+            if run.refused
+            else None,
+        ),
         ("reason", run.reason),
         ("execution", run.execution),
         ("created", run.created_at),

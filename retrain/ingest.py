@@ -438,14 +438,18 @@ class Ingest:
         return observed
 
     def retry(self, run_id: str) -> Outcome:
-        """Run a failed or cancelled run's objects again: its content is given back (if its end did not
-        already), its objects arrive again, and its dataset is sealed now, so a run takes them (with
-        whatever else is pending)."""
+        """Run a failed or cancelled run's objects again, or those of a run whose checkpoint the eval gate
+        refused (on the champion this time): its content is given back (if its end did not already), its
+        objects arrive again, and its dataset is sealed now, so a run takes them (with whatever else is
+        pending)."""
         run = self.ledger.get_run(run_id)
         if run is None:
             raise Rejected(f"no run {run_id}")
-        if not run.status.terminal or run.status == RunStatus.SUCCEEDED:
-            raise Rejected(f"run {run_id} is {run.status}: only a failed or cancelled run is retried")
+        if not run.status.terminal or (run.status == RunStatus.SUCCEEDED and not run.refused):
+            raise Rejected(
+                f"run {run_id} is {run.status}{' and promoted' if run.promoted else ''}: only a failed or "
+                "cancelled run, or one whose checkpoint the eval gate refused, is retried"
+            )
         self.ledger.give_back(run)
         returned = self.ledger.requeue(run)
         log.info("retrying run %s: its %d object(s) arrive again", run_id, returned)

@@ -38,7 +38,7 @@ from retrain.contracts import (
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
-from retrain.plan import render_training, set_aside, tokenize_report_uri
+from retrain.plan import render_training, set_aside, shard_root, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
@@ -96,6 +96,19 @@ def trainer_outputs(store: ObjectStore, run_dir: str) -> tuple[list[Scalar], set
         elif rel.startswith("checkpoints/") and rel.count("/") >= 2:
             checkpoints.add(rel.split("/")[1])
     return scalars, checkpoints
+
+
+def _within_shards(root: str, report_uri: str, plan: TrainingPlan) -> None:
+    """Every data and tokenizer path the report names lies under the shard root: the report is written
+    where a run's trainer may write too, and must not make a run read (or hand its tokenizer) any other
+    object of the bucket."""
+    tokenizer = plan.tokenizer
+    named = [p for p in plan.blend if isinstance(p, str)]
+    if tokenizer is not None:
+        named += [f for f in (tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_json) if f]
+    outside = [p for p in named if not p.startswith(root + "/") or ".." in p.split("/")]
+    if outside:
+        raise PlanError(f"the tokenize report {report_uri} names data outside {root}/: {outside[:3]}")
 
 
 def give_back_unread(settings: Settings, ledger: Ledger, store: ObjectStore, run: Run) -> int:
@@ -167,6 +180,7 @@ class Steps:
         if missing:
             raise PlanError(f"the tokenize report {uri} lacks {sorted(missing)}")
         plan = plan.with_data(list(body["data_prefix_blend"]), TokenizerFiles.parse(body["tokenizer"]))
+        _within_shards(shard_root(self.settings), uri, plan)
         jobset, command = render_training(self.settings, plan, callback_url or None)
         self.ledger.update_run(
             plan.run_id,

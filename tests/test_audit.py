@@ -90,6 +90,34 @@ def test_content_a_failed_run_gave_back_waits_for_a_retry_unless_it_is_gone() ->
     assert returned.action == "`retrain run --retry failed-1` trains it" and not returned.account.finding
 
 
+def test_content_of_a_run_whose_checkpoint_was_refused_is_not_called_trained() -> None:
+    """Its data trained, but not into the lineage: the audit names it, with the retry that would train
+    it on the champion; once retried, it is given back like a failed run's."""
+    mine = version("m")
+    refused = {"promoted": False, "reason": "worse than the champion"}
+    holding = DatasetRecords(
+        "news",
+        CUT,
+        [RecordedArrival(mine, BEFORE)],
+        [Holding(mine, "r1")],
+        [run("r1", RunStatus.SUCCEEDED, eval=refused)],
+        {},
+    )
+    assert accounts(holding, [listed(mine)]) == {("m", 1): (Account.REFUSED, "r1")}
+    (entry,) = classify(SETTINGS, holding, [listed(mine)], {}, {}, NOW)
+    assert entry.action.startswith("`retrain run --retry r1` trains it on the champion")
+    assert not entry.account.finding
+    retried = DatasetRecords(
+        "news",
+        CUT,
+        [RecordedArrival(mine, BEFORE)],
+        [],
+        [run("r1", RunStatus.SUCCEEDED, eval=refused, content_returned=True)],
+        {"r1": [mine]},
+    )
+    assert accounts(retried, [listed(mine)]) == {("m", 1): (Account.RETURNED, "r1")}
+
+
 def test_what_is_lost_is_a_finding_with_what_to_do() -> None:
     never, stranded, unheld = version("never"), version("stranded"), version("unheld")
     fresh = version("fresh")

@@ -121,8 +121,22 @@ def test_handover_renders_the_command_from_the_report_and_records_it(steps: Step
     [
         ({"data_prefix_blend": []}, "empty blend"),
         (
-            {"tokenizer": {"type": "HuggingFaceTokenizer", "tokenizer_json": "gs://x/t.json"}},
+            {"tokenizer": {"type": "HuggingFaceTokenizer", "tokenizer_json": "gs://ART/shards/t.json"}},
             "HuggingFaceTokenizer",
+        ),
+        # the report is written where trainers write too: it may name only the shard root's objects
+        ({"data_prefix_blend": [1.0, "gs://ART/runs/other/ckpt"]}, r"names data outside gs://\S+/shards/"),
+        ({"data_prefix_blend": [1.0, "gs://ART/shards/../runs/x"]}, "names data outside"),
+        ({"data_prefix_blend": [1.0, "gs://elsewhere/shards/x"]}, "names data outside"),
+        (
+            {
+                "tokenizer": {
+                    "type": "GPT2BPETokenizer",
+                    "vocab_file": "gs://ART/v.json",
+                    "merge_file": "gs://ART/m",
+                }
+            },
+            "names data outside",
         ),
     ],
 )
@@ -130,7 +144,8 @@ def test_handover_refuses_data_the_trainer_cannot_take(
     steps: Steps, report: dict[str, Any], complaint: str
 ) -> None:
     plan = new_run(steps)
-    write_report(plan, **report)
+    art = steps.settings.artifacts_bucket
+    write_report(plan, **json.loads(json.dumps(report).replace("gs://ART/", f"gs://{art}/")))
     with pytest.raises(Rejected, match=complaint):
         steps.handle(request(StepName.HANDOVER, plan))
 
@@ -358,6 +373,18 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     good_plan = training_plan(steps.settings, good.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained
+
+    # an execution that failed after promoting (its release failed): the champion holds that content,
+    # so giving it back would train it twice
+    ledger.record_arrival(
+        ObjectArrival("ev-d", "land", "in/d.txt", 1, 9, "m-d", "2026-11-24T00:00:00Z"), "fin", "h-d"
+    )
+    promoted = ledger.seal("fin", "t").run
+    assert promoted is not None
+    ledger.update_run(promoted.run_id, {"status": "failed", "eval": {"promoted": True, "reason": "r"}})
+    promoted_plan = training_plan(steps.settings, promoted.run_id, None).to_dict()
+    assert steps.handle(request(StepName.FINISH, promoted_plan)) == {"returned": 0}
+    assert [v.uri for v in ledger.run_objects(promoted)] == ["gs://land/in/d.txt"]
 
 
 @pytest.mark.parametrize(

@@ -339,7 +339,7 @@ def test_a_failed_run_is_retried_on_request_with_its_own_objects(ingest: Ingest)
     arrive(ingest, "again", "2.txt")
     first = ingest.seal("again", "manual")
     assert first.action == "started"
-    with pytest.raises(Rejected, match="only a failed or cancelled run is retried"):
+    with pytest.raises(Rejected, match="only a failed or cancelled run"):
         ingest.retry(first.run_id)  # still live
     ingest.ledger.update_run(first.run_id, {"status": "failed", "reason": "training failed"})
     retried = ingest.retry(first.run_id)
@@ -350,11 +350,30 @@ def test_a_failed_run_is_retried_on_request_with_its_own_objects(ingest: Ingest)
         "gs://land/incoming/again/1.txt",
         "gs://land/incoming/again/2.txt",
     ]
-    ingest.ledger.update_run(retried.run_id, {"status": "succeeded"})
-    with pytest.raises(Rejected, match="is succeeded"):
+    ingest.ledger.update_run(retried.run_id, {"status": "succeeded", "eval": {"promoted": True}})
+    with pytest.raises(Rejected, match="is succeeded and promoted"):
         ingest.retry(retried.run_id)
     with pytest.raises(Rejected, match="no run"):
         ingest.retry("nope-1")
+
+
+def test_a_run_whose_checkpoint_the_gate_refused_keeps_its_content_until_retried(ingest: Ingest) -> None:
+    """Its data trained, but not into the lineage: nothing gives it back by itself (the same data from
+    the same champion would most likely be refused again, GPU time spent in a loop); ``--retry`` does,
+    and the next run takes it on the champion."""
+    arrive(ingest, "gated", "1.txt")
+    first = ingest.seal("gated", "manual")
+    refused = {"promoted": False, "reason": "val_loss 3.5 is worse than the champion's"}
+    ingest.ledger.update_run(first.run_id, {"status": "succeeded", "eval": refused})
+    run = ingest.ledger.get_run(first.run_id)
+    assert run is not None and run.refused and not run.promoted
+    assert [o for o in ingest.sweep() if o.run_id == first.run_id] == []  # the sweeper leaves it
+    assert [o.uri for o in ingest.ledger.run_objects(run)] == ["gs://land/incoming/gated/1.txt"]  # kept
+    retried = ingest.retry(first.run_id)
+    assert retried.action == "started" and retried.run_id != first.run_id
+    second = ingest.ledger.get_run(retried.run_id)
+    assert second is not None and second.trigger == f"retry of {first.run_id}"
+    assert [o.uri for o in ingest.ledger.run_objects(second)] == ["gs://land/incoming/gated/1.txt"]
 
 
 def arrive_content(ingest: Ingest, dataset: str, name: str, content: str, size: int = 10) -> None:

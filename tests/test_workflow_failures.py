@@ -83,6 +83,35 @@ def test_training_fails_after_its_restarts(stack: LocalStack, tmp_path: Path) ->
     assert run.gpu_node_seconds > 0 and run.tokens > 0
 
 
+def test_a_jobset_of_the_runs_name_that_is_not_its_own_is_never_adopted(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """A create that meets 409 adopts what is there only when it is this run's (a retried create after a
+    lost response): one of the run's name carrying another run id (left behind, or planted to have its
+    completion taken as ours) ends the run with the reason, and every GPU goes back."""
+    from kubernetes import client
+
+    from retrain.k8s.render import jobset_name, render_jobset
+    from retrain.trainers import Command
+
+    stack.twin.faults = Faults(provisioning="never")  # held in provisioning until the JobSet is planted
+    run = drop_lines(stack, tmp_path / "planted.jsonl", [json.dumps({"text": str(uuid.uuid4())})], "planted")
+    wait_for_status(stack, run, "provisioning", 60)
+    ns = stack.settings.namespace
+    planted = render_jobset(
+        "someone-else", nodes=1, image="local", command=Command(["true"], []), namespace=ns
+    )
+    planted["metadata"]["name"] = jobset_name(run.run_id)
+    planted["spec"]["suspend"] = True
+    objects = client.CustomObjectsApi(stack.kube_api)
+    objects.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets", planted)
+    stack.twin.faults = Faults()  # the next request is served
+    ended = finish(stack, run, 120)
+    assert_released(stack, ended)
+    refusal = f"JobSet {jobset_name(run.run_id)} exists and is not this run's (its run id: someone-else)"
+    assert ended.reason and f"{refusal}: not adopted" in ended.reason, ended.reason
+
+
 def test_success_on_the_same_stack(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults())
     assert run.status == "succeeded" and run.nodes_at_end == 0 and run.reason is None

@@ -339,6 +339,14 @@ class Run:
         after (a release that failed), so it is never given back."""
         return bool(self.eval and self.eval.get("promoted"))
 
+    @property
+    def refused(self) -> bool:
+        """It succeeded, and the eval gate refused its checkpoint: its content trained, but not into the
+        lineage the dataset's next run continues.  The content stays with it (training the same data from
+        the same champion again would most likely be refused again, GPU time spent in a loop); ``retrain
+        run --retry`` gives it back so that it trains on the champion, when an operator decides so."""
+        return self.status == RunStatus.SUCCEEDED and bool(self.eval) and not self.promoted
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = str(self.status)

@@ -356,7 +356,12 @@ def render_provisioning_request(
     podtemplate = {
         "apiVersion": "v1",
         "kind": "PodTemplate",
-        "metadata": {"name": name, "namespace": namespace, "labels": {**labels, WARDEN_LABEL: "true"}},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**labels, WARDEN_LABEL: "true"},
+            "annotations": {RUN_ID_ANNOTATION: run_id},  # the full id: the workflow adopts only its own
+        },
         "template": {
             "metadata": {"labels": labels},
             "spec": {
