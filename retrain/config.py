@@ -72,6 +72,11 @@ class Settings:
     bigquery_watermark_lag_s: float = 60.0
     """Rows stamped (a time column) less than this before an export's start wait for the next export:
     a load that stamps its rows when it starts may commit them only later."""
+    bigquery_watermark_max_step: int = 1_000_000_000
+    """How far past the last exported value (or, on a table's first export, past its smallest) an INT64
+    watermark may move in one export: one row with a huge value would otherwise move it past every row
+    still to come, and they would never be exported.  Rows beyond it wait, with a warning, until the
+    values between are filled or this is raised."""
     function_timeout_s: float = 300.0
     """The functions' request timeout (infra/app's ``function_timeout_seconds`` sets both): a handler's
     BigQuery calls and its wait for an export job fit in it."""

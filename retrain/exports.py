@@ -211,8 +211,25 @@ class TableExports:
             after=mark.value,
             not_after=now - timedelta(seconds=s.bigquery_watermark_lag_s),
             max_rows=max(1, s.bigquery_export_max_rows >> min(mark.failures, 30)),
+            max_step=s.bigquery_watermark_max_step,
         )
         if span.through is None or (mark.value is not None and span.through <= mark.value):
+            if span.later is not None and not isinstance(span.later, datetime):
+                # every new row lies more than the max step above: they wait for the rows between (the
+                # next write looks again), or for the step to be raised; never taken blindly
+                log.warning(
+                    "%s: rows from %s=%s lie more than %s above %s: they wait (bigquery_watermark_max_step)",
+                    table,
+                    column,
+                    span.later,
+                    s.bigquery_watermark_max_step,
+                    mark.value,
+                )
+                return Step(
+                    Progress.NOTHING_NEW,
+                    f"{table}: its new rows lie more than {s.bigquery_watermark_max_step} above "
+                    f"{mark.value}: they wait",
+                )
             if span.later is not None:  # every new row is stamped within the lag (or ahead)
                 due_at = span.later + timedelta(seconds=s.bigquery_watermark_lag_s)
                 self.ledger.mark_backlog(table, retry_after=iso(due_at))

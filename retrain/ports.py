@@ -131,7 +131,8 @@ class RowRange:
     """Rows above ``through`` wait for the next export (the range took the most one job may, or rows are
     stamped after the export's start)."""
     later: Any = None
-    """The earliest stamp of the rows that wait for their time (None: none wait for it)."""
+    """The earliest stamp of the rows that wait for their time, or (an integer column) the smallest value
+    of the rows beyond the max step (None: none wait)."""
 
 
 @dataclass(frozen=True)
@@ -378,6 +379,7 @@ class Warehouse(Protocol):
         after: Any = None,
         not_after: datetime | None = None,
         max_rows: int | None = None,
+        max_step: int | None = None,
     ) -> RowRange: ...
 
     def location(self, table: str, column: str) -> str: ...

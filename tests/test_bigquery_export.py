@@ -190,6 +190,31 @@ def test_an_export_range_stops_at_now_and_at_the_row_bound(warehouse: BigQueryWa
         warehouse.location("proj.sales.never", column)
 
 
+def test_an_int64_watermark_moves_at_most_its_max_step(ingest: Ingest, warehouse: BigQueryWarehouse) -> None:
+    """One row with a huge id would move an INT64 watermark past every row still to come (the time bound
+    guards only TIMESTAMP): it moves at most max_step past the last export (on a first export, past the
+    smallest id), and rows beyond wait, with a warning, for the ids between or a larger step."""
+    table = make_table(warehouse, "proj.sales.ids")
+    poison = 2**62
+    add_rows(warehouse, table, {**{i: T0 for i in range(1, 6)}, 40: T0, poison: T0})
+    assert warehouse.export_range(table, "id") == RowRange(poison)  # unbounded: the poison wins
+    assert warehouse.export_range(table, "id", max_step=20) == RowRange(5, True, 40)  # from the smallest, 1
+    assert warehouse.export_range(table, "id", after=5, max_step=20) == RowRange(None, True, 40)
+    assert warehouse.export_range(table, "id", after=5, max_step=50) == RowRange(40, True, poison)
+    assert warehouse.export_range(table, "id", after=5, max_step=20, max_rows=1) == RowRange(None, True, 40)
+    # through the exports: the watermark at 40, only the poison above it: nothing is exported
+    settings = dataclasses.replace(
+        ingest.settings, bigquery_watermark_column="id", bigquery_watermark_max_step=20
+    )
+    ingest.ledger.db.collection("watermarks").document(_key(table)).set({"value": 40})
+    step = TableExports(settings, ingest.ledger, warehouse, objects).on_write(table, "ids")
+    assert (step.progress, step.detail) == (
+        Progress.NOTHING_NEW,
+        f"{table}: its new rows lie more than 20 above 40: they wait",
+    )
+    assert ingest.ledger.export_mark(table).value == 40 and ingest.ledger.pending_export(table) is None
+
+
 def test_a_table_write_exports_only_new_rows_then_seals(
     function: ServedFunction, warehouse: BigQueryWarehouse
 ) -> None:

@@ -92,12 +92,13 @@ locals {
     RETRAIN_DATAFLOW_SUBNETWORK       = local.platform.subnetwork
     RETRAIN_FUNCTIONS_SERVICE_ACCOUNT = local.sa.functions
 
-    RETRAIN_BIGQUERY_TABLES           = join(",", [for table, dataset in var.bigquery_tables : "${table}=${dataset}"])
-    RETRAIN_BIGQUERY_WATERMARK_COLUMN = var.bigquery_watermark_column
-    RETRAIN_BIGQUERY_WATERMARK_LAG_S  = tostring(var.bigquery_watermark_lag_s)
-    RETRAIN_BIGQUERY_EXPORT_MAX_ROWS  = tostring(var.bigquery_export_max_rows)
-    RETRAIN_BIGQUERY_EXPORT_TIMEOUT_S = tostring(var.bigquery_export_timeout_s)
-    RETRAIN_FUNCTION_TIMEOUT_S        = tostring(var.function_timeout_seconds)
+    RETRAIN_BIGQUERY_TABLES             = join(",", [for table, dataset in var.bigquery_tables : "${table}=${dataset}"])
+    RETRAIN_BIGQUERY_WATERMARK_COLUMN   = var.bigquery_watermark_column
+    RETRAIN_BIGQUERY_WATERMARK_LAG_S    = tostring(var.bigquery_watermark_lag_s)
+    RETRAIN_BIGQUERY_WATERMARK_MAX_STEP = tostring(var.bigquery_watermark_max_step)
+    RETRAIN_BIGQUERY_EXPORT_MAX_ROWS    = tostring(var.bigquery_export_max_rows)
+    RETRAIN_BIGQUERY_EXPORT_TIMEOUT_S   = tostring(var.bigquery_export_timeout_s)
+    RETRAIN_FUNCTION_TIMEOUT_S          = tostring(var.function_timeout_seconds)
   }
 }
 

@@ -187,6 +187,17 @@ variable "bigquery_watermark_lag_s" {
   }
 }
 
+variable "bigquery_watermark_max_step" {
+  type        = number
+  description = "How far past the last exported value (or a table's smallest, on its first export) an INT64 watermark column may move in one export: a row with a huge value would otherwise hide every row still to come. Rows beyond wait, with a warning."
+  default     = 1000000000
+
+  validation {
+    condition     = var.bigquery_watermark_max_step >= 1 && floor(var.bigquery_watermark_max_step) == var.bigquery_watermark_max_step
+    error_message = "bigquery_watermark_max_step must be a positive whole number."
+  }
+}
+
 variable "bigquery_export_max_rows" {
   type        = number
   description = "Rows one BigQuery export job takes at most; a larger backlog is exported by several jobs in turn, each bounded."

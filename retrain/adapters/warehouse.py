@@ -118,21 +118,31 @@ class BigQueryWarehouse:
         after: Any = None,
         not_after: dt.datetime | None = None,
         max_rows: int | None = None,
+        max_step: int | None = None,
     ) -> RowRange:
         """Up to which value of ``column`` the next export goes: the largest value above ``after``
         (None: no such row), in at most three queries.  For a time column, never past ``not_after`` (the
         export's start, less a lag): one row stamped in the future would otherwise move the watermark
         past every row still to come, and they would never be exported; such rows wait for their time,
-        with a warning.  With ``max_rows``, the value that ends the first ``max_rows`` rows above
-        ``after`` (rows sharing it come along), so that one export job stays bounded however large the
-        backlog.  Either way the range says rows wait above it."""
+        with a warning.  For an integer column, likewise never more than ``max_step`` past ``after`` (on
+        a first export, past the column's smallest value): one huge value would hide every row still to
+        come behind it just the same.  With ``max_rows``, the value that ends the first ``max_rows``
+        rows above ``after`` (rows sharing it come along), so that one export job stays bounded however
+        large the backlog.  Either way the range says rows wait above it."""
         checked = _checked(table, column)
         where, params = "TRUE", {}
         if after is not None:
             where, params = f"`{column}` > @after", {"after": after}
         top, rows = self._row(f"SELECT MAX(`{column}`), COUNT(*) FROM {checked} WHERE {where}", params)
+        bound: Any = None
         if not_after is not None and isinstance(top, dt.datetime) and top > not_after:
-            bounded = {**params, "not_after": not_after}
+            bound = not_after
+        elif max_step is not None and isinstance(top, int) and not isinstance(top, bool):
+            base = after if after is not None else self._row(f"SELECT MIN(`{column}`) FROM {checked}", {})[0]
+            if top > int(base) + max_step:
+                bound = int(base) + max_step
+        if bound is not None:
+            bounded = {**params, "not_after": bound}
             now_sql = (
                 f"MAX(IF(`{column}` <= @not_after, `{column}`, NULL)), COUNTIF(`{column}` <= @not_after)"
             )
@@ -140,7 +150,7 @@ class BigQueryWarehouse:
             sql = f"SELECT {now_sql}, {late_sql} FROM {checked} WHERE {where}"
             hi, rows, late, later = self._row(sql, bounded)
             log.warning(
-                "%s: %s row(s) have %s after %s (up to %s): they wait", table, late, column, not_after, top
+                "%s: %s row(s) have %s after %s (up to %s): they wait", table, late, column, bound, top
             )
             where, params, top = f"{where} AND `{column}` <= @not_after", bounded, hi
         else:
