@@ -21,6 +21,7 @@ workflow's service account is its only invoker.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
@@ -38,7 +39,7 @@ from retrain.contracts import (
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
-from retrain.plan import render_training, set_aside, shard_root, tokenize_report_uri
+from retrain.plan import render_training, run_root, set_aside, shard_root, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
@@ -96,6 +97,28 @@ def trainer_outputs(store: ObjectStore, run_dir: str) -> tuple[list[Scalar], set
         elif rel.startswith("checkpoints/") and rel.count("/") >= 2:
             checkpoints.add(rel.split("/")[1])
     return scalars, checkpoints
+
+
+def checkpoint_fingerprint(store: ObjectStore, checkpoint: str) -> str:
+    """sha256 over every object under ``checkpoint``: its name (relative), generation and MD5, sorted."""
+    lines = sorted(
+        f"{info.uri[len(checkpoint) + 1 :]}#{info.generation}#{info.md5_hash}"
+        for info in store.list_objects(checkpoint + "/")
+    )
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _check_base(store: ObjectStore, champion: Champion | None, plan: TrainingPlan) -> None:
+    """The checkpoint a run restores is its dataset's champion, unchanged since it was promoted."""
+    if plan.base_checkpoint is None:
+        return
+    if champion is None or champion.checkpoint != plan.base_checkpoint:
+        raise PlanError(f"the base checkpoint {plan.base_checkpoint} is not the dataset's champion")
+    if champion.fingerprint and checkpoint_fingerprint(store, champion.checkpoint) != champion.fingerprint:
+        raise PlanError(
+            f"the champion checkpoint {champion.checkpoint} changed since it was promoted "
+            f"(run {champion.run_id}): not restored"
+        )
 
 
 def _within_shards(root: str, report_uri: str, plan: TrainingPlan) -> None:
@@ -162,6 +185,13 @@ class Steps:
             plan = TrainingPlan.parse(request.training)
             if plan.run_id != request.run_id:
                 raise Rejected(f"the training plan is run {plan.run_id}'s, not {request.run_id}'s")
+            own = run_root(self.settings, plan.run_id)
+            if plan.output_dir != own:
+                # paths come from the settings and the run id, never from the argument alone: a forged one
+                # would have results read (and promote) another run's checkpoint
+                raise Rejected(
+                    f"the training plan's output_dir {plan.output_dir} is not run {plan.run_id}'s ({own})"
+                )
             if request.step == StepName.HANDOVER:
                 return dataclasses.asdict(self.handover(plan, request.callback_url))
             if request.step == StepName.FINISH:
@@ -181,6 +211,10 @@ class Steps:
             raise PlanError(f"the tokenize report {uri} lacks {sorted(missing)}")
         plan = plan.with_data(list(body["data_prefix_blend"]), TokenizerFiles.parse(body["tokenizer"]))
         _within_shards(shard_root(self.settings), uri, plan)
+        run = self.ledger.get_run(plan.run_id)
+        if run is None:
+            raise PlanError(f"no run {plan.run_id} in the ledger")
+        _check_base(self.store, self.ledger.champion(run.dataset), plan)
         jobset, command = render_training(self.settings, plan, callback_url or None)
         self.ledger.update_run(
             plan.run_id,
@@ -238,6 +272,15 @@ class Steps:
         if verdict is not None and verdict.promoted and checkpoint is not None and run is not None:
             step = metrics.steps if metrics else plan.final_step
             consumed = metrics.consumed_samples if metrics else None
-            new = Champion(plan.run_id, checkpoint, step, val_loss, plan.eval_set, plan.profile, consumed)
+            new = Champion(
+                plan.run_id,
+                checkpoint,
+                step,
+                val_loss,
+                plan.eval_set,
+                plan.profile,
+                consumed,
+                checkpoint_fingerprint(self.store, checkpoint),
+            )
             promoted = self.ledger.promote(run.dataset, new)
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

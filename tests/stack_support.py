@@ -105,15 +105,17 @@ def assert_released(stack: LocalStack, run: Run, status: str = "failed") -> None
 
 
 def assert_nothing_left(stack: LocalStack) -> None:
-    """No GPU node, JobSet or ProvisioningRequest in the cluster."""
+    """No GPU node, and no JobSet, ProvisioningRequest or PodTemplate in any namespace."""
     assert stack.twin.node_names() == []
     custom = client.CustomObjectsApi(stack.kube_api)
     for group, version, plural in (
         ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
         ("autoscaling.x-k8s.io", "v1", "provisioningrequests"),
     ):
-        items = custom.list_namespaced_custom_object(group, version, "default", plural)["items"]
+        items = custom.list_cluster_custom_object(group, version, plural)["items"]
         assert [i["metadata"]["name"] for i in items] == [], plural
+    templates = client.CoreV1Api(stack.kube_api).list_pod_template_for_all_namespaces().items
+    assert [t.metadata.name for t in templates] == []
 
 
 def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:

@@ -123,10 +123,15 @@ def test_grants_reach_what_google_says_they_reach(guard: Guard) -> None:
 
 def test_workload_identity_maps_a_pod_to_its_google_account_only_with_the_binding(guard: Guard) -> None:
     annotated = {"iam.gke.io/gcp-service-account": TRAINING.removeprefix("serviceAccount:")}
-    assert guard.workload_member("default", "retrain-trainer", annotated) == TRAINING
-    # the same annotation on a KSA the binding does not name: the pod keeps its own principal
-    assert guard.workload_member("default", "intruder", annotated) == (
-        "serviceAccount:retrain-local.svc.id.goog[default/intruder]"
+    ns = config.Settings().namespace  # infra's k8s_namespace, as the binding names it
+    assert guard.workload_member(ns, "retrain-trainer", annotated) == TRAINING
+    # the same annotation on a KSA the binding does not name, or in another namespace: the pod keeps
+    # its own principal
+    assert guard.workload_member(ns, "intruder", annotated) == (
+        f"serviceAccount:retrain-local.svc.id.goog[{ns}/intruder]"
+    )
+    assert guard.workload_member("default", "retrain-trainer", annotated) == (
+        "serviceAccount:retrain-local.svc.id.goog[default/retrain-trainer]"
     )
     assert guard.refused()[-1].permission == "iam.serviceAccounts.getAccessToken"
 

@@ -21,7 +21,7 @@ from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run
 from retrain.plan import run_root, tokenize_report_uri, training_plan
-from retrain.steps import Steps
+from retrain.steps import Steps, checkpoint_fingerprint
 from retrain.tensorboard import EventWriter
 
 pytestmark = pytest.mark.emulators
@@ -205,7 +205,10 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.checkpoint == last and record.metrics == answer["metrics"]
     champion = steps.ledger.champion("results")
-    assert champion == Champion(plan["run_id"], last, 60, pytest.approx(3.1), consumed_samples=480)
+    fingerprint = checkpoint_fingerprint(objects, last)  # the files promoted: a restore checks them
+    assert champion == Champion(
+        plan["run_id"], last, 60, pytest.approx(3.1), consumed_samples=480, fingerprint=fingerprint
+    )
     assert steps.handle(request(StepName.RESULTS, plan))["promoted"] is True  # a retried step: same answer
     # the next run continues from it
     nxt = training_plan(steps.settings, "results-next", champion)
@@ -325,6 +328,18 @@ def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, 
     assert record is not None and record.reason == answer["reason"] and str(record.status) == "pending"
 
 
+def test_a_plan_pointing_at_another_runs_folder_is_rejected(steps: Steps, tmp_path: Path) -> None:
+    """The argument's paths must be the ones the settings and the run id give: a forged output_dir would
+    have results read, and promote, whatever checkpoint lies there."""
+    victim = new_run(steps, "forged")
+    upload_outputs(victim, tmp_path, events=True)
+    forger = new_run(steps, "forged")
+    forged = {**forger, "output_dir": victim["output_dir"]}
+    with pytest.raises(Rejected, match=r"output_dir \S+ is not run \S+'s"):
+        steps.handle(request(StepName.RESULTS, forged))
+    assert steps.ledger.champion("forged") is None
+
+
 def test_malformed_requests_are_rejected_with_the_reason() -> None:
     for body, complaint in (
         ([], "JSON object"),
@@ -412,6 +427,7 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
     and the champion remembers its profile, so the next run continues in Bridge's terms."""
     steps.settings = dataclasses.replace(steps.settings, profiles="other=nemo-24.12,bridged=megatron-bridge")
     base = Champion("old", "gs://x/runs/old/checkpoints/iter_0000040", 40, 3.5, None, "megatron-bridge", 320)
+    steps.ledger.promote("bridged", base)
     plan = new_run(steps, "bridged", base)
     assert plan["profile"] == "megatron-bridge"
     write_report(plan)
@@ -433,7 +449,6 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
         writer.scalars(step * 8, {"lm loss vs samples": 4.0 - step / 60})
     writer.scalars(60, {"lm loss validation": 3.0})
     objects.upload_file(writer.path, f"{out}/tb_logs/{writer.path.name}")
-    steps.ledger.promote("bridged", base)
     answer = steps.handle(request(StepName.RESULTS, plan))
     assert answer["checkpoint"] == f"{out}/checkpoints/iter_0000060" and answer["promoted"] is True
     assert answer["metrics"] == {
@@ -447,8 +462,16 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
         "outside_plan": 0,
     }
     champion = steps.ledger.champion("bridged")
+    promoted = f"{out}/checkpoints/iter_0000060"
     assert champion == Champion(
-        plan["run_id"], f"{out}/checkpoints/iter_0000060", 100, 3.0, None, "megatron-bridge", 800
+        plan["run_id"],
+        promoted,
+        100,
+        3.0,
+        None,
+        "megatron-bridge",
+        800,
+        checkpoint_fingerprint(objects, promoted),
     )
     # the same dataset under NeMo's profile cannot continue from a Bridge checkpoint
     steps.settings = dataclasses.replace(steps.settings, profiles="")
@@ -539,3 +562,29 @@ def test_a_run_that_failed_after_its_checkpoint_was_promoted_keeps_its_content(s
     plan = training_plan(steps.settings, run.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # it is in the champion
     assert len(steps.ledger.run_objects(run)) == 1
+
+
+def test_a_champion_rewritten_since_its_promotion_is_never_restored(steps: Steps, tmp_path: Path) -> None:
+    """A checkpoint unpickles: one rewritten in place (by anyone who can write under runs/) must not be
+    loaded by the next run. Its files' generations were recorded at promotion; the handover checks them."""
+    first = new_run(steps, "guarded")
+    last = upload_outputs(first, tmp_path, events=True)
+    assert steps.handle(request(StepName.RESULTS, first))["promoted"] is True
+    champion = steps.ledger.champion("guarded")
+    assert champion is not None and champion.fingerprint
+
+    unchanged = new_run(steps, "guarded", champion)
+    write_report(unchanged)
+    steps.handle(request(StepName.HANDOVER, unchanged))  # restores it: its files are as promoted
+
+    objects.write_bytes(f"{last}/common.pt", b"weights, rewritten")  # same bytes' name, a new generation
+    rewritten = new_run(steps, "guarded", champion)
+    write_report(rewritten)
+    with pytest.raises(Rejected, match=f"the champion checkpoint {last} changed since it was promoted"):
+        steps.handle(request(StepName.HANDOVER, rewritten))
+
+    elsewhere = dataclasses.replace(champion, checkpoint=f"{last}-planted")  # not the ledger's champion
+    forged = new_run(steps, "guarded", elsewhere)
+    write_report(forged)
+    with pytest.raises(Rejected, match="is not the dataset's champion"):
+        steps.handle(request(StepName.HANDOVER, forged))

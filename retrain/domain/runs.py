@@ -96,6 +96,10 @@ class Champion:
     consumed_samples: int | None = None
     """Sequences its lineage trained on up to it (None: not recorded), so that a trainer whose count
     restarts at a pretrained checkpoint (Megatron-Bridge) still reports the lineage's."""
+    fingerprint: str | None = None
+    """sha256 over its files' names, generations and MD5s when it was promoted (None: promoted before
+    this was recorded): a run restores it only while its files are still exactly those (a checkpoint
+    unpickles, so one rewritten in place by anyone who can write there must never be loaded)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +114,7 @@ class Champion:
             d.get("eval_set"),
             str(d.get("profile") or "nemo-24.12"),
             d.get("consumed_samples"),
+            d.get("fingerprint"),
         )
 
 
