@@ -261,10 +261,11 @@ def classify(
             return entry(key, Account.UNHELD, detail="sealed; its content is in no run")
         if info is None:
             return entry(key, Account.WITHDRAWN, giver.run_id, "gone since it arrived")
-        if giver.status == RunStatus.SUCCEEDED and not giver.refused:
+        if giver.status == RunStatus.SUCCEEDED:
             if key in unread(giver):
                 return entry(key, Account.SET_ASIDE, giver.run_id)
-            return entry(key, Account.UNHELD, giver.run_id, f"run {giver.run_id} could not read its copy")
+            if not giver.refused:  # a refused run's content went back whole (`retrain run --retry`)
+                return entry(key, Account.UNHELD, giver.run_id, f"run {giver.run_id} could not read its copy")
         return entry(key, Account.RETURNED, giver.run_id, f"run {giver.run_id} ended {giver.status}")
 
     out = [where(key) for key in sorted(set(live) | set(arrivals))]

@@ -445,10 +445,12 @@ class Ingest:
         run = self.ledger.get_run(run_id)
         if run is None:
             raise Rejected(f"no run {run_id}")
+        if run.promoted:
+            raise Rejected(f"run {run_id} was promoted: the champion holds its content, never trained twice")
         if not run.status.terminal or (run.status == RunStatus.SUCCEEDED and not run.refused):
             raise Rejected(
-                f"run {run_id} is {run.status}{' and promoted' if run.promoted else ''}: only a failed or "
-                "cancelled run, or one whose checkpoint the eval gate refused, is retried"
+                f"run {run_id} is {run.status}: only a failed or cancelled run, or one whose checkpoint the "
+                "eval gate refused, is retried"
             )
         self.ledger.give_back(run)
         returned = self.ledger.requeue(run)

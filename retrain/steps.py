@@ -71,6 +71,12 @@ def metrics_from(scalars: list[Scalar], plan: TrainingPlan) -> TrainingMetrics |
     steps = max(s.step for s in latest.values())
     samples = latest.get("consumed_samples")
     consumed = int(samples.value) if samples and finite(samples.value) is not None else None
+    # the lineage's count can grow by at most the run's steps of global batches (the next estimate and
+    # the champion's consumed samples read it)
+    gbs = plan.shape.global_batch_size
+    most = max(plan.base_consumed_samples, plan.base_step * gbs) + plan.steps * gbs
+    if consumed is not None and not 0 <= consumed <= most:
+        outside, consumed = outside + 1, None
     return TrainingMetrics(
         steps=steps,
         run_steps=steps - plan.base_step,

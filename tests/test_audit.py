@@ -107,15 +107,23 @@ def test_content_of_a_run_whose_checkpoint_was_refused_is_not_called_trained() -
     (entry,) = classify(SETTINGS, holding, [listed(mine)], {}, {}, NOW)
     assert entry.action.startswith("`retrain run --retry r1` trains it on the champion")
     assert not entry.account.finding
+    unread = version("u")
+    quarantined = [{"object": unread.uri, "generation": 1, "reason": "unreadable", "detail": "not Parquet"}]
+    ended = run(
+        "r1", RunStatus.SUCCEEDED, eval=refused, content_returned=True, quarantined_objects=quarantined
+    )
     retried = DatasetRecords(
         "news",
         CUT,
-        [RecordedArrival(mine, BEFORE)],
+        [RecordedArrival(mine, BEFORE), RecordedArrival(unread, BEFORE)],
         [],
-        [run("r1", RunStatus.SUCCEEDED, eval=refused, content_returned=True)],
-        {"r1": [mine]},
+        [ended],
+        {"r1": [mine, unread]},
     )
-    assert accounts(retried, [listed(mine)]) == {("m", 1): (Account.RETURNED, "r1")}
+    assert accounts(retried, [listed(mine), listed(unread)]) == {
+        ("m", 1): (Account.RETURNED, "r1"),
+        ("u", 1): (Account.SET_ASIDE, "r1"),  # a retry would set it aside again: not "--retry trains it"
+    }
 
 
 def test_what_is_lost_is_a_finding_with_what_to_do() -> None:

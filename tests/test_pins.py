@@ -388,7 +388,16 @@ def test_credentials_go_only_to_the_host_they_were_chosen_for() -> None:
         with pytest.raises(pins.PinError, match="is not a registry host"):
             pins.ImageRef.parse(bad)
     assert pins.ImageRef.parse("us-central1-docker.pkg.dev/p/r/i:1").registry == "us-central1-docker.pkg.dev"
-    assert pins.default_credentials("evil.pkg.dev") is None  # not Artifact Registry: ADC never asked
+    import google.auth
+
+    def adc(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Application Default Credentials were asked for")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(google.auth, "default", adc)
+        assert pins.default_credentials("evil.pkg.dev") is None  # not Artifact Registry: ADC never asked
+        with pytest.raises(AssertionError, match="were asked for"):
+            pins.default_credentials("europe-west4-docker.pkg.dev")  # Artifact Registry: ADC asked
 
     seen: list[str | None] = []
 

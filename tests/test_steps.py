@@ -290,6 +290,11 @@ def test_scalars_at_steps_outside_the_plan_are_left_out_and_counted(steps: Steps
     metrics = steps.handle(request(StepName.RESULTS, plan))["metrics"]
     assert (metrics["steps"], metrics["run_steps"], metrics["outside_plan"]) == (60, 60, 3)
     assert (metrics["consumed_samples"], metrics["final_loss"]) == (480, 3.0)
+    # a count no run of this plan could reach (60 steps of 8 sequences from nothing): not the lineage's
+    inflated = new_run(steps, "inflated")
+    upload_outputs(inflated, tmp_path, events=True, planted={60: {"consumed_samples": 1e15}})
+    metrics = steps.handle(request(StepName.RESULTS, inflated))["metrics"]
+    assert (metrics["consumed_samples"], metrics["tokens_seen"], metrics["outside_plan"]) == (None, None, 1)
     champion = steps.ledger.champion("planted")
     assert champion is not None and champion.step == 60  # the next run trains on from the plan's step
 

@@ -351,7 +351,11 @@ def test_a_failed_run_is_retried_on_request_with_its_own_objects(ingest: Ingest)
         "gs://land/incoming/again/2.txt",
     ]
     ingest.ledger.update_run(retried.run_id, {"status": "succeeded", "eval": {"promoted": True}})
-    with pytest.raises(Rejected, match="is succeeded and promoted"):
+    with pytest.raises(Rejected, match="was promoted: the champion holds its content"):
+        ingest.retry(retried.run_id)
+    # failed after promoting (its release failed): the champion holds its content, which must not train twice
+    ingest.ledger.update_run(retried.run_id, {"status": "failed"})
+    with pytest.raises(Rejected, match="was promoted: the champion holds its content"):
         ingest.retry(retried.run_id)
     with pytest.raises(Rejected, match="no run"):
         ingest.retry("nope-1")

@@ -296,7 +296,7 @@ variable "k8s_namespace" {
   default     = "retrain"
 
   validation {
-    condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", var.k8s_namespace)) && !contains(["default", "kube-system", "kube-public", "kube-node-lease"], var.k8s_namespace)
+    condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", var.k8s_namespace)) && var.k8s_namespace != "default" && !startswith(var.k8s_namespace, "kube-")
     error_message = "k8s_namespace must be a DNS-1123 label of retrain's own, not default or a kube-* namespace."
   }
 }

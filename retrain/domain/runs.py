@@ -292,7 +292,7 @@ class Run:
     """GPU nodes still up when it ended (0 when every GPU went back)."""
     release_observed_at: str | None = None
     """When the reaper saw the node pool at zero for a run whose own end did not record ``nodes_at_end``
-    (its execution was lost); None when its end recorded it."""
+    (its execution was lost, or it ended before anything recorded it); None when its end recorded it."""
     profile: str | None = None
     """The trainer profile that rendered its command (``nemo-24.12`` or ``megatron-bridge``)."""
     image: str | None = None

@@ -86,8 +86,8 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
 
 def check_object(uri: str, generation: int | None, max_decompressed: int) -> tuple[str, str] | None:
     """(reason, detail) when an object must be set aside whole before reading it, else None: a
-    ``.parquet`` that is not Parquet, or whose pages decompress past ``max_decompressed`` bytes (its
-    footer says how much, before anything is decompressed)."""
+    ``.parquet`` that is not Parquet or cannot be decoded, or whose values decode past
+    ``max_decompressed`` bytes (the footer's sizes first, then the values themselves)."""
     if detect_format(uri) != "parquet":
         return None
     import pyarrow.parquet as pq
@@ -100,46 +100,42 @@ def check_object(uri: str, generation: int | None, max_decompressed: int) -> tup
     unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
     if unpacked > max_decompressed:
         return DECOMPRESSED_TOO_LARGE, f"its pages decompress to {unpacked} bytes > max {max_decompressed}"
-    decoded = _dictionary_decoded_bytes(uri, generation, meta, max_decompressed)
+    try:
+        decoded = _decoded_bytes(uri, generation, max_decompressed)
+    except Exception as e:  # a corrupt page: this object is unreadable, the run's others are not
+        return UNREADABLE, f"its pages do not decode: {type(e).__name__}: {e}"[:500]
     if decoded > max_decompressed:
         return (
             DECOMPRESSED_TOO_LARGE,
-            f"its dictionary-encoded values decode to over {decoded} bytes > max {max_decompressed}",
+            f"its text and bytes values decode to over {decoded} bytes > max {max_decompressed}",
         )
     return None
 
 
-#: Rows per Parquet batch: a batch's strings stay dictionary-encoded (one copy of a repeated value), and
-#: each row is materialised alone once its size is known, so a batch never holds many copies of a value.
-PARQUET_BATCH_ROWS = 256
+#: Rows per Parquet batch, read and sized before any row is built: few, because a batch holds its rows'
+#: values decoded (a dictionary-encoded value repeated by every row is one copy per row), at most this
+#: many times ``max_document_bytes``.
+PARQUET_BATCH_ROWS = 16
 
 
-def _dictionary_decoded_bytes(uri: str, generation: int | None, meta: Any, limit: int) -> int:
-    """The bytes the dictionary-encoded string columns decode to, counted from each row's index into its
-    dictionary without building a value (stops once past ``limit``).  A footer's sizes count a dictionary
-    value once however many rows repeat it: 700 rows of one 8 MiB string are a 120 KB file whose footer
-    says 3.7 GB, and they decode to 5.9 GB."""
+def _decoded_bytes(uri: str, generation: int | None, limit: int) -> int:
+    """The bytes the text and bytes columns decode to, batch by batch (stops once past ``limit``).  The
+    footer's sizes are the encoded pages': a dictionary value counts once however many rows repeat it,
+    a prefix-compressed (DELTA_BYTE_ARRAY) column counts its suffixes.  700 rows of one 8 MiB string
+    are a 120 KB file whose footer says 3.7 GB; they decode to 5.9 GB."""
     import pyarrow.parquet as pq
 
-    encoded = {
-        meta.row_group(g).column(c).path_in_schema
-        for g in range(meta.num_row_groups)
-        for c in range(meta.num_columns)
-        if any("DICTIONARY" in e for e in meta.row_group(g).column(c).encodings)
-    }
-    schema = meta.schema.to_arrow_schema()
-    columns = [f.name for f in schema if f.name in encoded and _is_text_or_bytes(f.type)]
-    if not columns:
-        return 0
     total = 0
     with objects.open_read(uri, generation) as f:
-        pf = pq.ParquetFile(f, read_dictionary=columns)
-        for rb in pf.iter_batches(batch_size=64 * PARQUET_BATCH_ROWS, columns=columns):
-            for name in columns:
-                total += _row_bytes(rb.column(name)).sum()
+        pf = pq.ParquetFile(f)
+        columns = [field.name for field in pf.schema_arrow if _is_text_or_bytes(field.type)]
+        if not columns:
+            return 0
+        for rb in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            total += sum(int(_row_bytes(rb.column(name)).sum()) for name in columns)
             if total > limit:
                 break
-    return int(total)
+    return total
 
 
 def _row_bytes(column: Any) -> Any:
@@ -148,8 +144,7 @@ def _row_bytes(column: Any) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
-    if not _is_text_or_bytes(kind):
+    if not _is_text_or_bytes(column.type):
         return np.zeros(len(column), dtype=np.int64)
     if pa.types.is_dictionary(column.type):
         lengths = pc.binary_length(column.dictionary).take(column.indices)
@@ -405,13 +400,9 @@ class _Reader:
 
         self.stats.lines = 0
         with objects.open_read(self.split.uri, self.split.generation) as f:
-            schema = pq.ParquetFile(f).schema_arrow
-            present = [k for k in self.keys if k in schema.names]
-            strings = [k for k in present if _is_text_or_bytes(schema.field(k).type)]
-            f.seek(0)
-            # Strings stay dictionary-encoded in a batch (a value repeated by many rows is held once), and
-            # a row is built only once its size is known; check_object bounded the whole object's.
-            pf = pq.ParquetFile(f, read_dictionary=strings or None)
+            pf = pq.ParquetFile(f)
+            present = [k for k in self.keys if k in pf.schema_arrow.names]
+            # Few rows per batch, each sized before it is built (check_object bounded the whole object).
             row = 0
             for rb in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=present or None):
                 cols: list[pa.Array | None] = [rb.column(k) if k in present else None for k in self.keys]
@@ -438,8 +429,11 @@ class _Reader:
 
 
 def _is_text_or_bytes(kind: Any) -> bool:
+    """Whether values of Arrow type ``kind`` are text or bytes (a dictionary of them included)."""
     import pyarrow as pa
 
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
     return bool(
         pa.types.is_string(kind)
         or pa.types.is_large_string(kind)

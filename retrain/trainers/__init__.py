@@ -99,6 +99,8 @@ class TokenizerFiles:
         known = {k: value[k] for k in ("type", "vocab_file", "merge_file", "tokenizer_json") if k in value}
         if not isinstance(known.get("type"), str):
             raise PlanError(f"the tokenizer {dict(value)!r} names no type")
+        if any(v is not None and not isinstance(v, str) for v in known.values()):
+            raise PlanError(f"the tokenizer {dict(value)!r}: its files must be gs:// URIs")
         return cls(**known)
 
 

@@ -112,22 +112,56 @@ def _one_value_repeated(rows: int, size: int) -> bytes:
     return buf.getvalue()
 
 
-def test_dictionary_encoding_cannot_hide_what_a_parquet_object_decodes_to(gcs_emulator: str) -> None:
-    """200 rows of one 1 MiB string are a file of a few hundred bytes whose footer says about 1 MiB: it
-    passed a 2 MiB limit, then 200 MiB of documents were built and tokenized.  Counted from each row's
-    dictionary index, it is set aside whole; the object beside it trains."""
+def _encoded(table: pa.Table, **options: object) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, **options)  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def test_no_encoding_can_hide_what_a_parquet_object_decodes_to(gcs_emulator: str) -> None:
+    """200 rows of one 1 MiB string are a file of a few hundred bytes whose footer says about 1 MiB,
+    whether the value is dictionary-encoded (pyarrow's default, or a dictionary-typed column) or
+    prefix-compressed (DELTA_BYTE_ARRAY): each passed a 2 MiB limit, then 200 MiB of documents were built
+    and tokenized.  Counted as decoded, each is set aside whole; the object beside them trains."""
     good = _write(f"{gcs_emulator}/dict/good.jsonl", b'{"text": "fine"}\n')
-    bomb_bytes = _one_value_repeated(200, 1 << 20)
-    footer = pq.ParquetFile(io.BytesIO(bomb_bytes)).metadata.row_group(0).total_byte_size
-    assert len(bomb_bytes) < 2_000 and footer < 2 << 20  # what the footer alone lets through
-    bomb = _write(f"{gcs_emulator}/dict/repeated.parquet", bomb_bytes)
+    values = ["x" * (1 << 20)] * 200
+    bombs = {
+        "repeated.parquet": _one_value_repeated(200, 1 << 20),
+        "typed.parquet": _encoded(
+            pa.table({"text": pa.array(values).dictionary_encode()}), compression="zstd"
+        ),
+        "delta.parquet": _encoded(
+            pa.table({"text": values}),
+            use_dictionary=False,
+            column_encoding={"text": "DELTA_BYTE_ARRAY"},
+            compression="zstd",
+        ),
+    }
+    written = []
+    for name, data in bombs.items():
+        footer = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0).total_byte_size
+        assert len(data) < 2_000 and footer < 2 << 20, name  # what the footer alone lets through
+        written.append(_write(f"{gcs_emulator}/dict/{name}", data))
     report = tokenize_incremental(
-        [], f"{gcs_emulator}/shards-dict", pinned=[good, bomb], max_decompressed_bytes=2 << 20
+        [], f"{gcs_emulator}/shards-dict", pinned=[good, *written], max_decompressed_bytes=2 << 20
     )
-    (set_aside,) = report["quarantined_objects"]
-    assert (set_aside["object"], set_aside["reason"]) == (bomb.uri, "decompressed_too_large")
-    assert "dictionary-encoded values decode to over" in set_aside["detail"]
+    reasons = {q["object"]: q["reason"] for q in report["quarantined_objects"]}
+    assert reasons == {v.uri: "decompressed_too_large" for v in written}
+    assert all("values decode to over" in q["detail"] for q in report["quarantined_objects"])
     assert [s["object"] for s in report["shards"]] == [good.uri] and report["documents"] == 1
+
+
+def test_a_parquet_object_whose_pages_do_not_decode_is_set_aside_not_the_run(gcs_emulator: str) -> None:
+    good = _write(f"{gcs_emulator}/corrupt/good.jsonl", b'{"text": "fine"}\n')
+    data = bytearray(_encoded(pa.table({"text": [f"row {i} " * 50 for i in range(200)]}), compression="zstd"))
+    data[8:40] = bytes(32)  # inside the first page; the footer at the end is intact
+    assert pq.ParquetFile(io.BytesIO(bytes(data))).metadata.num_rows == 200
+    broken = _write(f"{gcs_emulator}/corrupt/broken.parquet", bytes(data))
+    report = tokenize_incremental([], f"{gcs_emulator}/shards-corrupt", pinned=[good, broken])
+    (set_aside,) = report["quarantined_objects"]
+    assert (set_aside["object"], set_aside["reason"]) == (broken.uri, "unreadable")
+    assert "its pages do not decode" in set_aside["detail"]
+    assert [s["object"] for s in report["shards"]] == [good.uri]
 
 
 def test_rows_over_the_document_limit_are_quarantined_without_being_built(gcs_emulator: str) -> None:
