@@ -24,12 +24,13 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
     body: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "PodTemplate",
-        "metadata": {"name": "twice"},
+        "metadata": {"name": "twice", "annotations": {"retrain.dev/run-id": "r-twice"}},
         "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
     }
     source["main"] = {
         "params": ["run"],
         "steps": [
+            {"init": {"assign": [{"refused": None}, {"other": '${map.merge(run, {"run_id": "r-other"})}'}]}},
             {
                 "first": {
                     "call": "kube_create",
@@ -42,6 +43,12 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
                     "call": "kube_create",
                     "args": {"run": "${run}", "path": path, "body": body},
                     "result": "b",
+                }
+            },
+            {  # another run's create meets this run's object: never adopted
+                "foreign": {
+                    "try": {"call": "kube_create", "args": {"run": "${other}", "path": path, "body": body}},
+                    "except": {"as": "e", "steps": [{"keep": {"assign": [{"refused": "${e.message}"}]}}]},
                 }
             },
             {
@@ -58,16 +65,22 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
                     "result": "d",
                 }
             },
-            {"done": {"return": ["${a}", "${b}", "${c}", "${d}"]}},
+            {"done": {"return": ["${a}", "${b}", "${c}", "${d}", "${refused}"]}},
         ],
     }
     registry = ConnectorRegistry()
     registry.register(
         "gke.request", gke_request_binding(KubeEndpoint.from_kubeconfig(control_plane.kubeconfig))
     )
-    run = {"project": "p", "region": "r", "cluster": "c"}
+    run = {"project": "p", "region": "r", "cluster": "c", "run_id": "r-twice"}
     result = load_workflow(yaml.safe_dump(source)).run(run, connectors=registry)
-    assert result == ["created", "exists", "deleted", "absent"]
+    assert result == [
+        "created",
+        "exists",  # a retried create after a lost response: this run's own object
+        "deleted",
+        "absent",
+        "PodTemplate twice exists and is not this run's (its run id: r-twice): not adopted",
+    ]
 
 
 def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
