@@ -28,6 +28,7 @@ from stack_support import (
     wait_for_run,
 )
 
+from retrain import config
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.k8s.manifests import K8S_DIR, documents
 from retrain.local.iam import Decision
@@ -93,7 +94,7 @@ locals {
 
 WORKFLOW = "serviceAccount:retrain-workflow@retrain-local.iam.gserviceaccount.com"
 DATAFLOW = "serviceAccount:retrain-dataflow@retrain-local.iam.gserviceaccount.com"
-TRAINER_KSA = "serviceAccount:retrain-local.svc.id.goog[default/retrain-trainer]"
+TRAINER_KSA = f"serviceAccount:retrain-local.svc.id.goog[{config.Settings().namespace}/retrain-trainer]"
 TRAINING = "serviceAccount:retrain-training@retrain-local.iam.gserviceaccount.com"
 
 
