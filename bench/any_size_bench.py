@@ -170,6 +170,7 @@ def through_the_stack(n: int, work: Path) -> int:
         executions = WorkflowsExecutions(settings.project, settings.region, settings.workflow)
         run = follow(ledger, run.run_id, 4 * 3600, executions)
         record = ledger.get_run(run.run_id)
+        stack.executions.wait(str(run.execution), timeout=300)  # it ends after the record says succeeded
         peak = stack.executions.peak_memory(str(run.execution))
         print(
             f"{n:,} objects dropped in {dropped_s:.0f} s ({queued} queued for redelivery); run {run.run_id}: "
