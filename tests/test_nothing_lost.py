@@ -310,8 +310,10 @@ class Interleavings:
 def test_random_interleavings_lose_nothing(stack: LocalStack, tmp_path: Path, seed: int) -> None:
     """Bursts of concurrent drops, identical re-drops, changed bytes, deletes and purges (every version)
     under the same names, seals from every trigger, and one epoch per way a run ends (succeeded, failed,
-    cancelled, its execution lost): once failed runs are retried, every object is trained, a duplicate,
-    gone before it could be read or set aside; no content trained twice; no node left."""
+    cancelled, its execution lost): once failed runs are retried, every object is trained (into the
+    lineage, or by a run whose checkpoint the eval gate refused: trained, kept, and left to an operator's
+    retry), a duplicate, gone before it could be read or set aside; no content trained twice; no node
+    left."""
     scenario = Interleavings(stack, tmp_path, seed)
     endings = list(ENDINGS)
     scenario.rng.shuffle(endings)
@@ -324,7 +326,14 @@ def test_random_interleavings_lose_nothing(stack: LocalStack, tmp_path: Path, se
     trained = trained_contents(stack, runs)
     assert trained and max(trained.values()) == 1, [h for h, n in trained.items() if n > 1]
     report = audit(stack.settings, FirestoreLedger(stack.settings.project), objects, scenario.dataset)
-    final = {Account.TRAINED, Account.DUPLICATE, Account.WITHDRAWN, Account.MARKER, Account.SET_ASIDE}
+    final = {
+        Account.TRAINED,
+        Account.REFUSED,
+        Account.DUPLICATE,
+        Account.WITHDRAWN,
+        Account.MARKER,
+        Account.SET_ASIDE,
+    }
     left = [
         f"{e.account} {e.uri}#{e.generation} {e.run_id} ({e.detail})"
         for e in report.entries
