@@ -9,6 +9,7 @@ function takes it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -49,13 +50,17 @@ def finalized_event(resource: dict[str, Any]) -> tuple[dict[str, str], bytes]:
 
 def upload(local: Path | bytes, uri: str) -> dict[str, Any]:
     """Upload a file (or bytes) and return its GCS resource (what the finalize event carries)."""
+    from google.api_core.exceptions import NotFound
+
     bucket, name = objects.split_gs(uri)
     blob = objects.storage_client().bucket(bucket).blob(name)
     if isinstance(local, bytes):
         blob.upload_from_string(local)
     else:
         blob.upload_from_filename(str(local))
-    blob.reload()
+    # every version purged by another writer right after the upload: the upload's answer stands
+    with contextlib.suppress(NotFound):
+        blob.reload()
     return dict(blob._properties)
 
 
