@@ -792,23 +792,22 @@ class FirestoreLedger:
         """Runs that ended without succeeding and still hold their content (their finish step, which gives
         it back, did not run or failed), oldest first.  Two equality filters per query: Firestore merges
         its single-field indexes for them, no composite index needed."""
-        runs = self.db.collection("runs")
-        found = []
-        for status in (RunStatus.FAILED, RunStatus.CANCELLED):
-            query = runs.where(filter=FieldFilter("status", "==", str(status))).where(
-                filter=FieldFilter("content_returned", "==", False)
-            )
-            found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
-        return sorted(found, key=lambda r: r.created_at)
+        return self._runs_where((RunStatus.FAILED, RunStatus.CANCELLED), "content_returned", False)
 
     def unobserved_release(self) -> list[Run]:
         """Ended runs whose record has no ``nodes_at_end`` (their execution was lost, or ended before it
-        could observe the release), oldest first; equality filters only, as :meth:`unsettled`."""
+        could observe the release), oldest first."""
+        statuses = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
+        return self._runs_where(statuses, "nodes_at_end", None)
+
+    def _runs_where(self, statuses: tuple[RunStatus, ...], field_path: str, value: Any) -> list[Run]:
+        """Runs in one of ``statuses`` whose ``field_path`` equals ``value``, oldest first: one query per
+        status, two equality filters each (Firestore merges its single-field indexes for them)."""
         runs = self.db.collection("runs")
         found = []
-        for status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED):
+        for status in statuses:
             query = runs.where(filter=FieldFilter("status", "==", str(status))).where(
-                filter=FieldFilter("nodes_at_end", "==", None)
+                filter=FieldFilter(field_path, "==", value)
             )
             found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
         return sorted(found, key=lambda r: r.created_at)
