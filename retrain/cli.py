@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain import config
+from retrain.contracts import SchedulerJob
 from retrain.domain.runs import Run, RunStatus
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
@@ -400,7 +401,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with LocalStack(local_settings(), progress=_say):
+    with LocalStack(local_settings(), progress=_say, paused_jobs=set(args.pause)):
         stop.wait()
     return 0
 
@@ -453,7 +454,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = path.parent / "stack.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "retrain.cli", "_serve"],
+            [sys.executable, "-m", "retrain.cli", "_serve", *(f"--pause={job}" for job in args.pause)],
             stdout=out,
             stderr=out,
             stdin=subprocess.DEVNULL,
@@ -700,9 +701,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print the run record as JSON")
     d.set_defaults(fn=cmd_demo)
 
-    sub.add_parser("up", help="start the local stack in the background").set_defaults(fn=cmd_up)
+    up = sub.add_parser("up", help="start the local stack in the background")
+    up.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the background local stack").set_defaults(fn=cmd_down)
-    sub.add_parser("_serve").set_defaults(fn=cmd_serve)  # the body of `up`; no help: not listed
+    serve = sub.add_parser("_serve")  # the body of `up`; no help: not listed
+    serve.set_defaults(fn=cmd_serve)
+    for stack_command in (up, serve):
+        stack_command.add_argument(
+            "--pause",
+            action="append",
+            default=[],
+            choices=[job.value for job in SchedulerJob],
+            metavar="JOB",
+            help="a Scheduler job (seal, sweeper, reaper, audit) that does not tick, as after "
+            "`gcloud scheduler jobs pause`: a quiet stack for work that must not race a timer",
+        )
 
     dr = sub.add_parser("drop", help="upload files to the landing bucket (local stack) and seal")
     dr.add_argument("files", nargs="+")

@@ -15,6 +15,7 @@ stand-ins built the way Google forms them; see :meth:`Stage.computed`.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -297,6 +298,17 @@ class _Lazy(Mapping[str, Any]):
         return len(self._names)
 
 
+def _blocks_of(text: str) -> dict[str, Any]:
+    """A file's blocks, parsed once per content: every settings load, deploy and test reads the stages
+    again, and lark's parse is most of their cost. A copy: no reader shares another's blocks."""
+    return copy.deepcopy(_parsed(text))
+
+
+@cache
+def _parsed(text: str) -> dict[str, Any]:
+    return hcl2.loads(text)
+
+
 @dataclass
 class Stage:
     """One Terraform root module (``infra/<stage>``): its blocks, evaluated on demand.
@@ -312,7 +324,7 @@ class Stage:
     def __post_init__(self) -> None:
         self.blocks: dict[str, list[Any]] = {}
         for tf in sorted(self.path.glob("*.tf")):
-            for kind, items in hcl2.loads(tf.read_text()).items():
+            for kind, items in _blocks_of(tf.read_text()).items():
                 self.blocks.setdefault(kind, []).extend(items)
         self.declared = {unquote(n): b for item in self.blocks.get("variable", []) for n, b in item.items()}
         self.locals_raw = {

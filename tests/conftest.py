@@ -6,7 +6,9 @@ reason; each test isolates its data with its own Firestore project id.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,9 +19,60 @@ import pytest
 from retrain.local import emulators
 from retrain.workflows import ExecutionsServer
 
+pytest_plugins = ("pytester",)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared"))
 CORPUS = SHARED / "corpus"
+
+
+# The tiers, by the marks a test carries (pyproject.toml's `markers`): the first tier whose marks it
+# has; a test with none of them is a unit test.
+TIER_MARKS = {"e2e": {"e2e", "faults"}, "integration": {"integration", "emulators", "envtest"}}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give every test exactly one tier mark, so that ``-m unit`` (``./scripts/test --fast``) selects the
+    unit tier and a test carries no tier mark that contradicts its needs."""
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        tier = next((t for t, implied in TIER_MARKS.items() if marks & implied), "unit")
+        other = {"unit", *TIER_MARKS} - {tier}
+        if marks & other:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked {sorted(marks & other)} but needs the {tier} tier"
+            )
+        item.add_marker(tier)
+
+
+class StartsAProcess(Exception):
+    """A unit test started a process: it belongs to the integration tier (mark it so)."""
+
+
+@contextlib.contextmanager
+def _no_processes(nodeid: str) -> Iterator[None]:
+    """The unit tier's rule, enforced: nothing it runs (the test, its fixtures) starts a process."""
+    started = subprocess.Popen.__init__
+
+    def refuse(self: subprocess.Popen[bytes], args: object, *rest: object, **kw: object) -> None:
+        raise StartsAProcess(
+            f"{nodeid} is in the unit tier, which starts no process, and started {str(args)[:200]}: "
+            "mark it integration (one real component) or e2e (the local stack)"
+        )
+
+    subprocess.Popen.__init__ = refuse  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = started  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _no_processes(item.nodeid):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 from retrain.tokenize import packs
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 OBJECTS = 2000
 MAX_ARG_STRLEN = 131_072

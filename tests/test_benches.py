@@ -13,6 +13,8 @@ from retrain.local import emulators
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.integration
+
 
 def bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(

@@ -16,7 +16,7 @@ from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
 from retrain.trainers.hydra import hydra_string
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -65,7 +65,10 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
             pytest.skip(reason)
     state = tmp_path / "state"
     assert retrain(["drop", str(tmp_path)], state).returncode == 1  # no stack yet: a clear error
-    up = retrain(["up"], state)
+    # the hourly seal tick paused (`gcloud scheduler jobs pause seal`): it would seal the manual and quiet
+    # batches below before `retrain run` or the sweeper could (it ticks every 60 s here); the sweeper,
+    # reaper and audit jobs tick as deployed
+    up = retrain(["up", "--pause", "seal"], state)
     assert up.returncode == 0, up.stderr
     try:
         endpoints = json.loads((state / "stack.json").read_text())
@@ -118,8 +121,7 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert wait_for_run(state, "manual")["trigger"] == "manual"
 
         # no marker, no manual seal: the Scheduler twin's sweep ticks seal it once it has been quiet (5 s;
-        # the sweeper ticks every 5 s), dropped where the hourly seal tick (every 60 s here) is 20 s away
-        wait_between_seal_ticks(state)
+        # the sweeper ticks every 5 s)
         data.write_text(json.dumps({"text": "a quiet batch"}) + "\n")
         assert retrain(["drop", str(data), "--dataset", "quiet", "--no-seal"], state).returncode == 0
         assert wait_for_run(state, "quiet")["trigger"] == "quiet-period"
@@ -141,9 +143,9 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
 
     # up again on the same state: the kept ledger, a fresh control plane; the next run is not slowed by
     # anything the last stack left (a stale notifier resourceVersion once cost a run its completion)
-    # (this stack seals only on request or the hourly tick: `retrain plan` is asked before and after a
-    # drop without the marker, and the sweeper must not seal it meanwhile)
-    assert retrain(["up"], state, RETRAIN_QUIET_PERIOD_S="3600").returncode == 0
+    # (this stack seals only on request: `retrain plan` is asked before and after a drop without the
+    # marker, and neither the sweeper nor the hourly tick may seal it meanwhile)
+    assert retrain(["up", "--pause", "seal", "--pause", "sweeper"], state).returncode == 0
     try:
 
         def plan() -> dict[str, Any]:
@@ -155,7 +157,6 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert (plan()["objects"], plan()["would_run"]) == (0, False)
         again = tmp_path / "again.jsonl"
         again.write_text("\n".join(json.dumps({"text": f"again {i}: after a restart"}) for i in range(20)))
-        wait_between_seal_ticks(state)  # drop, plan and run well before the hourly tick
         assert retrain(["drop", str(again), "--dataset", "again", "--no-seal"], state).returncode == 0
         forecast = plan()  # writes nothing: the data is still pending afterwards
         assert (forecast["objects"], forecast["bytes"], forecast["would_run"]) == (
@@ -171,14 +172,6 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert run["run_id"] in kept and after_restart["run_id"] in kept  # the ledger outlived the stack
     finally:
         assert retrain(["down"], state).returncode == 0
-
-
-def wait_between_seal_ticks(state: Path) -> None:
-    """Until the Scheduler twin's next seal tick is at least 20 s away: it ticks every 60 s from the
-    stack's start (retrain.local.stack.scheduler_twin), and stack.json is written within a second of it."""
-    started = (state / "stack.json").stat().st_mtime
-    while not 2 <= (time.time() - started) % 60 <= 40:
-        time.sleep(0.5)
 
 
 def duration(run: dict[str, Any]) -> float:
@@ -251,12 +244,3 @@ def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(
         ]
     finally:
         retrain(["down"], state)
-
-
-def test_double_dash_ends_options_so_a_file_may_start_with_a_dash() -> None:
-    from retrain.cli import build_parser
-    from retrain.domain.events import check_object_name
-
-    args = build_parser().parse_args(["drop", "--dataset", "notes", "--", "-x.txt", "--no-seal"])
-    assert args.files == ["-x.txt", "--no-seal"] and args.no_seal is False and args.dataset == "notes"
-    assert check_object_name("incoming/notes/-x.txt") == "incoming/notes/-x.txt"  # and the function takes it

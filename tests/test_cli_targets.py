@@ -35,7 +35,7 @@ from retrain.local.cluster_twin import Faults
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
 
 

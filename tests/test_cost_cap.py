@@ -13,7 +13,7 @@ from stack_support import assert_released, module_stack, run_with
 from retrain.local.cluster_twin import Faults
 from retrain.local.stack import LocalStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 
 @pytest.fixture(scope="module")

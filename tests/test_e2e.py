@@ -17,7 +17,7 @@ import pytest
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared")) / "corpus"

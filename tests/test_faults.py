@@ -32,7 +32,7 @@ from retrain.domain.runs import Run
 from retrain.local.cluster_twin import Faults
 from retrain.local.stack import LocalStack
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 
 @pytest.fixture(scope="module")

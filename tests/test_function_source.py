@@ -12,6 +12,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from retrain.deploy import _imports, function_modules
@@ -69,6 +70,7 @@ def requirement_closure(requirements: Path) -> set[str]:
     return seen
 
 
+@pytest.mark.integration
 def test_requirements_provide_every_third_party_module_the_functions_import() -> None:
     closure = requirement_closure(REPO / "functions" / "requirements.txt")
     sources = {"main": REPO / "functions" / "main.py", **function_modules(REPO)}
@@ -86,6 +88,7 @@ def test_requirements_provide_every_third_party_module_the_functions_import() ->
     assert not missing, f"functions/requirements.txt lacks {missing}"
 
 
+@pytest.mark.integration
 def test_a_served_function_imports_the_built_copy_and_nothing_left_out(tmp_path: Path) -> None:
     """The local stack serves functions as deployed (``AS_DEPLOYED``, the built folder on PYTHONPATH):
     ``retrain`` is the built copy, even beside this checkout's editable install, and what was left out

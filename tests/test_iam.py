@@ -165,6 +165,7 @@ def storage_front(gcs_host: str, guard: Guard) -> Iterator[StorageFront]:
         front.stop()
 
 
+@pytest.mark.integration
 def test_storage_calls_are_checked_as_the_json_api_checks_them(
     storage_front: StorageFront, guard: Guard
 ) -> None:
@@ -200,6 +201,7 @@ def test_storage_calls_are_checked_as_the_json_api_checks_them(
     assert forged.status_code == 401 and forged.json()["error"]["errors"][0]["reason"] == "required"
 
 
+@pytest.mark.integration
 def test_the_conditioned_grant_of_old_fails_the_results_listing(
     storage_front: StorageFront, guard: Guard
 ) -> None:
@@ -232,6 +234,7 @@ def test_the_conditioned_grant_of_old_fails_the_results_listing(
 # --- Firestore's front ---------------------------------------------------------------------------
 
 
+@pytest.mark.emulators
 def test_firestore_calls_are_checked_per_identity_endpoint(firestore_host: str, guard: Guard) -> None:
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import firestore  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from retrain.local.iam import Decision
 from retrain.local.identities import Deployed
 from retrain.local.stack import LocalStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 FUNCTIONS = "serviceAccount:retrain-functions@retrain-local.iam.gserviceaccount.com"
 NOTIFIER = "serviceAccount:retrain-notifier@retrain-local.iam.gserviceaccount.com"

@@ -38,7 +38,7 @@ from retrain.local.cluster_twin import Faults
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 STRESS_SEEDS = [int(s) for s in os.environ.get("RETRAIN_STRESS_SEEDS", "1,2").split(",") if s.strip()]
 

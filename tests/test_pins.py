@@ -225,6 +225,7 @@ def anonymous(host: str) -> None:
     return None
 
 
+@pytest.mark.integration
 @needs_registry
 def test_a_multi_platform_image_pins_to_its_index_and_a_single_one_to_its_manifest(registry: str) -> None:
     both = push_image(registry, "team/trainer", "24.12", "b1", ("amd64", "arm64"))
@@ -235,6 +236,7 @@ def test_a_multi_platform_image_pins_to_its_index_and_a_single_one_to_its_manife
         pins.resolve_image(pins.ImageRef.parse(f"{registry}/team/sidecar:missing"), anonymous)
 
 
+@pytest.mark.integration
 @needs_registry
 def test_a_registry_behind_token_authentication_is_answered_through_its_realm(
     registry: str, token_registry: tuple[str, TokenRealm]
@@ -253,6 +255,7 @@ def test_a_registry_behind_token_authentication_is_answered_through_its_realm(
         pins.resolve_image(pins.ImageRef.parse(f"{host}/nvidia/trainer:25.01"), lambda _: "Bearer stale")
 
 
+@pytest.mark.integration
 @needs_registry
 def test_retrain_pin_fills_the_lock_keeps_pins_and_updates_only_when_asked(
     registry: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -290,6 +293,7 @@ def test_check_lists_what_is_not_pinned_and_a_lock_entry_must_be_a_digest(
     assert "is not a sha256 digest" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @needs_registry
 def test_deploy_pins_before_the_app_stage_and_keeps_what_resolved_when_one_fails(
     registry: str, tmp_path: Path

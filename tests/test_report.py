@@ -96,6 +96,7 @@ def hex_rgb(colour: str) -> tuple[int, int, int]:
 @pytest.mark.skipif(
     shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/test installs it)"
 )
+@pytest.mark.integration
 def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
     page.write_text(render(a_run(), SCALARS), encoding="utf-8")

@@ -34,6 +34,7 @@ def fake_terraform(tmp_path: Path, output: object, code: int = 0) -> Path:
     return script
 
 
+@pytest.mark.integration
 def test_the_app_stages_retrain_env_becomes_a_target(tmp_path: Path, config_home: Path) -> None:
     deployed = Deployment(project="acme-prod").env  # what infra/app's local.retrain_env evaluates to
     terraform = fake_terraform(tmp_path, deployed)
@@ -62,6 +63,7 @@ def test_retrain_target_selects_when_no_flag_and_local_is_the_default(
     assert targets.selected("local").local  # the flag wins over the variable
 
 
+@pytest.mark.integration
 def test_a_failed_terraform_output_says_so(tmp_path: Path) -> None:
     terraform = fake_terraform(tmp_path, {}, code=1)
     with pytest.raises(ValueError, match="terraform output retrain_env in infra/app failed: state not found"):

@@ -19,7 +19,7 @@ from retrain.cli import format_run, request_cancel
 from retrain.local.cluster_twin import Faults
 from retrain.local.stack import LocalStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.emulators, pytest.mark.envtest]
+pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,7 @@ def test_digests_come_from_the_builds_results() -> None:
         builds.digests(_build("SUCCESS", images[:1]), registry, tag, REPO)
 
 
+@pytest.mark.integration
 def test_images_are_built_by_cloud_build_as_the_builder_and_named_by_digest(
     checkout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -323,6 +323,7 @@ def _flag(call: dict[str, Any], prefix: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_stages_run_in_order_each_init_plan_apply(tf: FakeTerraform, run: Run, checkout: Path) -> None:
     rc, _out, err = run("--auto-approve")
     assert rc == 0, err
@@ -356,6 +357,7 @@ def test_stages_run_in_order_each_init_plan_apply(tf: FakeTerraform, run: Run, c
     assert f"CLI target {PROJECT} saved" in err
 
 
+@pytest.mark.integration
 def test_outputs_become_vars_of_later_stages_only_where_declared(tf: FakeTerraform, run: Run) -> None:
     rc, _out, err = run("--auto-approve")
     assert rc == 0, err
@@ -382,6 +384,7 @@ def test_outputs_become_vars_of_later_stages_only_where_declared(tf: FakeTerrafo
     assert "state_bucket" in declared("app") and "state_bucket" not in declared("platform")
 
 
+@pytest.mark.integration
 def test_manifests_are_rendered_from_the_platform_outputs(
     tf: FakeTerraform, run: Run, checkout: Path
 ) -> None:
@@ -416,6 +419,7 @@ def test_forwarded_vars_types_sensitivity_and_declared_only() -> None:
     assert withheld == ["secret"]
 
 
+@pytest.mark.integration
 def test_dry_run_plans_every_stage_and_never_applies(tf: FakeTerraform, run: Run) -> None:
     rc, out, err = run("--dry-run", *GIVEN_IMAGES)
     assert rc == 0, err
@@ -452,6 +456,7 @@ def test_summarize_plan_counts() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_failing_stage_stops_the_run_and_names_it(tf: FakeTerraform, run: Run) -> None:
     tf.fail("platform", "plan")
     rc, _out, err = run("--auto-approve")
@@ -470,6 +475,7 @@ def test_failing_stage_stops_the_run_and_names_it(tf: FakeTerraform, run: Run) -
     assert "later stages were not run" in err
 
 
+@pytest.mark.integration
 def test_failing_init_in_dry_run_stops_too(tf: FakeTerraform, run: Run) -> None:
     tf.fail("app", "init")
     rc, _out, err = run("--dry-run", *GIVEN_IMAGES)
@@ -543,6 +549,7 @@ def test_ci_without_auto_approve_refuses_even_on_a_tty(
     assert tf.calls() == []
 
 
+@pytest.mark.integration
 def test_tty_asks_before_each_apply(tf: FakeTerraform, run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deploy, "_interactive", lambda: True)
     monkeypatch.setattr(sys, "stdin", io.StringIO("yes\nno\n"))
@@ -560,6 +567,7 @@ def test_tty_asks_before_each_apply(tf: FakeTerraform, run: Run, monkeypatch: py
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_selected_stages_only_with_explicit_state_bucket(tf: FakeTerraform, run: Run, checkout: Path) -> None:
     """The app stage alone reads the applied platform stage's outputs (it renders the manifests and
     builds the images from them), and applies only itself."""
@@ -576,6 +584,7 @@ def test_selected_stages_only_with_explicit_state_bucket(tf: FakeTerraform, run:
     assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in (rendered / "notifier.yaml").read_text()
 
 
+@pytest.mark.integration
 def test_the_app_stage_alone_refuses_when_the_manifests_cannot_be_rendered(
     tf: FakeTerraform, run: Run, checkout: Path
 ) -> None:
@@ -595,6 +604,7 @@ def test_the_app_stage_alone_refuses_when_the_manifests_cannot_be_rendered(
     assert ("app", "plan") not in tf.sequence()
 
 
+@pytest.mark.integration
 def test_a_dry_run_is_given_the_images_it_plans_with(tf: FakeTerraform, run: Run) -> None:
     rc, _out, err = run("--dry-run")
     assert rc == 2
@@ -602,6 +612,7 @@ def test_a_dry_run_is_given_the_images_it_plans_with(tf: FakeTerraform, run: Run
     assert ("app", "plan") not in tf.sequence()
 
 
+@pytest.mark.integration
 def test_later_stages_alone_read_the_bucket_from_bootstrap_outputs(tf: FakeTerraform, run: Run) -> None:
     rc, _out, err = run("--stage", "app", "platform", "--dry-run", *GIVEN_IMAGES)
     assert rc == 0, err
@@ -612,6 +623,7 @@ def test_later_stages_alone_read_the_bucket_from_bootstrap_outputs(tf: FakeTerra
     assert plan_vars(tf.call("app", "plan"))["state_bucket"] == STATE_BUCKET
 
 
+@pytest.mark.integration
 def test_later_stages_without_any_state_bucket_is_an_error(tf: FakeTerraform, run: Run) -> None:
     tf.spec["outputs"] = {"bootstrap": {}}
     tf.save()
@@ -621,6 +633,7 @@ def test_later_stages_without_any_state_bucket_is_an_error(tf: FakeTerraform, ru
     assert ("platform", "init") not in tf.sequence()
 
 
+@pytest.mark.integration
 def test_user_vars_go_to_the_stages_that_declare_them(tf: FakeTerraform, run: Run) -> None:
     rc, _out, err = run(
         "--auto-approve",
@@ -665,6 +678,7 @@ def test_functions_build_folder_holds_main_requirements_and_the_package(checkout
     assert not [p for p in everything if p.name in ("__pycache__", "tests") or p.suffix == ".pyc"]
 
 
+@pytest.mark.integration
 def test_a_target_that_cannot_be_saved_is_a_warning_not_a_failed_deploy(
     tf: FakeTerraform, run: Run, config_home: Path
 ) -> None:
@@ -675,6 +689,7 @@ def test_a_target_that_cannot_be_saved_is_a_warning_not_a_failed_deploy(
     assert f"run `retrain target save {PROJECT} --from-terraform infra/app`" in err
 
 
+@pytest.mark.integration
 def test_function_source_is_built_before_the_app_stage(tf: FakeTerraform, run: Run, checkout: Path) -> None:
     rc, _out, err = run("--dry-run", *GIVEN_IMAGES)
     assert rc == 0, err
@@ -692,6 +707,7 @@ def test_app_stage_zips_the_build_folder() -> None:
     assert 'source_dir  = "${local.repo_root}/${var.functions_source_dir}"' in functions_tf
 
 
+@pytest.mark.integration
 def test_built_function_source_imports_the_vendored_package(checkout: Path) -> None:
     built = deploy.build_functions_source(checkout)
     result = subprocess.run(
@@ -710,6 +726,7 @@ def test_built_function_source_imports_the_vendored_package(checkout: Path) -> N
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_real_terraform_fmt_check() -> None:
     terraform = shutil.which("terraform")
     if terraform is None:
@@ -724,6 +741,7 @@ def test_real_terraform_fmt_check() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.integration
 def test_an_artifact_that_cannot_be_pinned_stops_deploy_before_the_app_stage(
     tf: FakeTerraform, run: Run, checkout: Path
 ) -> None:

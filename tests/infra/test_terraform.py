@@ -12,6 +12,8 @@ deliberately broken copies of the real files so that a check that can no longer 
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import re
@@ -185,6 +187,12 @@ def _clean(node: Any) -> Any:
 
 
 def parse_hcl(text: str) -> dict[str, Any]:
+    """A fresh copy of the file's blocks: a mutation test parses again only the file it changed."""
+    return copy.deepcopy(_parsed(text))
+
+
+@functools.cache
+def _parsed(text: str) -> dict[str, Any]:
     return _clean(hcl2.loads(text))
 
 
@@ -1195,6 +1203,7 @@ def test_mutation_is_detected(
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_terraform_fmt_check() -> None:
     terraform = shutil.which("terraform")
     if terraform is None:
@@ -1222,6 +1231,7 @@ def _checkov_command() -> list[str] | None:
     return [found] if found else None
 
 
+@pytest.mark.integration
 def test_checkov_has_no_unexplained_failures(tmp_path: Path) -> None:
     command = _checkov_command()
     if command is None:

@@ -178,6 +178,7 @@ def test_impossible_plans_are_refused_before_capacity_with_the_reason(
         workflow_argument(settings, Run("r1", "default", "manual"), None)
 
 
+@pytest.mark.integration
 def test_render_cli_adds_every_data_prefix_and_exits_2_on_impossible_batch_math() -> None:
     base = [sys.executable, "-m", "retrain.cli", "render", "jobset", "--run-id", "r1", "--json"]
     blend = ["--data-prefix", "0.5", "gs://a/x", "--data-prefix", "0.5", "gs://a/y"]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import corpus_documents, megatron_bytes
 
 from retrain.adapters import objects
 from retrain.tokenize import tokenize_incremental, tokenize_to_prefix
+
+pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 
 
 def _docs() -> list[str]:

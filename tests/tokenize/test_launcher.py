@@ -18,6 +18,8 @@ from retrain.domain.events import ObjectVersion
 from retrain.local.dataflow import LocalDataflow
 from retrain.workflows import WorkflowError
 
+pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
+
 
 @pytest.fixture
 def template(gcs_emulator: str) -> str:

@@ -10,6 +10,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from conftest import corpus_documents
 
 from retrain.adapters import objects
@@ -17,6 +18,8 @@ from retrain.domain.events import ObjectVersion
 from retrain.tokenize import tokenize_incremental
 
 NAMES = ["a[1].jsonl", "b*.jsonl", "c?.jsonl", "d e.jsonl", "é-ü.jsonl", "数据.jsonl"]
+
+pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 
 
 def _write(uri: str, data: bytes) -> ObjectVersion:

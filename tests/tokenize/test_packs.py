@@ -28,6 +28,7 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], dic
     return d, files, report
 
 
+@pytest.mark.integration
 def test_thousands_of_objects_train_on_at_most_max_packs_datasets(many) -> None:
     _, _, report = many
     assert len(report["shards"]) == OBJECTS and report["new_objects"] == OBJECTS
@@ -39,6 +40,7 @@ def test_thousands_of_objects_train_on_at_most_max_packs_datasets(many) -> None:
     assert sum(p["tokens"] for p in report["packs"]) == report["tokens"]
 
 
+@pytest.mark.integration
 def test_a_pack_is_its_shards_back_to_back(many) -> None:
     """Every document of every shard, once, in the pack's order; the .idx as megatron-core's add_index
     would write it (the optional tier below compares with megatron-core itself)."""
@@ -56,6 +58,7 @@ def test_a_pack_is_its_shards_back_to_back(many) -> None:
     assert got == want
 
 
+@pytest.mark.integration
 def test_a_rerun_reuses_every_pack_and_rewrites_nothing(many) -> None:
     d, files, report = many
     before = {p: p.stat().st_mtime_ns for p in (d / "shards").rglob("pack-*/*")}
@@ -83,6 +86,7 @@ def test_packs_cut_at_least_pack_bytes_and_never_more_than_max_packs() -> None:
     assert again == small  # named by its members, whatever order they come in
 
 
+@pytest.mark.integration
 def test_merged_index_is_what_megatron_core_writes(many, tmp_path: Path) -> None:
     """Optional tier: megatron-core's IndexedDatasetBuilder.add_index over the same shards."""
     try:
@@ -108,6 +112,7 @@ def test_datasets_of_other_dtypes_are_never_merged() -> None:
         megatron.merge_indexes([a, b])
 
 
+@pytest.mark.integration
 def test_large_members_are_streamed_one_by_one_into_the_same_bytes(many, monkeypatch, tmp_path: Path) -> None:
     """Members over the read window are streamed alone (memory stays bounded): the pack is the same."""
     _, _, report = many

@@ -50,6 +50,7 @@ def test_deterministic_across_workers_splits_and_batches(runs):
     assert {k: one[k] for k in ("documents", "tokens")} == {k: two[k] for k in ("documents", "tokens")}
 
 
+@pytest.mark.integration
 def test_same_bytes_as_megatron_core_builder(runs, docs, gpt2, tmp_path):
     """Optional tier: Megatron-LM's own IndexedDatasetBuilder, fed as preprocess_data.py feeds it."""
     try:

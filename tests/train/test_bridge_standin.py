@@ -18,6 +18,8 @@ STANDIN = REPO / "retrain" / "train" / "bridge_standin.py"
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
 BLEND = [1.0, "gs://b/shards/p/data_text_document"]
 
+pytestmark = pytest.mark.integration
+
 
 def torchrun(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess[str]:
     return run_torchrun(STANDIN, args, nproc)

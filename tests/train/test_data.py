@@ -72,6 +72,7 @@ def test_the_data_check_counts_a_good_blend_and_names_a_bad_one(tmp_path: Path) 
         check([str(a), str(b)])
 
 
+@pytest.mark.integration
 def test_the_data_side_never_imports_torch() -> None:
     code = (
         "import sys, retrain.train, retrain.train.datacheck, retrain.train.data; "

@@ -52,6 +52,7 @@ def scalars(mount: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
 BLEND = [1.0, "gs://b/shards/p/data_text_document"]
 
 
+@pytest.mark.integration
 def test_two_ranks_train_the_profiles_command_and_write_nemos_layout(mount: Path) -> None:
     r = torchrun(nemo_args(mount, BLEND, gpus=2, steps=20, run_id="two"), nproc=2)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -66,6 +67,7 @@ def test_two_ranks_train_the_profiles_command_and_write_nemos_layout(mount: Path
     assert list((mount / "b" / "runs" / "two" / "index_mapping").glob("*_train_doc_idx.npy"))
 
 
+@pytest.mark.integration
 def test_continual_training_restores_the_base_and_trains_on_to_base_plus_steps(mount: Path) -> None:
     first = torchrun(nemo_args(mount, BLEND, steps=10, run_id="base"))
     assert first.returncode == 0, first.stdout + first.stderr
@@ -82,6 +84,7 @@ def test_continual_training_restores_the_base_and_trains_on_to_base_plus_steps(m
     assert f"step 10 (base checkpoint) val_loss {at_base:.4f}" in second.stdout
 
 
+@pytest.mark.integration
 def test_a_datasets_eval_set_validates_instead_of_the_split(mount: Path) -> None:
     """NeMo's per-split data_prefix: train on the blend whole, validate on the eval set.  The eval set here
     is noise no model can learn, the training data a pattern it learns: the val_loss tells which was used."""
@@ -103,6 +106,7 @@ def test_a_datasets_eval_set_validates_instead_of_the_split(mount: Path) -> None
     assert on_noise > math.log(16) - 0.1 and on_split < on_noise - 0.4, (on_noise, on_split)
 
 
+@pytest.mark.integration
 def test_an_override_nemo_would_refuse_is_refused_with_hydras_message(mount: Path) -> None:
     args = nemo_args(mount, BLEND, run_id="bad")
     r = torchrun([*args, "+model.micro_batch_size=2"])
@@ -117,6 +121,7 @@ def test_an_override_nemo_would_refuse_is_refused_with_hydras_message(mount: Pat
     )
 
 
+@pytest.mark.integration
 def test_bad_data_is_named(mount: Path, tmp_path: Path) -> None:
     bad = write_dataset(tmp_path / "b" / "shards" / "bad" / "data_text_document", [[1, 2, 3]] * 5)
     Path(str(bad) + ".bin").write_bytes(b"\x00" * 4)
@@ -126,6 +131,7 @@ def test_bad_data_is_named(mount: Path, tmp_path: Path) -> None:
     assert 'standin.py", line' not in r.stderr  # a message, not the script's traceback
 
 
+@pytest.mark.integration
 def test_without_pytorch_the_data_is_checked_and_nothing_trained(mount: Path) -> None:
     """No torch: the stand-in launcher starts the script, which checks the blend instead of training."""
     code = (
@@ -146,6 +152,7 @@ def test_without_pytorch_the_data_is_checked_and_nothing_trained(mount: Path) ->
     assert not (mount / "b" / "runs" / "notorch" / "megatron_gpt").exists()
 
 
+@pytest.mark.integration
 def test_the_stand_in_launcher_starts_ranks_as_torchrun_does(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(

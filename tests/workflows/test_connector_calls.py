@@ -134,6 +134,7 @@ def test_the_interpreter_answers_a_bad_call_with_400_before_the_backend_sees_it(
     assert "unknown parameter 'objekt'" in e.value.value["message"] and seen == []
 
 
+@pytest.mark.integration
 def test_retrain_workflows_run_names_the_misspelled_parameter(tmp_path: Path) -> None:
     """No backend is bound under `retrain workflows run`: the call still fails on its name."""
     source = tmp_path / "bad.yaml"

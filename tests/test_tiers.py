@@ -1,0 +1,71 @@
+"""The test tiers of tests/conftest.py, on a suite of their own (pytester): what ``-m unit`` selects, and
+that the unit tier refuses a process, so a slow test cannot hide in ``./scripts/test --fast``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration  # the inner suite's tests start a process on purpose
+
+CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+MARKERS = "[pytest]\nmarkers =\n  unit\n  integration\n  e2e\n  emulators\n  envtest\n  faults\n"
+SUITE = """
+import subprocess
+import pytest
+
+def test_pure():
+    assert 1 + 1 == 2
+
+def test_starts_a_process():
+    subprocess.run(["true"], check=True)
+
+@pytest.mark.integration
+def test_starts_a_process_in_its_tier():
+    subprocess.run(["true"], check=True)
+
+@pytest.mark.emulators
+def test_needs_an_emulator():
+    pass
+"""
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini(MARKERS)
+    pytester.makepyfile(test_suite=SUITE)
+    return pytester
+
+
+def test_the_unit_tier_is_what_no_mark_puts_elsewhere(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_inprocess("-m", "unit", "--collect-only", "-q")
+    assert sorted(line for line in result.outlines if "::" in line) == [
+        "test_suite.py::test_pure",
+        "test_suite.py::test_starts_a_process",
+    ]
+    result = suite.runpytest_inprocess("-m", "integration", "--collect-only", "-q")
+    assert sorted(line for line in result.outlines if "::" in line) == [
+        "test_suite.py::test_needs_an_emulator",
+        "test_suite.py::test_starts_a_process_in_its_tier",
+    ]
+
+
+def test_a_unit_test_that_starts_a_process_fails_and_says_which_tier_it_needs(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_inprocess("-q")
+    result.assert_outcomes(passed=3, failed=1)
+    failed = "\n".join(result.outlines)
+    assert "test_suite.py::test_starts_a_process is in the unit tier, which starts no process" in failed
+    assert "['true']" in failed and "mark it integration" in failed
+
+
+def test_a_test_marked_into_two_tiers_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini(MARKERS)
+    pytester.makepyfile(
+        "import pytest\n\n@pytest.mark.unit\n@pytest.mark.emulators\ndef test_x():\n    pass\n"
+    )
+    result = pytester.runpytest_inprocess("-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "test_x is marked ['unit'] but needs the integration tier" in "\n".join(result.errlines)
