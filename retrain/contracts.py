@@ -146,6 +146,11 @@ class WorkflowArgument:
     """Bucket holding the manifest, the tokenize report, shards and checkpoints."""
     manifest_object: str
     """Object (in ``artifacts_bucket``) holding the :class:`RunManifest`."""
+    manifest_generation: int | None
+    """The manifest's generation as ``Ingest.start`` wrote it, just before starting the execution: the
+    tokenize job reads exactly that version (``gs://BUCKET/OBJECT#GENERATION``, Cloud Storage's notation
+    for one version), so a later rewrite of ``runs/`` cannot change what the run trains. None only in a
+    plan that was never started (``retrain plan``)."""
     report_object: str
     """Object (in ``artifacts_bucket``) where the tokenize job writes its :class:`TokenizeReport`."""
     objects: int

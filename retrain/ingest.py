@@ -342,11 +342,12 @@ class Ingest:
                 "cost_cap_usd": self.settings.max_run_cost_usd or None,
             },
         )
-        self.store.write_bytes(
+        written = self.store.write_bytes(
             f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
             manifest.to_json(),
             "application/json",
         )
+        argument = dataclasses.replace(argument, manifest_generation=written)
         execution = self.orchestrator.start(argument.to_dict())
         self.ledger.attach_execution(run.run_id, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)

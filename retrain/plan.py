@@ -247,6 +247,7 @@ def workflow_argument(
         gpus_per_node=settings.gpus_per_node,
         artifacts_bucket=settings.artifacts_bucket,
         manifest_object=manifest_object(run.run_id),
+        manifest_generation=None,  # Ingest.start writes the manifest, then gives its generation
         report_object=f"runs/{run.run_id}/tokenize_report.json",
         objects=run.objects,
         shard_root=shard_root(settings),

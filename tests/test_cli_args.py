@@ -24,3 +24,18 @@ def test_up_pauses_only_the_scheduler_jobs_infra_declares(capsys: pytest.Capture
         build_parser().parse_args(["up", "--pause", "hourly"])
     assert refused.value.code == 2
     assert "invalid choice: 'hourly'" in capsys.readouterr().err
+
+
+@pytest.mark.integration  # a process: the import's logging as a user's terminal shows it
+def test_a_command_that_imports_beam_prints_no_stray_warning() -> None:
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "retrain.cli", "tokenize", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0 and "usage: retrain tokenize" in shown.stdout
+    assert shown.stderr == ""

@@ -88,9 +88,9 @@ def test_sweeper_seals_a_batch_at_max_age_while_data_keeps_arriving(ingest: Inge
     ingest.settings = dataclasses.replace(ingest.settings, quiet_period_s=1e9, max_batch_age_s=5)
     arrive(ingest, "busy", "1.txt")
     assert ingest.sweep() == []  # younger than max age
-    time.sleep(5.5)
     arrive(ingest, "busy", "2.txt")  # still arriving: the batch is not quiet
-    (aged,) = ingest.sweep()
+    assert ingest.sweep(now=later(4.5)) == []  # the clock the sweeper is given, not slept
+    (aged,) = ingest.sweep(now=later(5.5))
     assert aged.action == "started" and ingest.ledger.get_run(aged.run_id).trigger == "max-age"
     assert [o.uri for o in ingest.ledger.run_objects(ingest.ledger.get_run(aged.run_id))] == [
         "gs://land/incoming/busy/1.txt",
@@ -598,3 +598,16 @@ def test_the_sweeper_leaves_a_pending_run_to_the_sealer_still_joining_a_batch_in
     assert [o.run_id for o in started] == [first.run_id]
     run = ingest.ledger.get_run(first.run_id)
     assert run is not None and run.objects == 5 and len(ingest.ledger.run_objects(run)) == 5
+
+
+def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for(ingest: Ingest) -> None:
+    """Ingest.start writes the manifest, then starts the execution with its generation
+    (WorkflowArgument.manifest_generation), which the workflow hands the tokenize job as ``#GENERATION``."""
+    arrive(ingest, "pinned", "1.txt")
+    (started,) = ingest.seal_pending("pinned", "manual")
+    run = ingest.ledger.get_run(started.run_id)
+    assert run is not None and run.execution
+    argument = json.loads(ingest.orchestrator.get(run.execution)["argument"])
+    manifest = f"{ingest.settings.artifacts_uri}/{argument['manifest_object']}"
+    assert argument["manifest_generation"] == objects.stat(manifest).generation
+    assert argument["manifest_generation"] > 0

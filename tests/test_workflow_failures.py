@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import json
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,18 +96,33 @@ def test_a_jobset_of_the_runs_name_that_is_not_its_own_is_never_adopted(
     from retrain.trainers import Command
 
     stack.twin.faults = Faults(provisioning="never")  # held in provisioning until the JobSet is planted
-    run = drop_lines(stack, tmp_path / "planted.jsonl", [json.dumps({"text": str(uuid.uuid4())})], "planted")
-    wait_for_status(stack, run, "provisioning", 60)
-    ns = stack.settings.namespace
-    planted = render_jobset(
-        "someone-else", nodes=1, image="local", command=Command(["true"], []), namespace=ns
-    )
-    planted["metadata"]["name"] = jobset_name(run.run_id)
-    planted["spec"]["suspend"] = True
-    objects = client.CustomObjectsApi(stack.kube_api)
-    objects.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets", planted)
-    stack.twin.faults = Faults()  # the next request is served
-    ended = finish(stack, run, 120)
+    stack.paused_jobs.add("reaper")  # which deletes what no live run owns: the planted JobSet too
+    try:
+        run = drop_lines(
+            stack, tmp_path / "planted.jsonl", [json.dumps({"text": str(uuid.uuid4())})], "planted"
+        )
+        wait_for_status(stack, run, "provisioning", 60)
+        ns = stack.settings.namespace
+        planted = render_jobset(
+            "someone-else", nodes=1, image="local", command=Command(["true"], []), namespace=ns
+        )
+        planted["metadata"]["name"] = jobset_name(run.run_id)
+        planted["spec"]["suspend"] = True
+        objects = client.CustomObjectsApi(stack.kube_api)
+        jobsets = ("jobset.x-k8s.io", "v1alpha2", ns, "jobsets")
+        objects.create_namespaced_custom_object(*jobsets, planted)
+        stack.twin.faults = Faults()  # the next request is served
+        ended = finish(stack, run, 120)
+        # the release deleted only what was the run's: the planted JobSet is left ...
+        kept = objects.get_namespaced_custom_object(*jobsets, jobset_name(run.run_id))
+        assert kept["metadata"]["annotations"]["retrain.dev/run-id"] == "someone-else", kept["metadata"]
+    finally:
+        stack.paused_jobs.discard("reaper")
+    # ... to the reaper, which deletes what no live run owns (it ticks every 15 s here)
+    deadline = time.monotonic() + 90
+    while [j["metadata"]["name"] for j in objects.list_namespaced_custom_object(*jobsets)["items"]]:
+        assert time.monotonic() < deadline, "the reaper left the planted JobSet"
+        time.sleep(1)
     assert_released(stack, ended)
     refusal = f"JobSet {jobset_name(run.run_id)} exists and is not this run's (its run id: someone-else)"
     assert ended.reason and f"{refusal}: not adopted" in ended.reason, ended.reason

@@ -96,15 +96,28 @@ def open_read(uri: str, generation: int | None = None) -> IO[bytes]:
     return open(uri, "rb")
 
 
-def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-stream") -> int | None:
+    """Writes the object whole; its new generation (a local file has none: None)."""
     if is_gcs(uri):
-        _blob(uri).upload_from_string(data, content_type=content_type)
-        return
+        blob = _blob(uri)
+        blob.upload_from_string(data, content_type=content_type)
+        return int(blob.generation)
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+    return None
+
+
+def split_generation(uri: str) -> tuple[str, int | None]:
+    """``gs://BUCKET/OBJECT#GENERATION`` (Cloud Storage's notation for one version of an object,
+    cloud.google.com/storage/docs/object-versioning) as the URI and the generation; a URI without the
+    suffix as itself and None."""
+    base, sep, tail = uri.rpartition("#")
+    if is_gcs(uri) and sep and tail.isdigit():
+        return base, int(tail)
+    return uri, None
 
 
 @contextmanager

@@ -69,12 +69,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def read_manifest(uri: str) -> list[ObjectVersion]:
-    """The objects a run trains (its manifest, ``retrain.contracts.RunManifest``): names taken literally,
-    each read at the generation it had when it arrived."""
+    """The objects a run trains (its manifest, ``retrain.contracts.RunManifest``, at the generation a
+    ``#GENERATION`` suffix names: the version its run started with): names taken literally, each read at
+    the generation it had when it arrived."""
     from retrain.adapters import objects
 
+    manifest, generation = objects.split_generation(uri)
     try:
-        return RunManifest.parse(objects.read_bytes(uri)).objects
+        return RunManifest.parse(objects.read_bytes(manifest, generation)).objects
+    except FileNotFoundError as e:
+        raise SystemExit(
+            f"retrain tokenize: {e}: the manifest was replaced or deleted after its run started"
+        ) from None
     except ValueError as e:
         raise SystemExit(f"retrain tokenize: {uri} is not a run manifest: {e}") from None
 

@@ -1,6 +1,7 @@
 """The workflow's Kubernetes helpers (workflows/retrain.yaml's kube_create and kube_delete) in retrain's
 interpreter, against the real API server through the gke.request binding: a create retried after a lost
-response finds its object (409 AlreadyExists) and counts as created; a delete of what is gone is fine."""
+response finds its object (409 AlreadyExists) and counts as created; a delete of what is gone is fine; a
+delete leaves what is not the run's, and deletes what is only at the uid it read."""
 
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
                     "except": {"as": "e", "steps": [{"keep": {"assign": [{"refused": "${e.message}"}]}}]},
                 }
             },
+            {  # another run's release meets this run's object: left in place
+                "foreign_drop": {
+                    "call": "kube_delete",
+                    "args": {"run": "${other}", "path": path + "/twice"},
+                    "result": "kept",
+                }
+            },
+            {
+                "still_there": {
+                    "call": "kube",
+                    "args": {"run": "${run}", "method": "GET", "path": path + "/twice"},
+                    "result": "found",
+                }
+            },
             {
                 "drop": {
                     "call": "kube_delete",
@@ -65,7 +80,19 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
                     "result": "d",
                 }
             },
-            {"done": {"return": ["${a}", "${b}", "${c}", "${d}", "${refused}"]}},
+            {
+                "done": {
+                    "return": [
+                        "${a}",
+                        "${b}",
+                        "${kept}",
+                        "${found.body.metadata.name}",
+                        "${c}",
+                        "${d}",
+                        "${refused}",
+                    ]
+                }
+            },
         ],
     }
     registry = ConnectorRegistry()
@@ -77,6 +104,8 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
     assert result == [
         "created",
         "exists",  # a retried create after a lost response: this run's own object
+        "not this run's",  # another run's delete leaves it
+        "twice",
         "deleted",
         "absent",
         "PodTemplate twice exists and is not this run's (its run id: r-twice): not adopted",
@@ -129,3 +158,50 @@ def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
     with pytest.raises(WorkflowError) as refused:
         create_in(elsewhere)
     assert refused.value.value["code"] == 403 and "forbidden" in str(refused.value).lower()
+
+
+def test_an_object_replaced_between_the_read_and_the_delete_is_not_deleted(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    """kube_delete reads the object, then deletes it with the uid it read as a precondition: when another
+    object took the name in between (here made by the connector just before it sends the DELETE), the
+    DELETE is refused (409) and the newcomer stays."""
+    source = yaml.safe_load(WORKFLOW.read_text())
+    path = f"/api/v1/namespaces/{namespace}/podtemplates"
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "swapped", "annotations": {"retrain.dev/run-id": "r-swap"}},
+        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
+    }
+    gke = gke_request_binding(KubeEndpoint.from_kubeconfig(control_plane.kubeconfig))
+    uids: list[str] = []
+
+    def swap_before_delete(args: dict[str, Any], context: dict[str, Any]) -> Any:
+        if args["method"] == "DELETE":
+            gke({"method": "DELETE", "path": args["path"]}, context)
+            uids.append(
+                gke({"method": "POST", "path": path, "body": body}, context)["body"]["metadata"]["uid"]
+            )
+        return gke(args, context)
+
+    registry = ConnectorRegistry()
+    registry.register("gke.request", swap_before_delete)
+    source["main"] = {
+        "params": ["run"],
+        "steps": [
+            {"make": {"call": "kube_create", "args": {"run": "${run}", "path": path, "body": body}}},
+            {
+                "drop": {
+                    "call": "kube_delete",
+                    "args": {"run": "${run}", "path": path + "/swapped"},
+                    "result": "r",
+                }
+            },
+            {"done": {"return": "${r}"}},
+        ],
+    }
+    run = {"project": "p", "region": "r", "cluster": "c", "run_id": "r-swap"}
+    assert load_workflow(yaml.safe_dump(source)).run(run, connectors=registry) == "absent"
+    kept = gke({"method": "GET", "path": path + "/swapped"}, {})
+    assert [kept["body"]["metadata"]["uid"]] == uids

@@ -125,3 +125,42 @@ def test_what_the_emulator_took_survives_its_stop_and_restart(tmp_path, monkeypa
         ]
     finally:
         proc.stop()
+
+
+def test_a_manifest_is_read_at_the_generation_its_run_started_with(gcs_host: str) -> None:
+    """``--manifest gs://B/runs/R/objects.json#G`` (what the workflow passes: the generation Ingest.start
+    wrote) reads that version: a rewrite of ``runs/`` afterwards (a writer of another run) changes nothing
+    the run trains; where the bucket keeps no versions, the rewritten manifest is refused, never read."""
+    from retrain.contracts import RunManifest
+    from retrain.domain.events import ObjectVersion
+    from retrain.tokenize.cli import read_manifest
+
+    client = objects.storage_client()
+    versioned = client.create_bucket("versioned-artifacts")
+    versioned.versioning_enabled = True  # as infra/platform/storage.tf keeps the artifacts bucket
+    versioned.patch()  # (as the local stack sets it: the emulator keeps only what a patch says)
+    client.create_bucket("unversioned-artifacts")
+    ours = RunManifest("r", "d", "b", "s", [ObjectVersion("gs://land/incoming/d/ours.txt", 7)]).to_json()
+    forged = RunManifest("r", "d", "b", "s", [ObjectVersion("gs://land/incoming/d/forged.txt", 9)]).to_json()
+    for bucket in ("versioned-artifacts", "unversioned-artifacts"):
+        uri = f"gs://{bucket}/runs/r/objects.json"
+        started = objects.write_bytes(uri, ours, "application/json")
+        assert started == objects.stat(uri).generation
+        assert objects.write_bytes(uri, forged, "application/json") != started  # rewritten after the start
+        pinned = f"{uri}#{started}"
+        if bucket == "versioned-artifacts":
+            assert [o.uri for o in read_manifest(pinned)] == ["gs://land/incoming/d/ours.txt"]
+        else:
+            with pytest.raises(
+                SystemExit, match="the manifest was replaced or deleted after its run started"
+            ):
+                read_manifest(pinned)
+        assert [o.uri for o in read_manifest(uri)] == [
+            "gs://land/incoming/d/forged.txt"
+        ]  # unpinned: the latest
+
+
+def test_only_a_numeric_suffix_of_a_gs_uri_names_a_generation() -> None:
+    assert objects.split_generation("gs://b/runs/r/objects.json#123") == ("gs://b/runs/r/objects.json", 123)
+    assert objects.split_generation("gs://b/a#b.txt") == ("gs://b/a#b.txt", None)
+    assert objects.split_generation("/local/m.json#5") == ("/local/m.json#5", None)
