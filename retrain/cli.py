@@ -137,6 +137,7 @@ def format_run(run: Run) -> str:
             if run.refused
             else None,
         ),
+        ("failure", run.failure),
         ("reason", run.reason),
         ("execution", run.execution),
         ("created", run.created_at),
@@ -293,6 +294,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             else ""
         )
         cap = f" of a ${f.max_cost_usd:.2f} cap" if f.max_cost_usd else ""
+        if f.budget_left_usd is not None:
+            cap += f"; ${f.budget_left_usd:.2f} of the ${f.monthly_budget_usd:.2f} monthly budget left"
         print(
             f"{f.dataset}: {f.objects} new object(s), {f.bytes} bytes{pending}; {f.skipped} skipped\n"
             f"  ~{f.estimated_tokens} tokens of data; trains {f.training_tokens} tokens, "
@@ -534,7 +537,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     for r in runs:
         print(
             f"{r.run_id:<40} {r.status!s:<13} {r.objects:>7} {r.tokens:>10} {r.gpu_node_seconds:>8.1f} "
-            f"{'' if r.nodes_at_end is None else r.nodes_at_end:>9}  {r.reason or ''}"
+            f"{'' if r.nodes_at_end is None else r.nodes_at_end:>9}  "
+            + (f"{r.failure}: " if r.failure else "")
+            + (r.reason or "")
         )
     return 0
 

@@ -122,6 +122,12 @@ class Settings:
     capacity; a run may train only until the cap's node time, less each node's start-up and release,
     runs out: one still training then is stopped (it ends failed, its reason naming the cap) and
     releases every node."""
+    monthly_budget_usd: float = 0.0
+    """What each dataset may spend in a calendar month (UTC), in USD (0: no budget): a run whose estimate
+    would take its dataset's spend this month past it is refused before it asks for capacity.  A run
+    counts in the month it was made: its cost once it ended, its estimate while it runs."""
+    monthly_budgets: str = ""
+    """Per-dataset budgets over ``monthly_budget_usd``, comma-separated ``DATASET=USD`` (0: none)."""
     node_tokens_per_s: float = 20000.0
     """Training throughput of one node in tokens per second, for estimates until the dataset's
     champion run has measured its own (its node-seconds for the steps it trained replace this)."""
@@ -288,6 +294,21 @@ class Settings:
                 raise ValueError(f"RETRAIN_EVAL_SETS: {item!r} is not DATASET={root}NAME_text_document")
             out[dataset] = prefix
         return out
+
+    def monthly_budget_of(self, dataset: str) -> float:
+        """``dataset``'s monthly budget in USD (0: none): its own in ``monthly_budgets``, else
+        ``monthly_budget_usd``."""
+        for item in filter(None, (part.strip() for part in self.monthly_budgets.split(","))):
+            name, _, usd = item.partition("=")
+            try:
+                budget = float(usd)
+            except ValueError:
+                budget = -1.0
+            if not DATASET_RE.match(name) or not budget >= 0 or budget == float("inf"):
+                raise ValueError(f"RETRAIN_MONTHLY_BUDGETS: {item!r} is not DATASET=USD (0 or more)")
+            if name == dataset:
+                return budget
+        return self.monthly_budget_usd
 
     @property
     def landing_uri(self) -> str:

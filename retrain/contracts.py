@@ -565,6 +565,11 @@ class Forecast:
     """That node time at the price of a node-hour."""
     max_cost_usd: float
     """The per-run cost cap (0: none)."""
+    monthly_budget_usd: float
+    """The dataset's budget for this calendar month (0: none)."""
+    budget_left_usd: float | None
+    """What is left of it: the budget less what the dataset's runs made this month cost or, while they
+    run, are estimated to cost (the pending run the data would join left out); None without a budget."""
     basis: str
     """Where the throughput behind the estimate came from."""
     would_run: bool

@@ -39,14 +39,17 @@ from retrain.domain.bigquery_events import (
 )
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, parse_gcs_finalized
-from retrain.domain.runs import BatchState, Champion, Run, RunStatus, iso, now_iso
+from retrain.domain.runs import BatchState, Champion, FailureKind, Run, RunStatus, iso, now_iso
 from retrain.exports import Progress, Step, TableExports, arrival_of, written_files
 from retrain.plan import (
     Estimate,
     check_before_capacity,
     estimate,
     manifest_object,
+    month_start,
     over_budget,
+    over_monthly_budget,
+    spent_this_month,
     training_plan,
     workflow_argument,
 )
@@ -153,7 +156,13 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
             f": {error}" if error else ""
         )
     ledger.update_run(
-        run.run_id, {"status": str(RunStatus.FAILED), "reason": reason, "finished_at": now_iso()}
+        run.run_id,
+        {
+            "status": str(RunStatus.FAILED),
+            "failure": str(FailureKind.EXECUTION_LOST),
+            "reason": reason,
+            "finished_at": now_iso(),
+        },
     )
     ledger.give_back(current)  # identical bytes dropped again are new; `run --retry` re-runs them
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
@@ -326,7 +335,9 @@ class Ingest:
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         champion = self.ledger.champion(run.dataset)
         cost = self._price(champion)
-        if (too_dear := over_budget(self.settings, cost)) is not None:
+        if (
+            too_dear := over_budget(self.settings, cost) or self._past_budget(run.dataset, cost, run.run_id)
+        ) is not None:
             return self._refuse(run, too_dear)
         try:
             argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
@@ -368,12 +379,28 @@ class Ingest:
         """The next run's estimate, from the champion run's record when the dataset has one."""
         return estimate(self.settings, self.ledger.get_run(champion.run_id) if champion else None)
 
+    def _spent(self, dataset: str, but: str = "") -> float:
+        """What ``dataset`` spent this calendar month (ended runs' costs, live runs' estimates)."""
+        return spent_this_month(self.ledger.runs_made_since(month_start(datetime.now(UTC))), dataset, but)
+
+    def _past_budget(self, dataset: str, cost: Estimate, but: str = "") -> str | None:
+        """Why a run of ``dataset`` costing ``cost`` would pass its monthly budget (None: it would not)."""
+        if self.settings.monthly_budget_of(dataset) <= 0:
+            return None  # no budget: no query
+        return over_monthly_budget(self.settings, dataset, self._spent(dataset, but), cost)
+
     def _refuse(self, run: Run, reason: str) -> Outcome:
         """End a run before it asks for any capacity, its content given back (eligible again: dropped
         again, or ``run --retry`` once whatever refused it is fixed)."""
         self.ledger.update_run(
             run.run_id,
-            {"status": str(RunStatus.FAILED), "reason": reason, "nodes_at_end": 0, "finished_at": now_iso()},
+            {
+                "status": str(RunStatus.FAILED),
+                "failure": str(FailureKind.REFUSED),
+                "reason": reason,
+                "nodes_at_end": 0,
+                "finished_at": now_iso(),
+            },
         )
         returned = self.ledger.give_back(run)
         log.warning(
@@ -476,7 +503,13 @@ class Ingest:
         held_bytes = sum(v.size for v in preview.pending_objects)
         champion = self.ledger.champion(dataset)
         cost = self._price(champion)
-        refused = over_budget(self.settings, cost)
+        budget = self.settings.monthly_budget_of(dataset)
+        spent = (
+            self._spent(dataset, preview.pending_run.run_id if preview.pending_run else "")
+            if budget > 0
+            else 0.0
+        )
+        refused = over_budget(self.settings, cost) or over_monthly_budget(self.settings, dataset, spent, cost)
         try:  # what start would check before asking for capacity
             check_before_capacity(self.settings, training_plan(self.settings, "plan", champion, dataset))
         except PlanError as e:
@@ -508,6 +541,8 @@ class Ingest:
             estimated_node_hours=round(cost.node_hours, 4),
             estimated_cost_usd=round(cost.cost_usd, 2),
             max_cost_usd=self.settings.max_run_cost_usd,
+            monthly_budget_usd=budget,
+            budget_left_usd=round(max(0.0, budget - spent), 2) if budget > 0 else None,
             basis=cost.basis,
             would_run=bool(trains) and refused is None,
             reason=reason,

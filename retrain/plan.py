@@ -11,13 +11,15 @@ Not part of the domain: the plan renders Kubernetes objects and names the traine
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from retrain.config import Settings
 from retrain.contracts import WorkflowArgument, tokenize_detail_uri
 from retrain.domain.errors import PlanError
-from retrain.domain.runs import Champion, Run
+from retrain.domain.runs import Champion, Run, iso
 from retrain.k8s.render import (
     GcsMounts,
     jobset_name,
@@ -180,6 +182,34 @@ def over_budget(settings: Settings, cost: Estimate) -> str | None:
     if cap <= 0 or cost.cost_usd <= cap:
         return None
     return f"estimated ${cost.cost_usd:.2f} is over the per-run cap of ${cap:.2f} ({cost.basis})"
+
+
+def month_start(now: datetime) -> str:
+    """The ledger timestamp of the start of ``now``'s calendar month (UTC): budgets count from there."""
+    return iso(now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0))
+
+
+def spent_this_month(runs: Iterable[Run], dataset: str, but: str = "") -> float:
+    """What ``dataset``'s runs (those made this month: ``runs`` as the ledger gives them) cost or are
+    committed to: an ended run's cost, a live or pending run's estimate; the run ``but`` left out."""
+    return sum(
+        r.cost_usd if r.status.terminal else (r.estimated_cost_usd or 0.0)
+        for r in runs
+        if r.dataset == dataset and r.run_id != but
+    )
+
+
+def over_monthly_budget(settings: Settings, dataset: str, spent: float, cost: Estimate) -> str | None:
+    """Why a run of ``dataset`` estimated at ``cost`` must not start, its dataset having ``spent`` this
+    month (None: within its monthly budget, or it has none)."""
+    budget = settings.monthly_budget_of(dataset)
+    if budget <= 0 or spent + cost.cost_usd <= budget:
+        return None
+    return (
+        f"estimated ${cost.cost_usd:.2f} would take dataset {dataset}'s spend this month to "
+        f"${spent + cost.cost_usd:.2f}, over its monthly budget of ${budget:.2f} "
+        f"(${max(0.0, budget - spent):.2f} left)"
+    )
 
 
 def _cap_node_s_per_node(settings: Settings) -> float | None:

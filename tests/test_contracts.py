@@ -600,3 +600,47 @@ def test_gpudirect_tcpx_is_built_whole_or_not_at_all() -> None:
     assert "tcpx.yaml" not in templates(manifest_values(platform_off, {}))
     app = Stage(INFRA / "app", {"project_id": "p", "state_bucket": "s"}, platform=off.outputs())
     assert app.local("retrain_env")["RETRAIN_GPUDIRECT_TCPX"] == "false"
+
+
+# --- a failed run's kind: the tags the workflow raises are the domain's FailureKind ------------------
+
+
+def test_the_failure_kinds_the_workflow_records_are_the_domains() -> None:
+    from retrain.domain.runs import FailureKind
+
+    source = WORKFLOW.read_text()
+    raised = set(re.findall(r'tags: \["(\w+)"\]', source))
+    (kinds,) = [
+        step["ours"]["switch"][0]["condition"]
+        for step in yaml.safe_load(source)["failure_kind"]["steps"][2]["each_tag"]["for"]["steps"]
+    ]
+    recognised = set(re.findall(r'"(\w+)"', kinds))
+    assert raised == recognised  # every tag it raises is one it records, and no other
+    python_only = {FailureKind.REFUSED, FailureKind.EXECUTION_LOST}  # written by Ingest, not the workflow
+    assert recognised | {"StepFailed"} == {str(k) for k in FailureKind} - python_only
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        ("a bare string", "StepFailed"),
+        ({"message": "no tags"}, "StepFailed"),
+        ({"message": "an API refused", "tags": ["HttpError"], "code": 403}, "StepFailed"),
+        ({"message": "DWS failed", "tags": ["CapacityError"]}, "CapacityError"),
+        ({"message": "slow", "tags": ["TimeoutError", "TokenizeTimeout"]}, "TokenizeTimeout"),
+        ({"message": "stopped", "tags": ["Cancelled"]}, "Cancelled"),
+    ],
+)
+def test_the_workflow_records_the_kind_of_any_error(error: Any, kind: str) -> None:
+    from retrain.domain.runs import FailureKind
+    from retrain.workflows import load_workflow
+
+    source = yaml.safe_load(WORKFLOW.read_text())
+    source["main"] = {
+        "params": ["e"],
+        "steps": [
+            {"kind": {"call": "failure_kind", "args": {"e": "${e}"}, "result": "k"}},
+            {"done": {"return": "${k}"}},
+        ],
+    }
+    assert FailureKind(load_workflow(yaml.safe_dump(source)).run(error)) == kind

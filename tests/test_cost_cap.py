@@ -36,5 +36,6 @@ def test_a_run_still_training_at_the_cost_cap_is_stopped_and_releases_every_node
     assert_released(stack, run, "failed")  # stopped: zero nodes, no JobSet, no ProvisioningRequest
     assert (run.estimated_cost_usd, run.cost_cap_usd) == (0.0, 20.0)  # under the cap when it started
     assert run.reason and "training did not finish within 20 s, the per-run cost cap of $20.00" in run.reason
+    assert run.failure == "TrainingTimeout"
     # it trained (held) until the cap's node time ran out: 20 s, plus what capacity and release add
     assert run.gpu_node_seconds >= 20

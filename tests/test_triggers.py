@@ -107,6 +107,7 @@ def test_a_run_the_trainer_would_refuse_is_refused_before_capacity_with_its_reas
     assert refused.action == "refused"
     run = ingest.ledger.get_run(refused.run_id)
     assert run is not None and run.status == RunStatus.FAILED and run.execution is None
+    assert run.failure == "Refused"
     assert run.reason == (
         "the trainer would refuse this run: global batch size 12 is not divisible by micro batch size 1 x "
         "data-parallel size 8 = 8 (8 GPUs / (TP 1 x PP 1))"
@@ -221,6 +222,7 @@ def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(
     outcomes = ingest.sweep(now=later(31))
     assert [o.action for o in outcomes] == ["recorded-failure", "started"]
     assert "without recording an outcome" in (ingest.ledger.get_run(first.run_id).reason or "")
+    assert ingest.ledger.get_run(first.run_id).failure == "ExecutionLost"  # type: ignore[union-attr]
 
 
 def test_an_execution_lost_after_its_results_is_recorded_succeeded_and_the_dataset_moves_on(
@@ -611,3 +613,40 @@ def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for
     manifest = f"{ingest.settings.artifacts_uri}/{argument['manifest_object']}"
     assert argument["manifest_generation"] == objects.stat(manifest).generation
     assert argument["manifest_generation"] > 0
+
+
+def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(ingest: Ingest) -> None:
+    """The dataset's runs made this month count (an ended run's cost, a live one's estimate); a run whose
+    estimate would pass the budget ends refused with the reason before any capacity, `retrain plan` says
+    what is left beforehand, and a run made last month counts for nothing."""
+    arrive(ingest, "budgeted", "1.txt")
+    (unbudgeted,) = ingest.forecast("budgeted")
+    cost = unbudgeted.estimated_cost_usd
+    assert cost > 1.0 and unbudgeted.budget_left_usd is None
+    budget = round(1.5 * cost, 2)  # one run fits; a second, after the first cost budget - cost / 2, does not
+    ingest.settings = dataclasses.replace(ingest.settings, monthly_budget_usd=budget)
+    (fresh,) = ingest.forecast("budgeted")
+    assert (fresh.monthly_budget_usd, fresh.budget_left_usd, fresh.would_run) == (budget, budget, True)
+    first = ingest.seal("budgeted", "manual")
+    assert first.action == "started"
+    ingest.ledger.update_run(first.run_id, {"status": "succeeded", "cost_usd": budget - cost / 2})
+
+    arrive(ingest, "budgeted", "2.txt")
+    (after,) = ingest.forecast("budgeted")
+    assert after.budget_left_usd == round(cost / 2, 2) and not after.would_run
+    assert f"over its monthly budget of ${budget:.2f}" in after.reason
+    refused = ingest.seal("budgeted", "manual")
+    assert refused.action == "refused"
+    run = ingest.ledger.get_run(refused.run_id)
+    assert (
+        run is not None
+        and run.status == RunStatus.FAILED
+        and run.failure == "Refused"
+        and run.execution is None
+    )
+    assert run.reason and run.reason.startswith(f"estimated ${cost:.2f} would take dataset budgeted's spend")
+
+    # the same spend made last month: the budget is whole again, and the refused run's objects train
+    ingest.ledger.update_run(first.run_id, {"created_at": "2000-01-01T00:00:00.000000Z"})
+    assert ingest.forecast("budgeted")[0].budget_left_usd == budget
+    assert ingest.retry(refused.run_id).action == "started"

@@ -17,6 +17,7 @@ from stack_support import assert_released, drop_lines, finish, module_stack, run
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cli import format_run, request_cancel
+from retrain.domain.runs import FailureKind
 from retrain.local.cluster_twin import Faults
 from retrain.local.stack import LocalStack
 
@@ -34,6 +35,7 @@ def test_tokenization_without_tokens_fails_before_any_capacity(stack: LocalStack
     )
     assert_released(stack, run)
     assert run.reason == "tokenization produced no tokens" and run.quarantined == 3
+    assert run.failure == FailureKind.TOKENIZE_FAILED
     assert run.quarantine_reasons == {"empty_text": 1, "invalid_json": 1, "missing_key": 1}
     assert "by reason       empty_text 1, invalid_json 1, missing_key 1" in format_run(run)  # `status`
     assert run.gpu_node_seconds == 0
@@ -43,6 +45,7 @@ def test_dws_failure(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults(provisioning="fail"))
     assert_released(stack, run)
     assert run.reason and "DWS did not provide capacity (Failed)" in run.reason
+    assert run.failure == FailureKind.CAPACITY_ERROR
 
 
 def test_dws_never_provisions(stack: LocalStack, tmp_path: Path) -> None:
@@ -51,6 +54,7 @@ def test_dws_never_provisions(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults(provisioning="never"))
     assert_released(stack, run)
     assert run.reason and run.reason.startswith("DWS did not provision 1 node(s) within 8 s (")
+    assert run.failure == FailureKind.CAPACITY_TIMEOUT
     asked = re.search(r"\((\d+) request\(s\)\)$", run.reason)
     assert asked and int(asked.group(1)) >= 2, run.reason  # asked again at least once
 
@@ -67,6 +71,7 @@ def test_capacity_revoked_in_training_ends_the_run_truthfully(stack: LocalStack,
     run = run_with(stack, tmp_path, Faults(revoke_capacity_after_s=2, hold_training_s=60))
     assert_released(stack, run)
     assert run.reason and run.reason.startswith("DWS took the capacity back (CapacityRevoked)"), run.reason
+    assert run.failure == FailureKind.CAPACITY_ERROR
     assert run.content_returned
 
 
@@ -75,12 +80,14 @@ def test_a_booking_whose_pods_never_start_expires_and_ends_the_run(stack: LocalS
     run = run_with(stack, tmp_path, Faults(unschedulable=True))
     assert_released(stack, run)
     assert run.reason and run.reason.startswith("DWS took the capacity back (BookingExpired)"), run.reason
+    assert run.failure == FailureKind.CAPACITY_ERROR
 
 
 def test_training_fails_after_its_restarts(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults(crash_pods_always=True))
     assert_released(stack, run)
     assert run.reason and run.reason.startswith("training failed")
+    assert run.failure == FailureKind.TRAINING_FAILED
     assert run.gpu_node_seconds > 0 and run.tokens > 0
 
 
@@ -126,11 +133,12 @@ def test_a_jobset_of_the_runs_name_that_is_not_its_own_is_never_adopted(
     assert_released(stack, ended)
     refusal = f"JobSet {jobset_name(run.run_id)} exists and is not this run's (its run id: someone-else)"
     assert ended.reason and f"{refusal}: not adopted" in ended.reason, ended.reason
+    assert ended.failure == FailureKind.STEP_FAILED
 
 
 def test_success_on_the_same_stack(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults())
-    assert run.status == "succeeded" and run.nodes_at_end == 0 and run.reason is None
+    assert run.status == "succeeded" and run.nodes_at_end == 0 and run.reason is None and run.failure is None
 
 
 def test_cancel_while_waiting_for_capacity(stack: LocalStack, tmp_path: Path) -> None:
@@ -145,6 +153,7 @@ def test_cancel_while_waiting_for_capacity(stack: LocalStack, tmp_path: Path) ->
     ended = finish(stack, run, 120)
     assert_released(stack, ended, "cancelled")
     assert ended.reason == f"cancelled by {getpass.getuser()} (local): operator said stop"  # who asked
+    assert ended.failure == FailureKind.CANCELLED
     with pytest.raises(RuntimeError, match="already ended"):
         request_cancel(ledger, executions, run.run_id, "again")
 

@@ -59,6 +59,8 @@ locals {
     RETRAIN_NODES                      = tostring(var.nodes_per_run)
     RETRAIN_PRICE_PER_NODE_HOUR        = tostring(var.price_per_node_hour)
     RETRAIN_MAX_RUN_COST_USD           = tostring(var.max_run_cost_usd)
+    RETRAIN_MONTHLY_BUDGET_USD         = tostring(var.monthly_budget_usd)
+    RETRAIN_MONTHLY_BUDGETS            = join(",", [for dataset, usd in var.monthly_budgets : "${dataset}=${usd}"])
     RETRAIN_PROMOTION_MARGIN           = tostring(var.promotion_margin)
     RETRAIN_EVAL_SETS                  = join(",", [for dataset, prefix in var.eval_sets : "${dataset}=${prefix}"])
     RETRAIN_NODE_TOKENS_PER_S          = tostring(var.node_tokens_per_s)

@@ -359,6 +359,26 @@ variable "max_run_cost_usd" {
   }
 }
 
+variable "monthly_budget_usd" {
+  type        = number
+  description = "What each dataset may spend in a calendar month (UTC), in USD, 0 for none (RETRAIN_MONTHLY_BUDGET_USD): a run whose estimate would take its dataset's spend this month past it is refused before it asks for capacity."
+  default     = 0
+  validation {
+    condition     = var.monthly_budget_usd >= 0
+    error_message = "monthly_budget_usd is a budget in USD: 0 (none) or more."
+  }
+}
+
+variable "monthly_budgets" {
+  type        = map(number)
+  description = "Per-dataset monthly budgets in USD over monthly_budget_usd (RETRAIN_MONTHLY_BUDGETS): dataset -> USD, 0 for none."
+  default     = {}
+  validation {
+    condition     = alltrue([for dataset, usd in var.monthly_budgets : usd >= 0 && can(regex("^[a-z0-9][a-z0-9-]{0,39}$", dataset))])
+    error_message = "monthly_budgets maps dataset names to budgets in USD: 0 (none) or more."
+  }
+}
+
 variable "promotion_margin" {
   type        = number
   description = "Eval gate (RETRAIN_PROMOTION_MARGIN): a checkpoint is promoted only when its val_loss is at most the champion's x (1 + this)."

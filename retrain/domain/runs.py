@@ -31,6 +31,34 @@ class RunStatus(StrEnum):
         return self in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
 
 
+class FailureKind(StrEnum):
+    """Why a run did not succeed, as a kind a program matches (its ``reason`` says it to a person).
+
+    The workflow's kinds are the tags it raises (``workflows/retrain.yaml``, its ``failure_kind``
+    sub-workflow); ``tests/test_contracts.py`` keeps the two lists equal."""
+
+    REFUSED = "Refused"
+    """Ended before asking for capacity: over the cost cap, or a plan the trainer would refuse."""
+    TOKENIZE_FAILED = "TokenizeFailed"
+    """The Dataflow job failed, or wrote no report."""
+    TOKENIZE_TIMEOUT = "TokenizeTimeout"
+    """The Dataflow job did not finish within ``tokenize_timeout_s``."""
+    CAPACITY_ERROR = "CapacityError"
+    """DWS failed the capacity request (or its node pool went away)."""
+    CAPACITY_TIMEOUT = "CapacityTimeout"
+    """DWS did not provision within ``provision_timeout_s``."""
+    TRAINING_FAILED = "TrainingFailed"
+    """The JobSet failed (its pods, or past its restarts)."""
+    TRAINING_TIMEOUT = "TrainingTimeout"
+    """Training did not end within ``training_timeout_s``."""
+    CANCELLED = "Cancelled"
+    """An operator cancelled it (``retrain cancel``)."""
+    STEP_FAILED = "StepFailed"
+    """A call the workflow made failed otherwise: a Python step refused it, or an API answered an error."""
+    EXECUTION_LOST = "ExecutionLost"
+    """Its workflow execution no longer exists, or ended without recording an outcome."""
+
+
 class BatchState(StrEnum):
     """A batch exists once sealed; until then its arrivals are simply :class:`Pending`."""
 
@@ -312,7 +340,9 @@ class Run:
     eval: dict[str, Any] | None = None
     """:class:`Evaluation`: its validation loss against the champion's, and whether it was promoted."""
     reason: str | None = None
-    """Why it ended as it did (failures, cancels, missing metrics)."""
+    """Why it ended as it did (failures, cancels, missing metrics), for a person."""
+    failure: FailureKind | None = None
+    """The kind of failure of a run that did not succeed (None for one that did, or still runs)."""
     content_returned: bool = False
     """It did not succeed and gave its content back: identical bytes are new again, and
     ``retrain run --retry`` re-runs its objects (kept under ``runs/{run}/objects``)."""
@@ -355,10 +385,12 @@ class Run:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = str(self.status)
+        d["failure"] = None if self.failure is None else str(self.failure)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Run:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["status"] = RunStatus(known.get("status", "pending"))
+        known["failure"] = FailureKind(known["failure"]) if known.get("failure") else None
         return cls(**known)
