@@ -656,7 +656,7 @@ DELEGATES = {
     "render": ("retrain.k8s.cli", "render Kubernetes manifests (render jobset ...)"),
     "notify": ("retrain.k8s.notifier", "publish JobSet terminal states to Pub/Sub (runs in the cluster)"),
     "reap": (
-        "retrain.k8s.reaper",
+        "retrain.k8s.reap_cli",
         "delete JobSets and capacity requests of no live run; report GPU nodes up",
     ),
     "deploy": ("retrain.deploy", "plan and apply the Terraform stages (bootstrap, platform, app)"),

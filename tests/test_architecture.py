@@ -63,3 +63,90 @@ def test_outcomes_are_enums_not_prose() -> None:
         if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
             for side in (node.left, *node.comparators):
                 assert not (isinstance(side, ast.Constant) and isinstance(side.value, str)), ast.unparse(node)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path, package: str, known: set[str]) -> set[str]:
+    """The retrain modules a file imports when it runs (at any depth, lazy imports too; not what only the
+    type checker reads under ``if TYPE_CHECKING:``), each resolved to the module that holds it."""
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    named: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            named.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            named.add(base)
+            named.update(f"{base}.{a.name}" for a in node.names)
+    out = set()
+    for name in named:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        out.add(name)
+    return out - {""}
+
+
+def import_cycles() -> list[list[str]]:
+    """Groups of retrain modules that import each other in a circle (Tarjan's strongly connected
+    components of more than one module); a package's ``__init__`` importing its own modules is not one."""
+    files = {_module_name(p): p for p in RETRAIN.rglob("*.py")}
+    graph = {
+        name: {
+            d
+            for d in _runtime_imports(
+                path, name if path.name == "__init__.py" else name.rpartition(".")[0], set(files)
+            )
+            if d != name and not name.startswith(d + ".") and not d.startswith(name + ".")
+        }
+        for name, path in files.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_two_modules_import_each_other_even_lazily() -> None:
+    """A circle (a CLI inside a library importing the composition root that builds it, two local
+    services each reaching into the other) means neither can be read, tested or moved alone."""
+    assert import_cycles() == []

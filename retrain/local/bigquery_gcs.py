@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from retrain.adapters import objects
-from retrain.local.emulators import ManagedProcess, free_port
+from retrain.local.processes import ManagedProcess, free_port
 
 log = logging.getLogger(__name__)
 

@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from retrain.local import processes
+from retrain.local.processes import EmulatorError, ManagedProcess, free_port
 
 if TYPE_CHECKING:
     from retrain.local.bigquery_gcs import ExportsProxy
@@ -34,16 +28,6 @@ class Service(Protocol):
     def start(self, timeout_s: float = 60.0) -> None: ...
 
     def stop(self, grace_s: float = 10.0) -> None: ...
-
-
-class EmulatorError(RuntimeError):
-    """An emulator that could not be found or did not come up."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sdk_platform_dir() -> Path | None:
@@ -76,81 +60,6 @@ def java_emulators_unavailable_reason() -> str | None:
 
 FIRESTORE_LAUNCHER = "cloud-firestore-emulator/cloud_firestore_emulator"
 PUBSUB_LAUNCHER = "pubsub-emulator/bin/cloud-pubsub-emulator"
-
-
-@dataclass
-class ManagedProcess:
-    """A child process in its own process group, with its output in a log file."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    ready_line: str | None
-    """A regex its log prints once it serves; None: rely on ``probe_url`` alone."""
-    env: dict[str, str] = field(default_factory=dict)
-    probe_url: str | None = None
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-        )
-        log.close()
-        processes.record(self.proc.pid, self.name)
-        pattern = re.compile(self.ready_line or "")
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            if pattern.search(text) and self._probe():
-                return
-            if self.proc.poll() is not None:
-                raise EmulatorError(f"{self.name} exited with {self.proc.returncode}: {text[-2000:]}")
-            time.sleep(0.1)
-        self.stop()
-        raise EmulatorError(f"{self.name} did not start in {timeout_s:.0f}s; see {self.log_path}")
-
-    def _probe(self) -> bool:
-        if self.probe_url is None:
-            return True
-        try:
-            with urllib.request.urlopen(self.probe_url, timeout=2):
-                return True
-        except urllib.error.HTTPError:
-            return True  # it answered: up, whatever it thinks of the request
-        except OSError:
-            return False
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the whole group (launcher scripts fork Java), wait for all of it, then SIGKILL."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                try:
-                    os.killpg(pgid, 0)
-                except ProcessLookupError:
-                    self.proc.wait()
-                    return
-                time.sleep(0.05)
-        self.proc.wait()
 
 
 def firestore(

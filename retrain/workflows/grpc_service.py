@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.cloud.workflows.executions_v1 import types
 
-from retrain.workflows.server import workflow_of
-
 if TYPE_CHECKING:
     from retrain.workflows.server import ExecutionsServer
 
@@ -54,7 +52,7 @@ def _handlers(server: ExecutionsServer) -> grpc.GenericRpcHandler:
                     (v for k, v in context.invocation_metadata() if k == "authorization"), ""
                 ).removeprefix("Bearer ")
                 name = getattr(request, "parent", "") or getattr(request, "name", "")
-                refusal = server.authorize(token or None, permission, workflow_of(name))
+                refusal = server.refusal(token or None, permission, name)
                 if refusal is not None:
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
             try:

@@ -89,6 +89,11 @@ def workflow_of(name: str) -> str:
 class ExecutionsServer:
     """Runs executions in threads and serves them over HTTP on 127.0.0.1."""
 
+    def refusal(self, token: str | None, permission: str, name: str) -> str | None:
+        """Why the caller of ``token`` may not do ``permission`` on the workflow of ``name`` (an execution,
+        callback or workflow name); None: it may (or every caller may: no ``authorize``)."""
+        return None if self.authorize is None else self.authorize(token, permission, workflow_of(name))
+
     def __init__(
         self,
         resolve: Callable[[str], Workflow],
@@ -383,7 +388,7 @@ class ExecutionsServer:
                 if server.authorize is None:
                     return False
                 token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or None
-                refusal = server.authorize(token, permission, workflow_of(name))
+                refusal = server.refusal(token, permission, name)
                 if refusal is not None:
                     self._fail(403, "PERMISSION_DENIED", refusal)
                 return refusal is not None

@@ -12,7 +12,7 @@ import pytest
 from retrain import config
 from retrain.deployment import Deployment
 from retrain.domain.runs import Run, RunStatus
-from retrain.k8s import reaper
+from retrain.k8s import reap_cli, reaper
 from retrain.k8s.render import (
     jobset_name,
     provisioning_request_name,
@@ -222,7 +222,7 @@ def test_an_unreadable_ledger_deletes_nothing(cluster: Cluster) -> None:
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
-    code = reaper.main(["--json", *argv])
+    code = reap_cli.main(["--json", *argv])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -261,7 +261,7 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     code, out = run_main(capsys, "--dry-run")
     assert code == 3 and out["dry_run"] and len(out["deleted"]) == 3 and out["idle_nodes"]
     assert cluster.inventory() == names("busy-run")
-    assert reaper.main([]) == 3
+    assert reap_cli.main([]) == 3
     text = capsys.readouterr().out
     assert f"deleted JobSet {jobset_name('busy-run')} (run busy-run): run succeeded" in text
     assert f"ALERT: 2 GPU node(s) of pool {cluster.pool} up with no live run" in text
@@ -278,7 +278,7 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     gpu_max = Deployment().platform.var("gpu_max_nodes")
     code, out = run_main(capsys, "--node-pool", "a3-dws", "--dry-run")
     assert out["node_pool_size"] == {"min_nodes": 0, "max_nodes": gpu_max, "per_zone": False}
-    reaper.main(["--node-pool", "a3-dws", "--dry-run"])
+    reap_cli.main(["--node-pool", "a3-dws", "--dry-run"])
     assert f"node pool a3-dws scales 0..{gpu_max} nodes\n" in capsys.readouterr().out
 
 
