@@ -30,7 +30,7 @@ from retrain.config import DATASET_RE, Settings
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, RunStatus, now_iso
-from retrain.plan import set_aside
+from retrain.plan import manifest_object, set_aside
 from retrain.ports import DatasetRecords, Ledger, ObjectInfo, ObjectStore, Rejection
 
 log = logging.getLogger("retrain.audit")
@@ -285,8 +285,10 @@ def classify(
 
 
 def _manifest(settings: Settings, store: ObjectStore, run: Run) -> RunManifest | None:
+    """The run's manifest at the version its start wrote (the one its tokenize job read)."""
+    uri = f"{settings.artifacts_uri}/{manifest_object(run.run_id)}"
     try:
-        return RunManifest.parse(store.read_bytes(f"{settings.artifacts_uri}/runs/{run.run_id}/objects.json"))
+        return RunManifest.parse(store.read_bytes(uri, run.manifest_generation))
     except (FileNotFoundError, ValueError):
         return None
 

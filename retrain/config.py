@@ -9,6 +9,7 @@ client libraries' own variables (``FIRESTORE_EMULATOR_HOST``, ``PUBSUB_EMULATOR_
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -227,6 +228,11 @@ class Settings:
             raise ValueError(
                 "function_timeout_s and bigquery_export_timeout_s must be > 0, bigquery_export_max_rows >= 1"
             )
+        if not 0 <= self.monthly_budget_usd < math.inf:
+            raise ValueError(
+                f"RETRAIN_MONTHLY_BUDGET_USD: {self.monthly_budget_usd} is not a budget in USD (0: none)"
+            )
+        self.monthly_budget_of("")  # every entry of monthly_budgets is checked when the settings load
 
     @property
     def bigquery_call_timeout_s(self) -> float:
@@ -298,17 +304,17 @@ class Settings:
     def monthly_budget_of(self, dataset: str) -> float:
         """``dataset``'s monthly budget in USD (0: none): its own in ``monthly_budgets``, else
         ``monthly_budget_usd``."""
+        budgets = {}
         for item in filter(None, (part.strip() for part in self.monthly_budgets.split(","))):
             name, _, usd = item.partition("=")
             try:
                 budget = float(usd)
             except ValueError:
-                budget = -1.0
-            if not DATASET_RE.match(name) or not budget >= 0 or budget == float("inf"):
+                budget = math.nan
+            if not DATASET_RE.match(name) or not 0 <= budget < math.inf:
                 raise ValueError(f"RETRAIN_MONTHLY_BUDGETS: {item!r} is not DATASET=USD (0 or more)")
-            if name == dataset:
-                return budget
-        return self.monthly_budget_usd
+            budgets[name] = budget
+        return budgets.get(dataset, self.monthly_budget_usd)
 
     @property
     def landing_uri(self) -> str:

@@ -43,10 +43,10 @@ from retrain.domain.runs import BatchState, Champion, FailureKind, Run, RunStatu
 from retrain.exports import Progress, Step, TableExports, arrival_of, written_files
 from retrain.plan import (
     Estimate,
+    budget_month,
     check_before_capacity,
     estimate,
     manifest_object,
-    month_start,
     over_budget,
     over_monthly_budget,
     spent_this_month,
@@ -351,6 +351,7 @@ class Ingest:
                 "base_step": champion.step if champion else 0,
                 "estimated_cost_usd": round(cost.cost_usd, 2),
                 "cost_cap_usd": self.settings.max_run_cost_usd or None,
+                "budget_month": budget_month(datetime.now(UTC)),
             },
         )
         written = self.store.write_bytes(
@@ -358,6 +359,7 @@ class Ingest:
             manifest.to_json(),
             "application/json",
         )
+        self.ledger.update_run(run.run_id, {"manifest_generation": written})  # what audit and report read
         argument = dataclasses.replace(argument, manifest_generation=written)
         execution = self.orchestrator.start(argument.to_dict())
         self.ledger.attach_execution(run.run_id, execution)
@@ -381,7 +383,7 @@ class Ingest:
 
     def _spent(self, dataset: str, but: str = "") -> float:
         """What ``dataset`` spent this calendar month (ended runs' costs, live runs' estimates)."""
-        return spent_this_month(self.ledger.runs_made_since(month_start(datetime.now(UTC))), dataset, but)
+        return spent_this_month(self.ledger.runs_budgeted_in(budget_month(datetime.now(UTC))), dataset, but)
 
     def _past_budget(self, dataset: str, cost: Estimate, but: str = "") -> str | None:
         """Why a run of ``dataset`` costing ``cost`` would pass its monthly budget (None: it would not)."""

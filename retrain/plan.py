@@ -19,7 +19,7 @@ from typing import Any
 from retrain.config import Settings
 from retrain.contracts import WorkflowArgument, tokenize_detail_uri
 from retrain.domain.errors import PlanError
-from retrain.domain.runs import Champion, Run, iso
+from retrain.domain.runs import Champion, FailureKind, Run
 from retrain.k8s.render import (
     GcsMounts,
     jobset_name,
@@ -184,16 +184,19 @@ def over_budget(settings: Settings, cost: Estimate) -> str | None:
     return f"estimated ${cost.cost_usd:.2f} is over the per-run cap of ${cap:.2f} ({cost.basis})"
 
 
-def month_start(now: datetime) -> str:
-    """The ledger timestamp of the start of ``now``'s calendar month (UTC): budgets count from there."""
-    return iso(now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0))
+def budget_month(now: datetime) -> str:
+    """The calendar month (UTC) a run starting at ``now`` counts in: ``YYYY-MM``."""
+    return now.astimezone(UTC).strftime("%Y-%m")
 
 
 def spent_this_month(runs: Iterable[Run], dataset: str, but: str = "") -> float:
-    """What ``dataset``'s runs (those made this month: ``runs`` as the ledger gives them) cost or are
-    committed to: an ended run's cost, a live or pending run's estimate; the run ``but`` left out."""
+    """What ``dataset``'s runs (those started this month: ``runs`` as the ledger gives them) cost or are
+    committed to: an ended run's cost, a live run's estimate, and the estimate of one whose execution was
+    lost (what it cost was never recorded); the run ``but`` left out."""
     return sum(
-        r.cost_usd if r.status.terminal else (r.estimated_cost_usd or 0.0)
+        r.cost_usd
+        if r.status.terminal and r.failure != FailureKind.EXECUTION_LOST
+        else (r.estimated_cost_usd or 0.0)
         for r in runs
         if r.dataset == dataset and r.run_id != but
     )

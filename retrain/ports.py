@@ -298,8 +298,8 @@ class Ledger(Protocol):
 
     def list_runs(self, limit: int = 100) -> list[Run]: ...
 
-    def runs_made_since(self, created_at: str) -> list[Run]:
-        """Every run made at or after ``created_at`` (a ledger timestamp), oldest first."""
+    def runs_budgeted_in(self, month: str) -> list[Run]:
+        """Every run whose start was priced in ``month`` (``YYYY-MM``, :attr:`Run.budget_month`)."""
         ...
 
     def champion(self, dataset: str) -> Champion | None: ...
@@ -362,7 +362,9 @@ class Orchestrator(Protocol):
 class ObjectStore(Protocol):
     """Objects by ``gs://`` URI (Cloud Storage); ``retrain.adapters.objects`` is the adapter."""
 
-    def read_bytes(self, uri: str) -> bytes: ...
+    def read_bytes(self, uri: str, generation: int | None = None) -> bytes:
+        """The object's bytes (of ``generation`` exactly, when given); FileNotFoundError without it."""
+        ...
 
     def write_bytes(self, uri: str, data: bytes, content_type: str = ...) -> int | None:
         """Writes the object; its new generation (None where there is none: a local file)."""

@@ -6,9 +6,9 @@ reason; each test isolates its data with its own Firestore project id.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
+import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,30 +49,44 @@ class StartsAProcess(Exception):
     """A unit test started a process: it belongs to the integration tier (mark it so)."""
 
 
-@contextlib.contextmanager
-def _no_processes(nodeid: str) -> Iterator[None]:
-    """The unit tier's rule, enforced: nothing it runs (the test, its fixtures) starts a process."""
-    started = subprocess.Popen.__init__
+#: The unit test now running (its node id), while one runs: the audit hook below refuses its processes.
+_UNIT_TEST: dict[str, str | None] = {"running": None}
+#: Python's audit events for starting a process (docs.python.org/3/library/audit_events.html).
+_PROCESS_EVENTS = frozenset(
+    ("subprocess.Popen", "os.system", "os.posix_spawn", "os.fork", "os.forkpty", "os.exec")
+)
 
-    def refuse(self: subprocess.Popen[bytes], args: object, *rest: object, **kw: object) -> None:
-        raise StartsAProcess(
-            f"{nodeid} is in the unit tier, which starts no process, and started {str(args)[:200]}: "
-            "mark it integration (one real component) or e2e (the local stack)"
-        )
 
-    subprocess.Popen.__init__ = refuse  # type: ignore[assignment,method-assign]
-    try:
-        yield
-    finally:
-        subprocess.Popen.__init__ = started  # type: ignore[method-assign]
+def _refuse_processes(event: str, args: tuple[object, ...]) -> None:
+    """The unit tier's rule, enforced for the test and its fixtures: no process, by any of Python's ways
+    to start one.  Only on the main thread, where tests run: a background thread of a session fixture
+    (an emulator's supervisor) is not the test's doing."""
+    nodeid = _UNIT_TEST["running"]
+    if (
+        nodeid is None
+        or event not in _PROCESS_EVENTS
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return
+    started = args[1] if event == "subprocess.Popen" else args
+    raise StartsAProcess(
+        f"{nodeid} is in the unit tier, which starts no process, and started {str(started)[:200]} "
+        f"({event}): mark it integration (one real component) or e2e (the local stack)"
+    )
+
+
+sys.addaudithook(_refuse_processes)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     if item.get_closest_marker("unit") is None:
         return (yield)
-    with _no_processes(item.nodeid):
+    _UNIT_TEST["running"] = item.nodeid
+    try:
         return (yield)
+    finally:
+        _UNIT_TEST["running"] = None
 
 
 @pytest.fixture(autouse=True)

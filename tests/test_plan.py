@@ -41,26 +41,40 @@ def test_a_datasets_monthly_budget_is_its_own_else_every_datasets() -> None:
         0.0,
         100.0,
     )
-    for bad in ("news", "news=-1", "news=lots", "News=5", "news=inf"):
-        with pytest.raises(ValueError, match="RETRAIN_MONTHLY_BUDGETS"):
-            dataclasses.replace(s, monthly_budgets=bad).monthly_budget_of("web")
+    for bad in ("news", "news=-1", "news=lots", "News=5", "news=inf", "news=5,web=lots"):
+        with pytest.raises(ValueError, match="RETRAIN_MONTHLY_BUDGETS"):  # refused when the settings load
+            dataclasses.replace(s, monthly_budgets=bad)
+    for bad_usd in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="RETRAIN_MONTHLY_BUDGET_USD"):
+            dataclasses.replace(s, monthly_budget_usd=bad_usd)
 
 
 def test_a_month_counts_ended_runs_at_their_cost_and_live_ones_at_their_estimate() -> None:
-    from datetime import UTC, datetime
+    from datetime import UTC, datetime, timedelta, timezone
 
-    from retrain.domain.runs import Run, RunStatus
-    from retrain.plan import Estimate, month_start, over_monthly_budget, spent_this_month
+    from retrain.domain.runs import FailureKind, Run, RunStatus
+    from retrain.plan import Estimate, budget_month, over_monthly_budget, spent_this_month
 
-    assert month_start(datetime(2026, 11, 27, 10, 45, tzinfo=UTC)) == "2026-11-01T00:00:00.000000Z"
+    assert budget_month(datetime(2026, 11, 30, 23, 59, tzinfo=UTC)) == "2026-11"
+    assert budget_month(datetime(2026, 12, 1, 0, 30, tzinfo=timezone(timedelta(hours=1)))) == "2026-11"  # UTC
     runs = [
         Run("a", "news", "manual", status=RunStatus.SUCCEEDED, cost_usd=40.0, estimated_cost_usd=90.0),
         Run("b", "news", "manual", status=RunStatus.TRAINING, cost_usd=0.0, estimated_cost_usd=30.0),
         Run("c", "news", "manual", status=RunStatus.PENDING),  # not priced yet
         Run("d", "web", "manual", status=RunStatus.FAILED, cost_usd=500.0),  # another dataset's
+        # its execution was lost: what it cost was never recorded, its estimate stands for it
+        Run(
+            "e",
+            "news",
+            "manual",
+            status=RunStatus.FAILED,
+            failure=FailureKind.EXECUTION_LOST,
+            estimated_cost_usd=5.0,
+        ),
     ]
-    assert spent_this_month(runs, "news") == 70.0
-    assert spent_this_month(runs, "news", but="b") == 40.0  # the run being started is not counted twice
+    assert spent_this_month(runs, "news") == 75.0
+    assert spent_this_month(runs, "news", but="b") == 45.0  # the run being started is not counted twice
+    runs.pop()
     s = dataclasses.replace(config.load({}), monthly_budget_usd=100.0)
     cost = Estimate(training_tokens=1, node_hours=1.0, cost_usd=30.0, basis="test")
     assert over_monthly_budget(s, "news", 70.0, cost) is None  # 100.00 exactly: within
@@ -69,3 +83,13 @@ def test_a_month_counts_ended_runs_at_their_cost_and_live_ones_at_their_estimate
         "of $100.00 ($29.99 left)"
     )
     assert over_monthly_budget(dataclasses.replace(s, monthly_budget_usd=0.0), "news", 1e9, cost) is None
+
+
+def test_a_failure_kind_this_release_does_not_know_reads_as_a_failed_step() -> None:
+    """A record written by a newer workflow (a tag added there first) must not stop every reader."""
+    from retrain.domain.runs import FailureKind, Run
+
+    record = Run("r", "news", "manual").to_dict()
+    assert Run.from_dict({**record, "failure": "CapacityError"}).failure == FailureKind.CAPACITY_ERROR
+    assert Run.from_dict({**record, "failure": "QuotaExhausted"}).failure == FailureKind.STEP_FAILED
+    assert Run.from_dict({k: v for k, v in record.items() if k != "failure"}).failure is None  # older records

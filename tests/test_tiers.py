@@ -21,6 +21,10 @@ def test_pure():
 def test_starts_a_process():
     subprocess.run(["true"], check=True)
 
+def test_starts_a_shell():
+    import os
+    assert os.system("true") == 0
+
 @pytest.mark.integration
 def test_starts_a_process_in_its_tier():
     subprocess.run(["true"], check=True)
@@ -44,6 +48,7 @@ def test_the_unit_tier_is_what_no_mark_puts_elsewhere(suite: pytest.Pytester) ->
     assert sorted(line for line in result.outlines if "::" in line) == [
         "test_suite.py::test_pure",
         "test_suite.py::test_starts_a_process",
+        "test_suite.py::test_starts_a_shell",
     ]
     result = suite.runpytest_inprocess("-m", "integration", "--collect-only", "-q")
     assert sorted(line for line in result.outlines if "::" in line) == [
@@ -54,10 +59,11 @@ def test_the_unit_tier_is_what_no_mark_puts_elsewhere(suite: pytest.Pytester) ->
 
 def test_a_unit_test_that_starts_a_process_fails_and_says_which_tier_it_needs(suite: pytest.Pytester) -> None:
     result = suite.runpytest_inprocess("-q")
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=3, failed=2)
     failed = "\n".join(result.outlines)
     assert "test_suite.py::test_starts_a_process is in the unit tier, which starts no process" in failed
-    assert "['true']" in failed and "mark it integration" in failed
+    assert "['true']" in failed and "(subprocess.Popen): mark it integration" in failed
+    assert "test_suite.py::test_starts_a_shell is in the unit tier" in failed and "(os.system)" in failed
 
 
 def test_a_test_marked_into_two_tiers_is_refused(pytester: pytest.Pytester) -> None:

@@ -26,6 +26,7 @@ from retrain.deployment import Deployment
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import RunStatus
 from retrain.ingest import Ingest
+from retrain.plan import budget_month
 from retrain.workflows import ExecutionsServer
 
 pytestmark = pytest.mark.emulators
@@ -612,6 +613,7 @@ def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for
     argument = json.loads(ingest.orchestrator.get(run.execution)["argument"])
     manifest = f"{ingest.settings.artifacts_uri}/{argument['manifest_object']}"
     assert argument["manifest_generation"] == objects.stat(manifest).generation
+    assert run.manifest_generation == argument["manifest_generation"]  # what audit and report read
     assert argument["manifest_generation"] > 0
 
 
@@ -647,6 +649,19 @@ def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(inges
     assert run.reason and run.reason.startswith(f"estimated ${cost:.2f} would take dataset budgeted's spend")
 
     # the same spend made last month: the budget is whole again, and the refused run's objects train
-    ingest.ledger.update_run(first.run_id, {"created_at": "2000-01-01T00:00:00.000000Z"})
+    month = budget_month(datetime.now(UTC))
+    assert ingest.ledger.get_run(first.run_id).budget_month == month  # type: ignore[union-attr]
+    ingest.ledger.update_run(first.run_id, {"budget_month": "2000-01"})
     assert ingest.forecast("budgeted")[0].budget_left_usd == budget
-    assert ingest.retry(refused.run_id).action == "started"
+    retried = ingest.retry(refused.run_id)
+    assert retried.action == "started"
+
+    # a start retried after its first attempt priced it (a crash before the execution started) does not
+    # count its own estimate twice: queued behind the live run, priced, then started once that run ended
+    arrive(ingest, "budgeted", "3.txt")
+    queued = ingest.seal("budgeted", "manual")
+    assert queued.action == "queued"
+    ingest.ledger.update_run(queued.run_id, {"estimated_cost_usd": cost, "budget_month": month})
+    ingest.ledger.update_run(retried.run_id, {"status": "succeeded", "cost_usd": cost / 4})
+    pending = ingest.ledger.get_run(queued.run_id)
+    assert pending is not None and ingest.start(pending).action == "started"  # 1.25 x cost of 1.5 x cost

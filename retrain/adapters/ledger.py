@@ -846,11 +846,11 @@ class FirestoreLedger:
 
         return bool(put(self.db.transaction()))
 
-    def runs_made_since(self, created_at: str) -> list[Run]:
-        """One range filter on ``created_at`` (its single-field index; a dataset filter beside it would
-        need a composite index): a month's runs of every dataset, which callers filter."""
-        query = self.db.collection("runs").where(filter=FieldFilter("created_at", ">=", created_at))
-        return sorted((Run.from_dict(d.to_dict() or {}) for d in query.stream()), key=lambda r: r.created_at)
+    def runs_budgeted_in(self, month: str) -> list[Run]:
+        """One equality filter on ``budget_month`` (its single-field index): a month's started runs of
+        every dataset, which callers filter by dataset."""
+        query = self.db.collection("runs").where(filter=FieldFilter("budget_month", "==", month))
+        return [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
 
     def list_runs(self, limit: int = 100) -> list[Run]:
         docs = self.db.collection("runs").order_by("created_at").limit_to_last(limit).get()

@@ -38,7 +38,8 @@ class FailureKind(StrEnum):
     sub-workflow); ``tests/test_contracts.py`` keeps the two lists equal."""
 
     REFUSED = "Refused"
-    """Ended before asking for capacity: over the cost cap, or a plan the trainer would refuse."""
+    """Ended before asking for capacity: over the per-run cost cap or its dataset's monthly budget, or a
+    plan the trainer would refuse."""
     TOKENIZE_FAILED = "TokenizeFailed"
     """The Dataflow job failed, or wrote no report."""
     TOKENIZE_TIMEOUT = "TokenizeTimeout"
@@ -316,6 +317,9 @@ class Run:
     """Its cost as priced when it started (``retrain.plan.estimate``), against the per-run cap."""
     cost_cap_usd: float | None = None
     """The per-run cost cap it started under (None: none)."""
+    budget_month: str | None = None
+    """The calendar month (UTC, ``YYYY-MM``) its start was priced in: where it counts against its
+    dataset's monthly budget (None: it never started)."""
     nodes_at_end: int | None = None
     """GPU nodes still up when it ended (0 when every GPU went back)."""
     release_observed_at: str | None = None
@@ -350,6 +354,9 @@ class Run:
     """Objects of a run that trained the rest, set aside whole by its tokenize job (gone, unreadable, too
     large), whose content it gave back: it never trained, so identical bytes are new again (and a copy
     of a gone object's bytes under another name arrives again by itself)."""
+    manifest_generation: int | None = None
+    """The generation of its manifest (``runs/RUN/objects.json``) as its start wrote it: the version its
+    tokenize job reads."""
     execution: str | None = None
     """Its workflow execution."""
     callback_url: str | None = None
@@ -392,5 +399,16 @@ class Run:
     def from_dict(cls, d: Mapping[str, Any]) -> Run:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["status"] = RunStatus(known.get("status", "pending"))
-        known["failure"] = FailureKind(known["failure"]) if known.get("failure") else None
+        known["failure"] = _failure_kind(known.get("failure"))
         return cls(**known)
+
+
+def _failure_kind(value: Any) -> FailureKind | None:
+    """A record's ``failure``; a kind this release does not know (written by a newer workflow) reads as a
+    failed step, so that one record never stops every reader of the ledger."""
+    if not value:
+        return None
+    try:
+        return FailureKind(value)
+    except ValueError:
+        return FailureKind.STEP_FAILED

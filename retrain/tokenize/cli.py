@@ -78,9 +78,8 @@ def read_manifest(uri: str) -> list[ObjectVersion]:
     try:
         return RunManifest.parse(objects.read_bytes(manifest, generation)).objects
     except FileNotFoundError as e:
-        raise SystemExit(
-            f"retrain tokenize: {e}: the manifest was replaced or deleted after its run started"
-        ) from None
+        after = ": the manifest was replaced or deleted after its run started" if generation else ""
+        raise SystemExit(f"retrain tokenize: {e}{after}") from None
     except ValueError as e:
         raise SystemExit(f"retrain tokenize: {uri} is not a run manifest: {e}") from None
 

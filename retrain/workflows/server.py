@@ -89,11 +89,6 @@ def workflow_of(name: str) -> str:
 class ExecutionsServer:
     """Runs executions in threads and serves them over HTTP on 127.0.0.1."""
 
-    def refusal(self, token: str | None, permission: str, name: str) -> str | None:
-        """Why the caller of ``token`` may not do ``permission`` on the workflow of ``name`` (an execution,
-        callback or workflow name); None: it may (or every caller may: no ``authorize``)."""
-        return None if self.authorize is None else self.authorize(token, permission, workflow_of(name))
-
     def __init__(
         self,
         resolve: Callable[[str], Workflow],
@@ -120,6 +115,11 @@ class ExecutionsServer:
         self._grpc: Any = None
         self.grpc_target = ""
         """``host:port`` of the gRPC side (``ExecutionsClient``), once started."""
+
+    def refusal(self, token: str | None, permission: str, name: str) -> str | None:
+        """Why the caller of ``token`` may not do ``permission`` on the workflow of ``name`` (an execution,
+        callback or workflow name); None: it may (or every caller may: no ``authorize``)."""
+        return None if self.authorize is None else self.authorize(token, permission, workflow_of(name))
 
     @classmethod
     def holding(cls) -> ExecutionsServer:
