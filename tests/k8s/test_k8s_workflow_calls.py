@@ -19,15 +19,24 @@ pytestmark = pytest.mark.envtest
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
 
 
+def podtemplate(name: str, run_id: str | None = None) -> dict[str, Any]:
+    """A PodTemplate to create and delete through the workflow's helpers, carrying ``run_id`` as a run's
+    objects do (the ``retrain.dev/run-id`` annotation)."""
+    metadata: dict[str, Any] = {"name": name}
+    if run_id is not None:
+        metadata["annotations"] = {"retrain.dev/run-id": run_id}
+    return {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": metadata,
+        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
+    }
+
+
 def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: str) -> None:
     source = yaml.safe_load(WORKFLOW.read_text())
     path = f"/api/v1/namespaces/{namespace}/podtemplates"
-    body: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "PodTemplate",
-        "metadata": {"name": "twice", "annotations": {"retrain.dev/run-id": "r-twice"}},
-        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
-    }
+    body = podtemplate("twice", run_id="r-twice")
     source["main"] = {
         "params": ["run"],
         "steps": [
@@ -128,12 +137,7 @@ def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
     elsewhere = f"{namespace}-other"
     ensure_service_account(api, elsewhere)
     source = yaml.safe_load(WORKFLOW.read_text())
-    body = {
-        "apiVersion": "v1",
-        "kind": "PodTemplate",
-        "metadata": {"name": "mine"},
-        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
-    }
+    body = podtemplate("mine")
 
     def create_in(ns: str) -> Any:
         steps = [
@@ -168,12 +172,7 @@ def test_an_object_replaced_between_the_read_and_the_delete_is_not_deleted(
     DELETE is refused (409) and the newcomer stays."""
     source = yaml.safe_load(WORKFLOW.read_text())
     path = f"/api/v1/namespaces/{namespace}/podtemplates"
-    body: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "PodTemplate",
-        "metadata": {"name": "swapped", "annotations": {"retrain.dev/run-id": "r-swap"}},
-        "template": {"spec": {"containers": [{"name": "c", "image": "busybox"}]}},
-    }
+    body = podtemplate("swapped", run_id="r-swap")
     gke = gke_request_binding(KubeEndpoint.from_kubeconfig(control_plane.kubeconfig))
     uids: list[str] = []
 
