@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from retrain.k8s.render import render_jobset, render_provisioning_request
 pytestmark = pytest.mark.envtest
 
 REPO = Path(__file__).resolve().parents[2]
+RBAC_SETTLE_S = 10.0  # how long a fresh grant may take to reach the authorizer's caches
 CR_PLURALS = {
     "Network": "networks",
     "GKENetworkParamSet": "gkenetworkparamsets",
@@ -96,8 +98,15 @@ def allowed(
     resource: str,
     group: str,
     sub: str = "",
+    wait_for_yes: bool = True,
 ) -> bool:
-    """The API server's own answer (SubjectAccessReview): may ``user`` do this?"""
+    """The API server's own answer (SubjectAccessReview): may ``user`` do this?
+
+    RBAC's authorizer answers from informer caches of roles and bindings, so a grant created a
+    moment ago can still read as a no (CI met it: a ClusterRoleBinding not yet seen).  A yes is
+    therefore waited for, up to RBAC_SETTLE_S; a test asks its noes (``wait_for_yes=False``) after
+    its yeses, when the caches hold every object it created.
+    """
     from kubernetes import client
 
     attributes = {"verb": verb, "group": group, "resource": resource, "subresource": sub}
@@ -108,7 +117,12 @@ def allowed(
         "kind": "SubjectAccessReview",
         "spec": {"user": user, "groups": groups, "resourceAttributes": attributes},
     }
-    return bool(client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed)
+    deadline = time.monotonic() + (RBAC_SETTLE_S if wait_for_yes else 0)
+    while True:
+        answer = client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed
+        if answer or time.monotonic() >= deadline:
+            return bool(answer)
+        time.sleep(0.1)
 
 
 def test_tcpx_network_objects_accepted(api: Any, namespace: str) -> None:
@@ -135,13 +149,16 @@ def test_notifier_manifests_accepted_and_least_privilege(api: Any, namespace: st
     def may(verb: str, resource: str, group: str = "jobset.x-k8s.io", sub: str = "") -> bool:
         return allowed(api, user, groups, namespace, verb, resource, group, sub)
 
+    def refused(verb: str, resource: str, group: str = "jobset.x-k8s.io", sub: str = "") -> bool:
+        return not allowed(api, user, groups, namespace, verb, resource, group, sub, wait_for_yes=False)
+
     for verb in ("get", "list", "watch", "patch"):
         assert may(verb, "jobsets"), verb
-    assert not may("delete", "jobsets")
-    assert not may("create", "jobsets")
-    assert not may("update", "jobsets", sub="status")
-    assert not may("list", "secrets", group="")
-    assert not may("create", "pods", group="")
+    assert refused("delete", "jobsets")
+    assert refused("create", "jobsets")
+    assert refused("update", "jobsets", sub="status")
+    assert refused("list", "secrets", group="")
+    assert refused("create", "pods", group="")
 
 
 def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) -> None:
@@ -163,15 +180,18 @@ def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) 
     def may(verb: str, resource: str, group: str, ns: str | None = namespace) -> bool:
         return allowed(api, user, ["system:authenticated"], ns, verb, resource, group)
 
+    def refused(verb: str, resource: str, group: str, ns: str | None = namespace) -> bool:
+        return not allowed(api, user, ["system:authenticated"], ns, verb, resource, group, wait_for_yes=False)
+
     for verb in ("list", "delete"):
         assert may(verb, "jobsets", "jobset.x-k8s.io")
         assert may(verb, "provisioningrequests", "autoscaling.x-k8s.io")
         assert may(verb, "podtemplates", "")
     assert may("list", "nodes", "", ns=None)
-    assert not may("delete", "nodes", "", ns=None)
-    assert not may("create", "jobsets", "jobset.x-k8s.io")
-    assert not may("list", "secrets", "")
-    assert not may("delete", "jobsets", "jobset.x-k8s.io", ns="kube-system")
+    assert refused("delete", "nodes", "", ns=None)
+    assert refused("create", "jobsets", "jobset.x-k8s.io")
+    assert refused("list", "secrets", "")
+    assert refused("delete", "jobsets", "jobset.x-k8s.io", ns="kube-system")
 
 
 def workflow_calls() -> set[tuple[str, str, str, bool]]:
@@ -222,6 +242,9 @@ def test_workflow_rbac_allows_its_connector_calls_and_nothing_more(api: Any, nam
     def may(verb: str, resource: str, group: str, ns: str | None = namespace) -> bool:
         return allowed(api, user, ["system:authenticated"], ns, verb, resource, group)
 
+    def refused(verb: str, resource: str, group: str, ns: str | None = namespace) -> bool:
+        return not allowed(api, user, ["system:authenticated"], ns, verb, resource, group, wait_for_yes=False)
+
     calls = workflow_calls()
     assert calls == {
         ("create", "", "podtemplates", True),
@@ -247,12 +270,12 @@ def test_workflow_rbac_allows_its_connector_calls_and_nothing_more(api: Any, nam
         for verb in rule["verbs"]
     }
     assert granted == {(v, g, r) for v, g, r, _ in calls}
-    assert not may("create", "jobsets", "jobset.x-k8s.io", ns="kube-system")  # its namespace only
-    assert not may("update", "jobsets", "jobset.x-k8s.io")
-    assert not may("list", "jobsets", "jobset.x-k8s.io")
-    assert not may("create", "pods", "")
-    assert not may("list", "secrets", "")
-    assert not may("delete", "nodes", "", ns=None)
+    assert refused("create", "jobsets", "jobset.x-k8s.io", ns="kube-system")  # its namespace only
+    assert refused("update", "jobsets", "jobset.x-k8s.io")
+    assert refused("list", "jobsets", "jobset.x-k8s.io")
+    assert refused("create", "pods", "")
+    assert refused("list", "secrets", "")
+    assert refused("delete", "nodes", "", ns=None)
 
 
 @pytest.mark.parametrize("tcpx", [False, True])
