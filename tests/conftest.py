@@ -7,6 +7,7 @@ reason; each test isolates its data with its own Firestore project id.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import uuid
@@ -31,9 +32,19 @@ CORPUS = SHARED / "corpus"
 TIER_MARKS = {"e2e": {"e2e", "faults"}, "integration": {"integration", "emulators", "envtest"}}
 
 
+#: The order tests run in: the longest tier first, and in it the ``long`` tests first, so that the
+#: workers sharing a run (``./scripts/test`` runs on several) end together instead of one of them
+#: starting a ten-minute test when the others are done.
+TIER_ORDER = ("e2e", "integration", "unit")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give every test exactly one tier mark, so that ``-m unit`` (``./scripts/test --fast``) selects the
-    unit tier and a test carries no tier mark that contradicts its needs."""
+    unit tier and a test carries no tier mark that contradicts its needs; order the tests longest
+    first; and group them for ``--dist loadgroup``: a module's tests on one worker (they share its
+    fixtures: a module's stack boots once), a ``long`` test on a worker by itself."""
+    tiers: dict[str, str] = {}
     for item in items:
         marks = {m.name for m in item.iter_markers()}
         tier = next((t for t, implied in TIER_MARKS.items() if marks & implied), "unit")
@@ -43,6 +54,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.nodeid} is marked {sorted(marks & other)} but needs the {tier} tier"
             )
         item.add_marker(tier)
+        tiers[item.nodeid] = tier
+        group = item.nodeid if "long" in marks else item.nodeid.split("::")[0]
+        # xdist reads a group after the last "@", and only past any "]" (loadgroup._split_scope)
+        item.add_marker(pytest.mark.xdist_group(re.sub(r"[^\w./:-]+", "-", group)))
+    items.sort(key=lambda i: (TIER_ORDER.index(tiers[i.nodeid]), i.get_closest_marker("long") is None))
 
 
 class StartsAProcess(Exception):

@@ -40,6 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     yield from module_stack(tmp_path_factory, quiet_period_s=60.0)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)  # some 10 minutes locally: every object is read, hashed and tokenized
 def test_two_thousand_small_objects_train_in_one_run(stack: LocalStack, tmp_path: Path) -> None:
     files = []

@@ -58,6 +58,7 @@ def wait_for_run(state: Path, dataset: str, after: str = "") -> dict[str, Any]:
         time.sleep(1)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1200)  # eight runs, two trainers, on two cores
 def test_background_stack_round_trip(tmp_path: Path) -> None:
     for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):

@@ -135,6 +135,8 @@ def trained_contents(stack: LocalStack, runs: list[Run]) -> Counter[str]:
     return counts
 
 
+@pytest.mark.long
+@pytest.mark.timeout(1500)  # two phases of drops (300 s each at most), then settling (600 s at most)
 @pytest.mark.parametrize("droppers", [8, 32])
 def test_a_folder_synced_twice_trains_every_content_once(
     stack: LocalStack, tmp_path: Path, droppers: int
@@ -306,6 +308,8 @@ class Interleavings:
         raise AssertionError(f"content still waits for a retry after six rounds: {waiting}")
 
 
+@pytest.mark.long
+@pytest.mark.timeout(1500)  # some 8 minutes alone; more beside other tests on two cores
 @pytest.mark.parametrize("seed", STRESS_SEEDS, ids=lambda s: f"seed={s}")
 def test_random_interleavings_lose_nothing(stack: LocalStack, tmp_path: Path, seed: int) -> None:
     """Bursts of concurrent drops, identical re-drops, changed bytes, deletes and purges (every version)

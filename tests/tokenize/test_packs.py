@@ -86,6 +86,7 @@ def test_packs_cut_at_least_pack_bytes_and_never_more_than_max_packs() -> None:
     assert again == small  # named by its members, whatever order they come in
 
 
+@pytest.mark.long
 @pytest.mark.integration
 def test_merged_index_is_what_megatron_core_writes(many, tmp_path: Path) -> None:
     """Optional tier: megatron-core's IndexedDatasetBuilder.add_index over the same shards."""
