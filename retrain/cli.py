@@ -15,11 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from retrain import config
-from retrain.contracts import SchedulerJob
+from retrain.contracts import RunEvent, RunEventType, SchedulerJob
 from retrain.domain.runs import Run, RunStatus
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
@@ -321,6 +322,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not files:
         raise SystemExit(f"no data files (.txt, .jsonl, .parquet) under {args.data}")
     _say("starting from a clean local state (the ledger is kept for `retrain runs` afterwards)")
+    started = datetime.now(UTC)
     with LocalStack(settings, progress=_say, fresh=True) as stack:
         ledger = _ledger(settings)
         before = {r.run_id for r in ledger.list_runs()}
@@ -337,7 +339,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.5)
         executions = _executions(settings)
-        run = follow(ledger, new[-1].run_id, args.timeout, executions)
+        with _showing_events(settings, started) as told:
+            run = follow(ledger, new[-1].run_id, args.timeout, executions)
+            told.wait_for(run)
         page = _report(settings, run, None)
         accounted = _audit_line(settings, ledger)
         refused, privileges = _iam_line(stack)
@@ -347,6 +351,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _say(privileges)
     ok = run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 and accounted.startswith("audit: every")
     return 0 if ok and not refused else 1
+
+
+class _EventPrinter:
+    """Prints each run event as a subscriber of the run events topic receives it (``retrain events
+    --follow``), from a thread of its own."""
+
+    def __init__(self, settings: config.Settings, since: datetime) -> None:
+        self.settings, self.since = settings, since
+        self.seen: list[RunEvent] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._print, name="run-events", daemon=True)
+
+    def _print(self) -> None:
+        from retrain.adapters.events import read_events
+
+        try:
+            for event in read_events(self.settings.events_topic, self.since, True, stopped=self.stop.is_set):
+                self.seen.append(event)
+                _say(f"run event: {format_event(event)}")
+        except Exception as e:  # the demo goes on without them
+            _say(f"run events not shown: {e}")
+
+    def wait_for(self, run: Run, timeout_s: float = 15) -> None:
+        """Until the run's outcome has been told (it is published just after it is recorded)."""
+        outcome = RunEventType(str(run.status)) if run.status.terminal else None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(
+            e.run_id == run.run_id and e.type == outcome for e in self.seen
+        ):
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _showing_events(settings: config.Settings, since: datetime) -> Iterator[_EventPrinter]:
+    printer = _EventPrinter(settings, since)
+    printer.thread.start()
+    try:
+        yield printer
+    finally:
+        printer.stop.set()
+        printer.thread.join(10)
 
 
 def _iam_line(stack: Any) -> tuple[int, str]:
@@ -544,6 +589,37 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_event(event: RunEvent) -> str:
+    """One run event as a line: when, what, which run, and what it says."""
+    said = [
+        f"{event.failure}: " if event.failure else "",
+        event.reason or "",
+        f" cost ${event.cost_usd:.2f}" if event.cost_usd is not None else "",
+        f" checkpoint {event.checkpoint}" if event.checkpoint else "",
+    ]
+    return f"{event.time[:19]}Z {event.type!s:<13} {event.run_id:<40} {''.join(said).strip()}".rstrip()
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    """The run events the topic retains (the last ``--since-hours``), then, with ``--follow``, each one as
+    it is published, until interrupted."""
+    from datetime import timedelta
+
+    from retrain.adapters.events import read_events
+
+    since = datetime.now(UTC) - timedelta(hours=args.since_hours)
+    with reach(args, running=False) as settings:
+        try:
+            for event in read_events(settings.events_topic, since, args.follow):
+                if args.dataset is None or event.dataset == args.dataset:
+                    print(
+                        json.dumps(json.loads(event.data())) if args.json else format_event(event), flush=True
+                    )
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     with reach(args, running=False) as settings:
         run = _ledger(settings).get_run(args.run_id)
@@ -732,6 +808,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.add_argument("--limit", type=int, default=100)
     r.set_defaults(fn=cmd_runs)
+
+    ev = sub.add_parser(
+        "events", help="the run events (state changes, promotions) of the last day, or --follow"
+    )
+    ev.add_argument("--follow", action="store_true", help="then print each one as it is published")
+    ev.add_argument("--dataset", default=None, help="only this dataset's runs")
+    ev.add_argument("--since-hours", type=float, default=24.0, help="how far back to start (default: 24)")
+    ev.add_argument("--json", action="store_true", help="each event's data as one JSON line")
+    ev.set_defaults(fn=cmd_events)
 
     st = sub.add_parser("status", help="show one run record")
     st.add_argument("run_id")

@@ -16,6 +16,7 @@ from retrain.steps import Steps
 
 if TYPE_CHECKING:
     from retrain.adapters.cluster import GkeCluster
+    from retrain.adapters.events import PubSubRunEvents
     from retrain.adapters.ledger import FirestoreLedger
     from retrain.adapters.workflows import WorkflowsExecutions
 
@@ -43,11 +44,18 @@ def cluster(settings: Settings) -> GkeCluster:
     return GkeCluster(settings)
 
 
+def run_events(settings: Settings) -> PubSubRunEvents:
+    """The run events topic (:class:`retrain.ports.RunEvents`)."""
+    from retrain.adapters.events import PubSubRunEvents
+
+    return PubSubRunEvents(settings.project, settings.events_topic)
+
+
 def steps(settings: Settings) -> Steps:
     """The workflow's steps in Python, with their real adapters."""
     from retrain.adapters import objects
 
-    return Steps(settings, ledger(settings), objects)
+    return Steps(settings, ledger(settings), objects, run_events(settings))
 
 
 def ingest(settings: Settings) -> Ingest:
@@ -59,4 +67,12 @@ def ingest(settings: Settings) -> Ingest:
         from retrain.adapters.warehouse import BigQueryWarehouse
 
         warehouse = BigQueryWarehouse(settings.project, call_timeout_s=settings.bigquery_call_timeout_s)
-    return Ingest(settings, ledger(settings), orchestrator(settings), objects, warehouse, cluster(settings))
+    return Ingest(
+        settings,
+        ledger(settings),
+        orchestrator(settings),
+        objects,
+        warehouse,
+        cluster(settings),
+        run_events(settings),
+    )

@@ -88,6 +88,9 @@ class Settings:
     scheduler_topic: str = "projects/retrain-local/topics/retrain-scheduler-ticks"
     """Full id of the topic the Scheduler's ticks go to; a run's workflow publishes a sweeper tick there
     when it ends, so that the dataset's pending run starts at once."""
+    events_topic: str = "projects/retrain-local/topics/retrain-run-events"
+    """Full id of the run events topic: every state change of a run and every promotion is published there
+    as a CloudEvent (:class:`retrain.contracts.RunEvent`) for whatever a deployment subscribes."""
     functions_service_account: str = ""
     """Email the functions run as: BigQuery jobs it starts itself (its watermark queries and exports)
     write audit-log entries too, and those must not trigger another export."""

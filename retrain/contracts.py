@@ -18,6 +18,7 @@ run record                    the workflow's ``record`` steps, Ingest ``retrain.
 :class:`CallbackPayload`      the relay, ``retrain cancel``           the workflow's waits
 :class:`StepRequest`          the workflow's ``python_step`` calls    the ``run_step`` function
 :class:`Handover`, `Results`  ``retrain.steps``                       the workflow's ``train`` and ``judge``
+:class:`RunEvent`             ``announce`` (YAML), Ingest, Steps    subscribers, ``retrain events``
 ============================  ======================================  =====================================
 
 The run record itself is :class:`retrain.domain.runs.Run` (its statuses :class:`RunStatus`): the domain
@@ -45,6 +46,8 @@ __all__ = [
     "JobSetCompletion",
     "JobSetRef",
     "Results",
+    "RunEvent",
+    "RunEventType",
     "RunManifest",
     "RunRecord",
     "RunStatus",
@@ -202,6 +205,9 @@ class WorkflowArgument:
     ticks_topic: str
     """Full id of the Scheduler ticks topic: when the run ends, the workflow publishes a ``sweeper``
     :class:`SchedulerTick` there, so the dataset's pending run starts at once."""
+    events_topic: str
+    """Full id of the run events topic: the workflow's ``announce`` publishes each state change of the run
+    there (:class:`RunEvent`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -580,3 +586,129 @@ class Forecast:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# --- a run's state changes -> the run events topic (subscribers: whatever a deployment adds) -------
+
+
+class RunEventType(StrEnum):
+    """What happened to a run: a run event's ``type`` (``dev.retrain.run.v1.<value>`` as a CloudEvent).
+
+    Each one happens at most once per run, so ``<run_id>/<type>`` identifies an event and a subscriber
+    deduplicates on it (the CloudEvent's ``id``)."""
+
+    QUEUED = "queued"
+    """A seal gave the dataset's pending run content; it starts when its dataset has no live run."""
+    TOKENIZING = "tokenizing"
+    """The run started: its Dataflow job tokenizes the new objects."""
+    PROVISIONING = "provisioning"
+    """Waiting for capacity: the run's DWS ProvisioningRequest is made."""
+    TRAINING = "training"
+    """The nodes came; the NeMo JobSet is submitted."""
+    RELEASING = "releasing"
+    """Training is over (or never came): the run gives back every node."""
+    SUCCEEDED = "succeeded"
+    """Ended with its checkpoint judged (``cost_usd`` and ``reason`` say what it took)."""
+    FAILED = "failed"
+    """Ended without training through (``failure`` says the kind, ``reason`` the words)."""
+    CANCELLED = "cancelled"
+    """An operator cancelled it (``reason`` says who and why)."""
+    REFUSED = "refused"
+    """Ended before asking for capacity: over a cost cap or budget, or a plan the trainer would refuse."""
+    PROMOTED = "promoted"
+    """Its checkpoint became the dataset's champion (``checkpoint``, ``verdict``): the next run continues
+    from it; a downstream deployment may take it."""
+
+
+#: The CloudEvents version the run events follow, and their ``type`` prefix (reverse-DNS, versioned).
+CLOUDEVENTS_SPECVERSION = "1.0"
+RUN_EVENT_TYPE_PREFIX = "dev.retrain.run.v1."
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """A run's state change, published to the run events topic as a CloudEvent in Pub/Sub's *binary*
+    content mode: this JSON as the message data, the CloudEvents attributes as ``ce-`` message
+    attributes and ``Content-Type`` as the data's media type (the Pub/Sub protocol binding for CloudEvents,
+    github.com/cloudevents/spec pubsub-protocol-binding.md, 3.1).  Published at least once (the workflow
+    and the functions publish after the record changes, with the client's retries): a subscriber
+    deduplicates on ``id``."""
+
+    type: RunEventType
+    """What happened."""
+    run_id: str
+    """The run: the ledger's ``runs/<run_id>`` and the ``retrain.dev/run-id`` label of its objects."""
+    dataset: str
+    """The dataset the run trains."""
+    time: str
+    """When it happened (RFC 3339, UTC)."""
+    reason: str | None = None
+    """Why, in a sentence, where the record has one (the outcome of an ended run)."""
+    failure: str | None = None
+    """For ``failed``, ``refused`` and ``cancelled``: the :class:`retrain.domain.runs.FailureKind`."""
+    cost_usd: float | None = None
+    """For an ended run: what its GPU nodes cost (node time at the price of a node-hour)."""
+    checkpoint: str | None = None
+    """For ``promoted``: the ``gs://`` folder of the new champion checkpoint."""
+    verdict: dict[str, Any] | None = None
+    """For ``promoted``: the eval gate's :class:`retrain.domain.runs.Evaluation`."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.run_id}/{self.type}"
+
+    def attributes(self, project: str) -> dict[str, str]:
+        """The Pub/Sub message attributes: the CloudEvents context attributes, ``ce-`` prefixed."""
+        return {
+            "ce-specversion": CLOUDEVENTS_SPECVERSION,
+            "ce-id": self.id,
+            "ce-type": RUN_EVENT_TYPE_PREFIX + str(self.type),
+            "ce-source": run_event_source(project, self.dataset),
+            "ce-subject": f"runs/{self.run_id}",
+            "ce-time": self.time,
+            "Content-Type": "application/json",
+        }
+
+    def data(self) -> bytes:
+        return json.dumps({**asdict(self), "type": str(self.type)}, sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, attributes: Mapping[str, str]) -> RunEvent:
+        """The event a Pub/Sub message carries; Rejected when it is not one (or its attributes and data
+        disagree)."""
+        try:
+            body = json.loads(data)
+        except ValueError as e:
+            raise Rejected(f"a run event's data is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise Rejected("a run event's data is not a JSON object")
+        unknown, missing = set(body) - field_names(cls), {"type", "run_id", "dataset", "time"} - set(body)
+        if unknown or missing:
+            raise Rejected(f"run event: unknown field(s) {sorted(unknown)}, missing {sorted(missing)}")
+        try:
+            event = cls(**{**body, "type": RunEventType(body["type"])})
+        except ValueError:
+            raise Rejected(f"unknown run event type {body['type']!r}") from None
+        if not isinstance(event.dataset, str) or not DATASET_RE.match(event.dataset):
+            raise Rejected("a run event's dataset must be a valid dataset name")
+        kinds = {"cost_usd": (int, float), "verdict": (dict,)}
+        wrong = [
+            k
+            for k, v in body.items()
+            if k != "type" and v is not None and not isinstance(v, kinds.get(k, (str,)))
+        ]
+        if wrong:
+            raise Rejected(f"a run event's {sorted(wrong)} have the wrong type")
+        expected = event.attributes(project="")
+        expected.pop("ce-source")
+        differing = sorted(k for k, v in expected.items() if attributes.get(k) != v)
+        if not str(attributes.get("ce-source", "")).endswith(f"/datasets/{event.dataset}"):
+            differing.append("ce-source")
+        if differing:
+            raise Rejected(f"a run event's attributes {differing} disagree with its data")
+        return event
+
+
+def run_event_source(project: str, dataset: str) -> str:
+    """The CloudEvents ``source`` of a dataset's run events (a URI reference naming its context)."""
+    return f"//retrain.dev/projects/{project}/datasets/{dataset}"

@@ -283,6 +283,11 @@ class Deployment:
         uri = f"gs://{self.app.evaluate(obj['bucket'])}/{self.app.evaluate(obj['name'])}"
         return uri, str(self.app.evaluate(obj["content"])).encode()
 
+    def topic_retention_s(self, resource: str) -> int:
+        """How long infra/platform's ``google_pubsub_topic.<resource>`` retains messages, in seconds."""
+        spec = self.platform.resource("google_pubsub_topic", resource)
+        return int(str(self.platform.evaluate(spec["message_retention_duration"])).removesuffix("s"))
+
     def topic(self, output: str) -> str:
         """A topic's full id from the platform stage's outputs (``jobset_topic_id`` ...)."""
         return str(self.platform.output(output))

@@ -26,6 +26,7 @@ from retrain.contracts import (
     CallbackPayload,
     Forecast,
     JobSetCompletion,
+    RunEventType,
     RunManifest,
     SchedulerJob,
     SchedulerTick,
@@ -60,10 +61,12 @@ from retrain.ports import (
     Ledger,
     ObjectStore,
     Orchestrator,
+    RunEvents,
     SealOutcome,
     SealVerdict,
     StartVerdict,
     Warehouse,
+    tell,
 )
 
 log = logging.getLogger("retrain.ingest")
@@ -125,7 +128,9 @@ class Outcome:
     run_id: str | None = None
 
 
-def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> Outcome | None:
+def record_silent_end(
+    ledger: Ledger, orchestrator: Orchestrator, run: Run, events: RunEvents | None = None
+) -> Outcome | None:
     """Record as failed a run whose workflow execution ended (a crash, a hard cancel) without writing
     its outcome, or no longer exists at all (the executions service lost it); None while the execution
     is active or the record is already final."""
@@ -147,6 +152,7 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
         ledger.update_run(
             run.run_id, {"status": str(RunStatus.SUCCEEDED), "reason": reason, "finished_at": now_iso()}
         )
+        tell(events, RunEventType.SUCCEEDED, current, reason=reason)
         return Outcome(Action.RECORDED_SUCCESS, reason, run.run_id)
     if state == ExecutionState.LOST:
         reason = f"execution lost: {run.execution} no longer exists (nothing will release its capacity)"
@@ -164,6 +170,7 @@ def record_silent_end(ledger: Ledger, orchestrator: Orchestrator, run: Run) -> O
             "finished_at": now_iso(),
         },
     )
+    tell(events, RunEventType.FAILED, current, reason=reason, failure=str(FailureKind.EXECUTION_LOST))
     ledger.give_back(current)  # identical bytes dropped again are new; `run --retry` re-runs them
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
 
@@ -179,6 +186,7 @@ class Ingest:
         store: ObjectStore,
         warehouse: Warehouse | None = None,
         cluster: Cluster | None = None,
+        events: RunEvents | None = None,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
@@ -186,6 +194,7 @@ class Ingest:
         self.store = store
         self.warehouse = warehouse
         self.cluster = cluster
+        self.events = events
 
     # --- objects landing in the bucket ---
 
@@ -313,6 +322,7 @@ class Ingest:
             return Outcome(Action.ALREADY_TRAINED, sealed.reason)
         if sealed.run.execution:
             return Outcome(Action.STARTED, sealed.run.execution, sealed.run.run_id)
+        tell(self.events, RunEventType.QUEUED, sealed.run)  # each seal that joins it: one event, by id
         return self.start(sealed.run)
 
     def start(self, run: Run) -> Outcome:
@@ -404,6 +414,7 @@ class Ingest:
                 "finished_at": now_iso(),
             },
         )
+        tell(self.events, RunEventType.REFUSED, run, reason=reason, failure=str(FailureKind.REFUSED))
         returned = self.ledger.give_back(run)
         log.warning(
             "run %s refused before any capacity was requested (%d objects given back): %s",
@@ -594,7 +605,8 @@ class Ingest:
         for run in self.ledger.runs_in(*live):
             if run.execution:
                 silent = each(
-                    f"run {run.run_id}", partial(record_silent_end, self.ledger, self.orchestrator, run)
+                    f"run {run.run_id}",
+                    partial(record_silent_end, self.ledger, self.orchestrator, run, self.events),
                 )
                 ended |= silent is not None and silent.action in (
                     Action.RECORDED_FAILURE,

@@ -304,4 +304,5 @@ def workflow_argument(
         completion_check_s=settings.completion_check_s,
         price_per_node_hour=settings.price_per_node_hour,
         ticks_topic=settings.scheduler_topic,
+        events_topic=settings.events_topic,
     )

@@ -13,8 +13,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
+from retrain.contracts import RunEvent, RunEventType
 from retrain.domain.events import ObjectArrival, ObjectVersion
-from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus
+from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus, now_iso
 
 
 class ArrivalStatus(StrEnum):
@@ -397,3 +398,18 @@ class Warehouse(Protocol):
     def export_status(self, job: ExportJob, wait_s: float = 0.0) -> ExportStatus: ...
 
     def cancel_export(self, job: ExportJob) -> None: ...
+
+
+class RunEvents(Protocol):
+    """Tells whoever subscribed what happened to a run (the run events topic: Pub/Sub)."""
+
+    def publish(self, event: RunEvent) -> None:
+        """Best effort: the state change it reports has happened already, so a publish that fails
+        after the client's retries is logged, never raised."""
+        ...
+
+
+def tell(events: RunEvents | None, type: RunEventType, run: Run, **fields: Any) -> None:
+    """Publish that ``type`` happened to ``run`` now (best effort, as :meth:`RunEvents.publish`)."""
+    if events is not None:
+        events.publish(RunEvent(type, run.run_id, run.dataset, now_iso(), **fields))

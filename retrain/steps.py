@@ -30,6 +30,7 @@ from retrain.contracts import (
     Finished,
     Handover,
     Results,
+    RunEventType,
     SetAside,
     StepName,
     StepRequest,
@@ -40,7 +41,7 @@ from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
 from retrain.plan import render_training, run_root, set_aside, shard_root, tokenize_report_uri
-from retrain.ports import Ledger, ObjectStore
+from retrain.ports import Ledger, ObjectStore, RunEvents, tell
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
 
@@ -179,10 +180,13 @@ def _readable_copy(
 class Steps:
     """The handlers, over the ports alone."""
 
-    def __init__(self, settings: Settings, ledger: Ledger, store: ObjectStore) -> None:
+    def __init__(
+        self, settings: Settings, ledger: Ledger, store: ObjectStore, events: RunEvents | None = None
+    ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.store = store
+        self.events = events
 
     def handle(self, body: Any) -> dict[str, Any]:
         """One request (:class:`StepRequest`); Rejected for a malformed one or a plan that cannot run."""
@@ -289,4 +293,8 @@ class Steps:
                 checkpoint_fingerprint(self.store, checkpoint),
             )
             promoted = self.ledger.promote(run.dataset, new)
+            if promoted:
+                tell(
+                    self.events, RunEventType.PROMOTED, run, checkpoint=checkpoint, verdict=verdict.to_dict()
+                )
         return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)

@@ -101,6 +101,20 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert verdict["compared_on"] == "this run's validation data", verdict  # type: ignore[index]
         assert verdict["champion_run"] == run["run_id"] and verdict["champion_val_loss"] > 0, verdict  # type: ignore[index]
 
+        # what a subscriber of the run events topic was told of both runs: each state once, the first
+        # run's checkpoint promoted (`retrain events`: what the topic retains, as JSON lines)
+        told = retrain(["events", "--dataset", "notes", "--json"], state)
+        assert told.returncode == 0, told.stderr
+        events = [json.loads(line) for line in told.stdout.splitlines()]
+        lived = ["queued", "tokenizing", "provisioning", "training", "releasing", "succeeded"]
+        for r in (run, second):
+            promoted = ["promoted"] if r["eval"]["promoted"] else []  # type: ignore[index]
+            types = sorted(e["type"] for e in events if e["run_id"] == r["run_id"])
+            assert types == sorted(lived + promoted), (r["run_id"], events)
+        assert {e["dataset"] for e in events} == {"notes"}
+        (champion,) = [e for e in events if e["run_id"] == run["run_id"] and e["type"] == "promoted"]
+        assert champion["checkpoint"] == run["checkpoint"] and champion["verdict"]["promoted"] is True
+
         # the same under Megatron-Bridge (the dataset's profile): Bridge's weights-only pretrained checkpoint
         assert retrain(["drop", str(data), "--dataset", "bridged"], state).returncode == 0
         first = wait_for_run(state, "bridged")

@@ -90,6 +90,11 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     }, run["eval"]
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown
+    # and the run events as a subscriber of the topic received them (retrain.contracts.RunEvent), each once
+    told = re.findall(rf"run event: \S+ (\w+) +{run['run_id']}\b", demo.stderr)
+    assert sorted(told) == sorted(
+        ["queued", "tokenizing", "provisioning", "training", "promoted", "releasing", "succeeded"]
+    ), demo.stderr[-3000:]
     # the run's page (retrain report): its timeline has every stage this run went through, and its loss
     # curve the trainer's scalars (tests/test_report.py looks at such a page in Chromium)
     (page,) = re.findall(r"the run's report: (\S+)", demo.stderr)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import requests
+from run_events_support import Told
 
 from retrain import config
 from retrain.adapters import objects
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.emulators
 def steps(firestore_host: str, gcs_host: str, project: str) -> Steps:
     settings = dataclasses.replace(config.load({}), project=project, artifacts_bucket=f"art-{project}")
     objects.storage_client().create_bucket(settings.artifacts_bucket)
-    return Steps(settings, FirestoreLedger(project), objects)
+    return Steps(settings, FirestoreLedger(project), objects, Told())
 
 
 def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = None) -> dict[str, Any]:
@@ -264,6 +265,16 @@ def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_
     assert here["champion_val_loss"] == pytest.approx(3.4) and beats_it_here["metrics"][
         "val_loss"
     ] == pytest.approx(3.3)
+    # each promotion told once, with its checkpoint and verdict; the refused checkpoint not at all
+    assert isinstance(steps.events, Told)
+    told = [e for e in steps.events.events if e.dataset == "gated"]
+    assert [str(e.type) for e in told] == ["promoted"] * 3
+    assert [e.verdict["reason"] for e in told if e.verdict] == [
+        first_eval["reason"],
+        within["reason"],
+        here["reason"],
+    ]
+    assert all(e.checkpoint and e.checkpoint.startswith("gs://") for e in told)
 
 
 def test_a_loss_that_is_not_a_number_never_promotes_and_the_answer_stays_json(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import functions_framework
 import pytest
+from run_events_support import Told
 
 from retrain import config
 from retrain.adapters import objects
@@ -55,6 +56,7 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
             grpc_endpoint=held_executions.grpc_target,
         ),
         objects,
+        events=Told(),
     )
 
 
@@ -114,6 +116,9 @@ def test_a_run_the_trainer_would_refuse_is_refused_before_capacity_with_its_reas
         "data-parallel size 8 = 8 (8 GPUs / (TP 1 x PP 1))"
     )
     assert run.nodes_at_end == 0
+    assert isinstance(ingest.events, Told)
+    assert ingest.events.of(run.run_id) == [("queued", None), ("refused", "Refused")]
+    assert ingest.events.events[-1].reason == run.reason
     ingest.settings = dataclasses.replace(ingest.settings, global_batch_size=16)
     arrive(ingest, "bad", "2.txt")
     assert ingest.seal("bad", "manual").action == "started"  # the refused run holds nothing up
@@ -224,6 +229,8 @@ def test_an_execution_that_died_unrecorded_is_recorded_and_unblocks_the_dataset(
     assert [o.action for o in outcomes] == ["recorded-failure", "started"]
     assert "without recording an outcome" in (ingest.ledger.get_run(first.run_id).reason or "")
     assert ingest.ledger.get_run(first.run_id).failure == "ExecutionLost"  # type: ignore[union-attr]
+    assert isinstance(ingest.events, Told)  # queued by its seal, failed by the sweeper: each told once
+    assert ingest.events.of(first.run_id) == [("queued", None), ("failed", "ExecutionLost")]
 
 
 def test_an_execution_lost_after_its_results_is_recorded_succeeded_and_the_dataset_moves_on(

@@ -153,3 +153,30 @@ resource "google_pubsub_subscription_iam_member" "pubsub_agent_scheduler_ticks" 
   role         = "roles/pubsub.subscriber"
   member       = local.pubsub_service_agent
 }
+
+# Whoever a deployment names in run_event_push_endpoints gets every run event pushed (at least once:
+# a subscriber deduplicates on the CloudEvent's id, its ce-id attribute).
+resource "google_pubsub_subscription" "run_events_push" {
+  for_each = var.run_event_push_endpoints
+
+  name    = "${var.name_prefix}-run-events-${each.key}"
+  project = var.project_id
+  topic   = local.platform.run_events_topic_id
+  labels  = var.labels
+
+  ack_deadline_seconds       = 60
+  message_retention_duration = "604800s"
+
+  push_config {
+    push_endpoint = each.value
+  }
+
+  retry_policy {
+    minimum_backoff = "10s"
+    maximum_backoff = "600s"
+  }
+
+  expiration_policy {
+    ttl = ""
+  }
+}

@@ -220,6 +220,17 @@ variable "bigquery_export_timeout_s" {
   }
 }
 
+variable "run_event_push_endpoints" {
+  type        = map(string)
+  description = "Subscribers of the run events topic: a name => the HTTPS URL each run event is pushed to (Pub/Sub's JSON wrapper, the CloudEvent's attributes as the message's). None by default; a deployment may also add its own subscriptions to the platform stage's run_events_topic_id."
+  default     = {}
+
+  validation {
+    condition     = alltrue([for name, url in var.run_event_push_endpoints : can(regex("^[a-z][a-z0-9-]{0,30}$", name)) && startswith(url, "https://")])
+    error_message = "Each subscriber is a short lowercase name (letters, digits, dashes) => an https:// URL."
+  }
+}
+
 variable "push_max_delivery_attempts" {
   type        = number
   description = "Push deliveries to a function before the message goes to the dead-letter topic (5-100)."

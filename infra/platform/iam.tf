@@ -124,6 +124,15 @@ resource "google_project_iam_member" "functions_cluster_connect" {
   member  = "serviceAccount:${google_service_account.functions.email}"
 }
 
+# The functions publish the run events they cause: a run queued by a seal, refused, its execution lost,
+# its checkpoint promoted.
+resource "google_pubsub_topic_iam_member" "functions_run_events_publisher" {
+  project = var.project_id
+  topic   = google_pubsub_topic.run_events.name
+  role    = "roles/pubsub.publisher"
+  member  = "serviceAccount:${google_service_account.functions.email}"
+}
+
 resource "google_storage_bucket_iam_member" "functions_landing_viewer" {
   bucket = google_storage_bucket.landing.name
   role   = "roles/storage.objectViewer"
@@ -205,6 +214,14 @@ resource "google_project_iam_member" "workflow_cluster_connect" {
 resource "google_pubsub_topic_iam_member" "workflow_ticks_publisher" {
   project = var.project_id
   topic   = google_pubsub_topic.scheduler_ticks.name
+  role    = "roles/pubsub.publisher"
+  member  = "serviceAccount:${google_service_account.workflow.email}"
+}
+
+# The workflow publishes a run's state changes (tokenizing ... released, its outcome) as run events.
+resource "google_pubsub_topic_iam_member" "workflow_run_events_publisher" {
+  project = var.project_id
+  topic   = google_pubsub_topic.run_events.name
   role    = "roles/pubsub.publisher"
   member  = "serviceAccount:${google_service_account.workflow.email}"
 }

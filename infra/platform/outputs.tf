@@ -130,6 +130,11 @@ output "scheduler_topic_id" {
   value       = google_pubsub_topic.scheduler_ticks.id
 }
 
+output "run_events_topic_id" {
+  description = "Full id of the run events topic (RETRAIN_EVENTS_TOPIC; subscribe to follow every run)."
+  value       = google_pubsub_topic.run_events.id
+}
+
 output "dead_letter_topic_id" {
   description = "Full id of the dead-letter topic."
   value       = google_pubsub_topic.dead_letter.id

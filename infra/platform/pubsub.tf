@@ -17,6 +17,18 @@ resource "google_pubsub_topic" "scheduler_ticks" {
   message_retention_duration = var.message_retention_duration
 }
 
+# Run events (a run's state changes, promotions) as CloudEvents, published by the workflow and the
+# functions, for whatever a deployment subscribes (infra/app's run_event_push_endpoints, or its own
+# subscriptions). Retained, so that `retrain events` replays them (a new subscription seeks back within
+# the topic's retention: cloud.google.com/pubsub/docs/replay-overview).
+resource "google_pubsub_topic" "run_events" {
+  #checkov:skip=CKV_GCP_83:Run events carry run ids, states, costs and checkpoint paths, no training data; Google-managed encryption at rest is the chosen baseline (no CMEK key ring is operated for retrain).
+  name                       = var.run_events_topic
+  project                    = var.project_id
+  labels                     = var.labels
+  message_retention_duration = var.message_retention_duration
+}
+
 # Deliveries that a function kept rejecting end up here for inspection and replay.
 resource "google_pubsub_topic" "dead_letter" {
   #checkov:skip=CKV_GCP_83:Dead letters are copies of the two topics above (no training data); Google-managed encryption at rest is the chosen baseline.

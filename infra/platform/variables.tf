@@ -274,6 +274,12 @@ variable "scheduler_topic" {
   default     = "retrain-scheduler-ticks"
 }
 
+variable "run_events_topic" {
+  type        = string
+  description = "Topic every run's state changes and promotions are published to, as CloudEvents (retrain.contracts.RunEvent)."
+  default     = "retrain-run-events"
+}
+
 variable "dead_letter_topic" {
   type        = string
   description = "Topic that receives push deliveries the functions kept rejecting."

@@ -18,9 +18,15 @@ from google.api_core.exceptions import AlreadyExists
 MAX_DELIVERY_ATTEMPTS = 5
 
 
-def ensure_topic(publisher: Any, topic: str) -> None:
+def ensure_topic(publisher: Any, topic: str, retention_s: int | None = None) -> None:
+    """The topic, made when missing (retaining messages for ``retention_s``, when given)."""
+    from google.protobuf import duration_pb2
+
+    request: dict[str, Any] = {"name": topic}
+    if retention_s is not None:
+        request["message_retention_duration"] = duration_pb2.Duration(seconds=retention_s)
     with contextlib.suppress(AlreadyExists):
-        publisher.create_topic(name=topic)
+        publisher.create_topic(request=request)
 
 
 def push_subscription(

@@ -24,17 +24,11 @@ permissions."), with who lacked what appended; anything else is relayed to the e
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
-import grpc
-
+from retrain.local.grpc_front import GrpcFront
 from retrain.local.iam import Kind, Resource
 from retrain.local.identities import Guard
-
-SERVICE = "/google.firestore.v1.Firestore/"
 
 READS = {
     "GetDocument": ("datastore.entities.get",),
@@ -79,96 +73,23 @@ def permissions(method: str, request: bytes) -> set[str]:
     return set(READS[method])
 
 
-class FirestoreFront:
-    """One checked endpoint per member, each relaying to the emulator at ``upstream`` (``host:port``)."""
+class FirestoreFront(GrpcFront):
+    """Firestore's checked endpoints: every document of the project's database is one resource."""
+
+    SERVICE = "/google.firestore.v1.Firestore/"
+    STREAMING = frozenset(STREAMING)
 
     def __init__(self, upstream: str, guard: Guard, project: str) -> None:
-        self.upstream = upstream
-        self.guard = guard
+        super().__init__(upstream, guard)
         self.database = Resource(Kind.PROJECT, project)
-        self._channel = grpc.insecure_channel(upstream)
-        self._servers: dict[str, tuple[grpc.Server, str]] = {}
-        self._lock = threading.Lock()
 
-    def endpoint(self, member: str) -> str:
-        """``host:port`` where calls are ``member``'s (started on first use)."""
-        with self._lock:
-            if member not in self._servers:
-                server = grpc.server(
-                    futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="firestore-front")
-                )
-                server.add_generic_rpc_handlers((self._handler(member),))
-                port = server.add_insecure_port("127.0.0.1:0")
-                server.start()
-                self._servers[member] = (server, f"127.0.0.1:{port}")
-            return self._servers[member][1]
+    def needed(self, method: str, request: bytes) -> list[tuple[str, Resource]]:
+        # Listen and Write are not relayed (retrain calls neither): KeyError, refused
+        return [(permission, self.database) for permission in permissions(method, request)]
 
-    def _refuse(self, member: str, method: str, request: bytes, context: grpc.ServicerContext) -> None:
-        try:
-            needed = permissions(method, request)
-        except KeyError:
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"the local Firestore front cannot check {method}"
-            )
-        for permission in sorted(needed):
-            decision = self.guard.check(member, permission, self.database)
-            if not decision.allowed:
-                context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"Missing or insufficient permissions. ({decision.reason})",
-                )
+    def refusal(self, reason: str) -> str:
+        return f"Missing or insufficient permissions. ({reason})"
 
-    def _handler(self, member: str) -> grpc.GenericRpcHandler:
-        front = self
-
-        def metadata(context: grpc.ServicerContext) -> list[tuple[str, str]]:
-            kept = [(k, v) for k, v in context.invocation_metadata() if k != "authorization"]
-            return [*kept, ("authorization", "Bearer owner")]
-
-        def relay_unary(path: str, method: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-            upstream = front._channel.unary_unary(path)
-
-            def call(request: bytes, context: grpc.ServicerContext) -> bytes:
-                front._refuse(member, method, request, context)
-                try:
-                    return bytes(
-                        upstream(request, metadata=metadata(context), timeout=context.time_remaining())
-                    )
-                except grpc.RpcError as e:
-                    context.abort(e.code(), e.details() or "")
-                    raise  # unreachable: abort raises
-
-            return call
-
-        def relay_stream(path: str, method: str) -> Callable[[bytes, grpc.ServicerContext], Iterator[bytes]]:
-            upstream = front._channel.unary_stream(path)
-
-            def call(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-                front._refuse(member, method, request, context)
-                try:
-                    yield from upstream(request, metadata=metadata(context), timeout=context.time_remaining())
-                except grpc.RpcError as e:
-                    context.abort(e.code(), e.details() or "")
-
-            return call
-
-        class Handler(grpc.GenericRpcHandler):
-            def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-                path = str(details.method)
-                if not path.startswith(SERVICE):
-                    return None
-                method = path.removeprefix(SERVICE)
-                if method in STREAMING:
-                    return grpc.unary_stream_rpc_method_handler(relay_stream(path, method))
-                if method in READS or method in ("Commit", "BatchWrite"):
-                    return grpc.unary_unary_rpc_method_handler(relay_unary(path, method))
-                return None  # UNIMPLEMENTED: Listen and Write are not relayed (retrain calls neither)
-
-        return Handler()
-
-    def stop(self) -> None:
-        with self._lock:
-            for server, _ in self._servers.values():
-                server.stop(grace=None)
-            self._servers.clear()
-        self._channel.close()
+    def upstream_metadata(self, metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        kept = [(k, v) for k, v in metadata if k != "authorization"]
+        return [*kept, ("authorization", "Bearer owner")]

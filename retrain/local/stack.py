@@ -50,6 +50,7 @@ from retrain.local.iam import Kind, Resource
 from retrain.local.identities import OPERATOR, Caller, Deployed, Guard
 from retrain.local.invoker_front import InvokerFront
 from retrain.local.kube_front import KubeFront
+from retrain.local.pubsub_front import PubSubFront
 from retrain.local.storage_front import StorageFront
 
 log = logging.getLogger("retrain.stack")
@@ -359,6 +360,8 @@ class LocalStack:
         self._closers.append(storage.stop)
         self.firestore_front = FirestoreFront(self._firestore_host, guard, s.project)
         self._closers.append(self.firestore_front.stop)
+        self.pubsub_front = PubSubFront(ep.pubsub, guard)
+        self._closers.append(self.pubsub_front.stop)
         ep.storage, ep.token = storage.url, guard.token(OPERATOR)
         ep.firestore = self.firestore_front.endpoint(OPERATOR)
 
@@ -447,6 +450,8 @@ class LocalStack:
         publisher = pubsub_v1.PublisherClient()
         topic = publisher.topic_path(s.project, s.jobset_topic)
         delivery.ensure_topic(publisher, topic)
+        # retained as infra/platform declares it: `retrain events` replays what the topic retains
+        delivery.ensure_topic(publisher, s.events_topic, self._deployment.topic_retention_s("run_events"))
         # The notifier is a pod: its Kubernetes service account's own token for the API server, and the
         # Google account Workload Identity maps that account to for Pub/Sub.
         notifier_as = Caller(guard, self.workload_member(values.namespace, values.notifier_ksa))
@@ -572,10 +577,11 @@ class LocalStack:
 
     def identity_env(self, member: str) -> dict[str, str]:
         """The environment of a process that runs as ``member``: the stack's endpoints, its own Firestore
-        endpoint and its own token."""
+        and Pub/Sub endpoints and its own token."""
         return {
             **self.endpoints.env(),
             "FIRESTORE_EMULATOR_HOST": self.firestore_front.endpoint(member),
+            "PUBSUB_EMULATOR_HOST": self.pubsub_front.endpoint(member),
             LOCAL_TOKEN_VAR: self.guard.token(member),
         }
 

@@ -65,6 +65,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/bigquery.jobUser", "project"),
         ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
         ("custom:cluster_connect", "project"),  # the reaper: the DNS endpoint; RBAC decides the rest
+        ("roles/pubsub.publisher", "topic:run_events"),  # queued, refused, lost, promoted
     },
     "events": {
         ("roles/eventarc.eventReceiver", "project"),
@@ -86,6 +87,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/iam.serviceAccountUser", "service_account:dataflow"),
         ("roles/storage.objectViewer", "bucket:artifacts"),  # reads reports; the manifest is the function's
         ("roles/pubsub.publisher", "topic:scheduler_ticks"),  # a sweeper tick when a run ends
+        ("roles/pubsub.publisher", "topic:run_events"),  # a run's state changes
         ("roles/run.invoker", "function:run_step"),  # its steps in Python (handover, results)
     },
     "dataflow": {
