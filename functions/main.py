@@ -19,12 +19,12 @@ import functions_framework
 import functions_framework.aio
 from cloudevents.http import CloudEvent
 
-from retrain import composition, config
+from retrain import composition, config, logs
 from retrain.domain.errors import Rejected
 from retrain.ingest import Action, Ingest
 from retrain.steps import Steps
 
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+logs.configure("functions")  # JSON lines: Cloud Logging's structured entries (retrain.logs)
 log = logging.getLogger("retrain.functions")
 
 

@@ -126,6 +126,14 @@ class Settings:
     capacity; a run may train only until the cap's node time, less each node's start-up and release,
     runs out: one still training then is stopped (it ends failed, its reason naming the cap) and
     releases every node."""
+    alert_capacity_wait_s: float = 6 * 3600
+    """A run waiting for DWS capacity longer than this is logged for the capacity-wait alert by every
+    sweep (:class:`retrain.logs.Alert`)."""
+    alert_idle_nodes_s: float = 1800
+    """GPU nodes up with no live run for longer than this are logged for the idle-nodes alert by the
+    reaper: idle since the last run ended, and no longer than the nodes have been up."""
+    alert_cost_factor: float = 1.5
+    """A run whose cost passed its estimate times this is logged for the cost alert when it ends."""
     monthly_budget_usd: float = 0.0
     """What each dataset may spend in a calendar month (UTC), in USD (0: no budget): a run whose estimate
     would take its dataset's spend this month past it is refused before it asks for capacity.  A run

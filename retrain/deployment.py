@@ -59,6 +59,8 @@ SCALED_PERIODS = (
     "release_timeout_s",
     "poll_interval_s",
     "completion_check_s",
+    "alert_capacity_wait_s",
+    "alert_idle_nodes_s",
 )
 #: What the local stack plays differently, and why: each training image is its stand-in (the same
 #: command, run by the cluster twin as local processes; ``retrain.local.images``), and sequences are

@@ -40,8 +40,9 @@ from retrain.domain.bigquery_events import (
 )
 from retrain.domain.errors import ExecutionLost, PlanError, Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, parse_gcs_finalized
-from retrain.domain.runs import BatchState, Champion, FailureKind, Run, RunStatus, iso, now_iso
+from retrain.domain.runs import BatchState, Champion, FailureKind, Run, RunStatus, iso, now_iso, parse_iso
 from retrain.exports import Progress, Step, TableExports, arrival_of, written_files
+from retrain.logs import Alert
 from retrain.plan import (
     Estimate,
     budget_month,
@@ -376,6 +377,36 @@ class Ingest:
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome(Action.STARTED, execution, run.run_id)
 
+    def _note_idle_nodes(self, nodes_up: list[dict[str, Any]]) -> None:
+        """Log GPU nodes idle past ``alert_idle_nodes_s`` for their alert: idle since the last run ended
+        (as recent runs record it), and never longer than the oldest node has been up."""
+        ends = [parse_iso(r.finished_at) for r in self.ledger.list_runs(50)]
+        last_end = max((t for t in ends if t is not None), default=None)
+        up_s = max(float(n.get("up_s", 0.0)) for n in nodes_up)
+        idle_s = min(up_s, (datetime.now(UTC) - last_end).total_seconds()) if last_end else up_s
+        if idle_s > self.settings.alert_idle_nodes_s:
+            log.warning(
+                "%d GPU node(s) up with no live run for %.0f s: %s",
+                len(nodes_up),
+                idle_s,
+                ", ".join(str(n.get("name")) for n in nodes_up),
+                extra={"alert": Alert.IDLE_NODES},
+            )
+
+    def _note_capacity_wait(self, run: Run, now: datetime) -> None:
+        """Log a run waiting for capacity past ``alert_capacity_wait_s`` for its alert (each sweep, while
+        it waits: the alert policy limits how often it notifies)."""
+        since = parse_iso(run.provisioning_at) if run.status == RunStatus.PROVISIONING else None
+        waited = (now - since).total_seconds() if since else 0.0
+        if waited > self.settings.alert_capacity_wait_s:
+            log.warning(
+                "run %s has waited %.0f s for capacity (DWS has not provisioned %d node(s))",
+                run.run_id,
+                waited,
+                self.settings.nodes,
+                extra={"alert": Alert.CAPACITY_WAIT, "run_id": run.run_id, "dataset": run.dataset},
+            )
+
     def _settle(self, run: Run) -> Outcome | None:
         """Give back what a run that ended without succeeding still holds (a promoted one keeps it: its
         checkpoint holds that content)."""
@@ -459,6 +490,7 @@ class Ingest:
         detail = f"deleted {deleted or 'nothing'}; GPU nodes up: {nodes or 'none'}"
         if report["idle_nodes"]:
             log.warning("reaper: GPU nodes up with no live run: %s", nodes)
+            self._note_idle_nodes(report["nodes_up"])
         if report["errors"]:
             raise Retry(f"reaper: {report['errors']}")
         if not report["nodes_up"]:
@@ -603,6 +635,7 @@ class Ingest:
         ended = False
         live = (RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING, RunStatus.PENDING)
         for run in self.ledger.runs_in(*live):
+            self._note_capacity_wait(run, now)
             if run.execution:
                 silent = each(
                     f"run {run.run_id}",

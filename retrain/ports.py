@@ -7,6 +7,8 @@ endpoint); the Workflows executions API, which has no emulator, has a local twin
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +18,8 @@ from typing import Any, Protocol
 from retrain.contracts import RunEvent, RunEventType
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus, now_iso
+
+log = logging.getLogger("retrain.events")
 
 
 class ArrivalStatus(StrEnum):
@@ -410,6 +414,12 @@ class RunEvents(Protocol):
 
 
 def tell(events: RunEvents | None, type: RunEventType, run: Run, **fields: Any) -> None:
-    """Publish that ``type`` happened to ``run`` now (best effort, as :meth:`RunEvents.publish`)."""
+    """Publish that ``type`` happened to ``run`` now (best effort, as :meth:`RunEvents.publish`), and log
+    it as a structured entry (``run_event``: what the run-failed alert and the dashboard read)."""
+    event = RunEvent(type, run.run_id, run.dataset, now_iso(), **fields)
+    level = logging.WARNING if type in (RunEventType.FAILED, RunEventType.REFUSED) else logging.INFO
+    said = f": {event.reason}" if event.reason else ""
+    extra = {"run_id": run.run_id, "dataset": run.dataset, "run_event": json.loads(event.data())}
+    log.log(level, "run %s %s%s", run.run_id, type, said, extra=extra)
     if events is not None:
-        events.publish(RunEvent(type, run.run_id, run.dataset, now_iso(), **fields))
+        events.publish(event)

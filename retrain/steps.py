@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from typing import Any
 
 from retrain.config import Settings
@@ -40,10 +41,13 @@ from retrain.contracts import (
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
+from retrain.logs import Alert
 from retrain.plan import render_training, run_root, set_aside, shard_root, tokenize_report_uri
 from retrain.ports import Ledger, ObjectStore, RunEvents, tell
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
+
+log = logging.getLogger("retrain.steps")
 
 EVENTS = "events.out.tfevents."
 
@@ -245,9 +249,23 @@ class Steps:
         run = self.ledger.get_run(plan.run_id)
         if run is None or not run.status.terminal:
             return Finished(0)
+        self._note_cost(run)
         if run.status != RunStatus.SUCCEEDED and not run.promoted:
             return Finished(self.ledger.give_back(run))
         return Finished(give_back_unread(self.settings, self.ledger, self.store, run))
+
+    def _note_cost(self, run: Run) -> None:
+        """Log a run whose cost passed its estimate times ``alert_cost_factor`` for the cost alert."""
+        estimate = run.estimated_cost_usd or 0.0
+        if estimate > 0 and run.cost_usd > estimate * self.settings.alert_cost_factor:
+            log.warning(
+                "run %s cost $%.2f, %.1fx its estimate of $%.2f",
+                run.run_id,
+                run.cost_usd,
+                run.cost_usd / estimate,
+                estimate,
+                extra={"alert": Alert.COST_OVER_ESTIMATE, "run_id": run.run_id, "dataset": run.dataset},
+            )
 
     def results(self, plan: TrainingPlan) -> Results:
         trainer = profile(plan.profile)

@@ -370,6 +370,46 @@ variable "max_run_cost_usd" {
   }
 }
 
+variable "alert_capacity_wait_s" {
+  type        = number
+  description = "Seconds a run may wait for DWS capacity before the capacity-wait alert fires (RETRAIN_ALERT_CAPACITY_WAIT_S)."
+  default     = 21600
+}
+
+variable "alert_idle_nodes_s" {
+  type        = number
+  description = "Seconds GPU nodes may stay up with no live run before the idle-nodes alert fires (RETRAIN_ALERT_IDLE_NODES_S)."
+  default     = 1800
+}
+
+variable "alert_cost_factor" {
+  type        = number
+  description = "The cost alert fires for a run whose cost passed its estimate times this (RETRAIN_ALERT_COST_FACTOR)."
+  default     = 1.5
+  validation {
+    condition     = var.alert_cost_factor >= 1
+    error_message = "alert_cost_factor is a factor on the estimate: 1 or more."
+  }
+}
+
+variable "alert_email_addresses" {
+  type        = list(string)
+  description = "E-mail addresses every alert policy notifies (a notification channel each). None by default."
+  default     = []
+}
+
+variable "alert_notification_channels" {
+  type        = list(string)
+  description = "Notification channels made elsewhere (projects/P/notificationChannels/ID: Slack, a webhook, PagerDuty, as Cloud Monitoring supports them) that every alert policy notifies too. None by default."
+  default     = []
+}
+
+variable "alert_function_errors_per_s" {
+  type        = number
+  description = "A function answering more 5xx than this per second, over 10 minutes, fires the function-errors alert (a 5xx asks for redelivery, so some are expected)."
+  default     = 0.1
+}
+
 variable "monthly_budget_usd" {
   type        = number
   description = "What each dataset may spend in a calendar month (UTC), in USD, 0 for none (RETRAIN_MONTHLY_BUDGET_USD): a run whose estimate would take its dataset's spend this month past it is refused before it asks for capacity."

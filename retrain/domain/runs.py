@@ -83,6 +83,22 @@ def iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def parse_iso(text: str | None) -> datetime | None:
+    """An RFC 3339 timestamp of the record (``iso``'s, or the workflow's ``time.format``, whose fraction
+    may have nine digits) as an aware datetime; None for None, empty or unreadable text."""
+    if not text:
+        return None
+    head, dot, rest = text.replace("Z", "+00:00").partition(".")
+    if dot:
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        head = f"{head}.{rest[: min(digits, 6)]}{rest[digits:]}"
+    try:
+        parsed = datetime.fromisoformat(head)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
 def now_iso() -> str:
     return iso(datetime.now(UTC))
 
