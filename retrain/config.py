@@ -134,6 +134,9 @@ class Settings:
     reaper: idle since the last run ended, and no longer than the nodes have been up."""
     alert_cost_factor: float = 1.5
     """A run whose cost passed its estimate times this is logged for the cost alert when it ends."""
+    alert_budget_fraction: float = 0.8
+    """A run whose estimate takes its dataset past this fraction of its monthly budget is logged for the
+    budget alert when it starts (0 < fraction <= 1)."""
     monthly_budget_usd: float = 0.0
     """What each dataset may spend in a calendar month (UTC), in USD (0: no budget): a run whose estimate
     would take its dataset's spend this month past it is refused before it asks for capacity.  A run
@@ -244,6 +247,11 @@ class Settings:
                 f"RETRAIN_MONTHLY_BUDGET_USD: {self.monthly_budget_usd} is not a budget in USD (0: none)"
             )
         self.monthly_budget_of("")  # every entry of monthly_budgets is checked when the settings load
+        if not 0 < self.alert_budget_fraction <= 1 or self.alert_cost_factor < 1:
+            raise ValueError(
+                f"RETRAIN_ALERT_BUDGET_FRACTION: {self.alert_budget_fraction} is not in (0, 1], or "
+                f"RETRAIN_ALERT_COST_FACTOR: {self.alert_cost_factor} is below 1"
+            )
 
     @property
     def bigquery_call_timeout_s(self) -> float:

@@ -49,6 +49,7 @@ from retrain.plan import (
     check_before_capacity,
     estimate,
     manifest_object,
+    near_monthly_budget,
     over_budget,
     over_monthly_budget,
     spent_this_month,
@@ -346,9 +347,7 @@ class Ingest:
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         champion = self.ledger.champion(run.dataset)
         cost = self._price(champion)
-        if (
-            too_dear := over_budget(self.settings, cost) or self._past_budget(run.dataset, cost, run.run_id)
-        ) is not None:
+        if (too_dear := over_budget(self.settings, cost) or self._budget_refusal(run, cost)) is not None:
             return self._refuse(run, too_dear)
         try:
             argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
@@ -426,11 +425,17 @@ class Ingest:
         """What ``dataset`` spent this calendar month (ended runs' costs, live runs' estimates)."""
         return spent_this_month(self.ledger.runs_budgeted_in(budget_month(datetime.now(UTC))), dataset, but)
 
-    def _past_budget(self, dataset: str, cost: Estimate, but: str = "") -> str | None:
-        """Why a run of ``dataset`` costing ``cost`` would pass its monthly budget (None: it would not)."""
-        if self.settings.monthly_budget_of(dataset) <= 0:
+    def _budget_refusal(self, run: Run, cost: Estimate) -> str | None:
+        """Why ``run``, estimated at ``cost``, would pass its dataset's monthly budget (None: it would
+        not); one that would take it past ``alert_budget_fraction`` of it is logged for the budget alert."""
+        if self.settings.monthly_budget_of(run.dataset) <= 0:
             return None  # no budget: no query
-        return over_monthly_budget(self.settings, dataset, self._spent(dataset, but), cost)
+        spent = self._spent(run.dataset, run.run_id)
+        refusal = over_monthly_budget(self.settings, run.dataset, spent, cost)
+        if refusal is None and (near := near_monthly_budget(self.settings, run.dataset, spent, cost)):
+            extra = {"alert": Alert.BUDGET, "run_id": run.run_id, "dataset": run.dataset}
+            log.warning("run %s starts: %s", run.run_id, near, extra=extra)
+        return refusal
 
     def _refuse(self, run: Run, reason: str) -> Outcome:
         """End a run before it asks for any capacity, its content given back (eligible again: dropped

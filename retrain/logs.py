@@ -29,6 +29,9 @@ class Alert(StrEnum):
     """GPU nodes are up with no live run, longer than ``alert_idle_nodes_s`` (the reaper, each tick)."""
     COST_OVER_ESTIMATE = "cost_over_estimate"
     """A run's cost passed its estimate by more than ``alert_cost_factor`` (its finish step)."""
+    BUDGET = "budget"
+    """A run starts whose estimate takes its dataset past ``alert_budget_fraction`` of its monthly
+    budget (its start; one that would pass the budget is refused instead)."""
 
 
 #: Python's levels as Cloud Logging's LogSeverity names them.

@@ -215,6 +215,19 @@ def over_monthly_budget(settings: Settings, dataset: str, spent: float, cost: Es
     )
 
 
+def near_monthly_budget(settings: Settings, dataset: str, spent: float, cost: Estimate) -> str | None:
+    """Why an operator should know that a run of ``dataset`` estimated at ``cost``, which may start,
+    takes its spend this month past ``alert_budget_fraction`` of its budget (None: it does not)."""
+    budget = settings.monthly_budget_of(dataset)
+    after = spent + cost.cost_usd
+    if budget <= 0 or after <= budget * settings.alert_budget_fraction:
+        return None
+    return (
+        f"dataset {dataset} has spent ${spent:.2f} of its monthly budget of ${budget:.2f}; with this run "
+        f"(estimated ${cost.cost_usd:.2f}) ${after:.2f}, {after / budget:.0%}"
+    )
+
+
 def _cap_node_s_per_node(settings: Settings) -> float | None:
     """The cost cap as node time per node (None: no cap, or node time costs nothing)."""
     if settings.max_run_cost_usd <= 0 or settings.price_per_node_hour <= 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import os
 import time
 import uuid
@@ -624,7 +625,9 @@ def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for
     assert argument["manifest_generation"] > 0
 
 
-def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(ingest: Ingest) -> None:
+def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(
+    ingest: Ingest, caplog: pytest.LogCaptureFixture
+) -> None:
     """The dataset's runs made this month count (an ended run's cost, a live one's estimate); a run whose
     estimate would pass the budget ends refused with the reason before any capacity, `retrain plan` says
     what is left beforehand, and a run made last month counts for nothing."""
@@ -671,4 +674,8 @@ def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(inges
     ingest.ledger.update_run(queued.run_id, {"estimated_cost_usd": cost, "budget_month": month})
     ingest.ledger.update_run(retried.run_id, {"status": "succeeded", "cost_usd": cost / 4})
     pending = ingest.ledger.get_run(queued.run_id)
-    assert pending is not None and ingest.start(pending).action == "started"  # 1.25 x cost of 1.5 x cost
+    with caplog.at_level(logging.WARNING, logger="retrain.ingest"):
+        assert pending is not None and ingest.start(pending).action == "started"  # 1.25 x cost of 1.5 x cost
+    # past alert_budget_fraction (0.8) of the budget, within it: the budget alert's entry, for this run alone
+    (near,) = [r for r in caplog.records if getattr(r, "alert", None) == "budget"]
+    assert near.run_id == queued.run_id and "83%" in near.getMessage()  # type: ignore[attr-defined]

@@ -64,6 +64,7 @@ locals {
     RETRAIN_ALERT_CAPACITY_WAIT_S      = tostring(var.alert_capacity_wait_s)
     RETRAIN_ALERT_IDLE_NODES_S         = tostring(var.alert_idle_nodes_s)
     RETRAIN_ALERT_COST_FACTOR          = tostring(var.alert_cost_factor)
+    RETRAIN_ALERT_BUDGET_FRACTION      = tostring(var.alert_budget_fraction)
     RETRAIN_MONTHLY_BUDGETS            = join(",", [for dataset, usd in var.monthly_budgets : "${dataset}=${usd}"])
     RETRAIN_PROMOTION_MARGIN           = tostring(var.promotion_margin)
     RETRAIN_EVAL_SETS                  = join(",", [for dataset, prefix in var.eval_sets : "${dataset}=${prefix}"])

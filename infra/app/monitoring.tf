@@ -38,6 +38,13 @@ locals {
       severity = "WARNING"
       todo     = "A run's GPU node time cost more than its estimate times alert_cost_factor. `retrain report RUN` shows where the time went (waiting for nodes, training, idle before release). If training was slower than planned, the next estimate learns from this run; set max_run_cost_usd to cap a run."
     }
+    budget = {
+      name     = "a dataset nears its monthly budget"
+      filter   = "jsonPayload.alert=\"budget\""
+      period   = "86400s"
+      severity = "WARNING"
+      todo     = "A run started whose estimate takes its dataset past alert_budget_fraction of its monthly budget (monthly_budget_usd, or its entry in monthly_budgets); a run that would pass the budget is refused before any capacity (failure Refused). `retrain plan --dataset D` shows what is left. Raise the budget, or let the dataset wait for next month (`retrain run --retry RUN` then)."
+    }
   }
 }
 

@@ -392,6 +392,16 @@ variable "alert_cost_factor" {
   }
 }
 
+variable "alert_budget_fraction" {
+  type        = number
+  description = "The budget alert fires when a run starts whose estimate takes its dataset past this fraction of its monthly budget (RETRAIN_ALERT_BUDGET_FRACTION)."
+  default     = 0.8
+  validation {
+    condition     = var.alert_budget_fraction > 0 && var.alert_budget_fraction <= 1
+    error_message = "alert_budget_fraction is a fraction of the budget: more than 0, at most 1."
+  }
+}
+
 variable "alert_email_addresses" {
   type        = list(string)
   description = "E-mail addresses every alert policy notifies (a notification channel each). None by default."
