@@ -433,12 +433,36 @@ def _report(settings: config.Settings, run: Run, output: str | None) -> Path:
 def cmd_report(args: argparse.Namespace) -> int:
     """One run's whole life on one self-contained HTML page (it reads the run's TensorBoard events, so a
     local stack must be up)."""
+    if (args.run_id is None) == (args.dataset is None):
+        _say("give a run (retrain report RUN) or a dataset (retrain report --dataset D), not both")
+        return 2
     with reach(args, running=True) as settings:
+        if args.dataset is not None:
+            return _dataset_report(settings, args.dataset, args.output)
         run = _ledger(settings).get_run(args.run_id)
         if run is None:
             _say(f"no run {args.run_id}")
             return 1
         print(_report(settings, run, args.output))
+    return 0
+
+
+#: How many of the latest runs (of every dataset) a dataset's page looks through.
+DATASET_REPORT_RUNS = 1000
+
+
+def _dataset_report(settings: config.Settings, dataset: str, output: str | None) -> int:
+    """A dataset's history on one page (``retrain.report.render_dataset``)."""
+    from retrain.adapters import objects
+    from retrain.report import write_dataset_report
+
+    runs = [r for r in _ledger(settings).list_runs(DATASET_REPORT_RUNS) if r.dataset == dataset]
+    if not runs:
+        _say(f"no run of dataset {dataset}")
+        return 1
+    reports = Path(settings.state_dir).resolve() / "reports"
+    path = Path(output) if output else reports / f"dataset-{dataset}.html"
+    print(write_dataset_report(settings, objects, dataset, runs, path))
     return 0
 
 
@@ -834,7 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plan)
 
     rp = sub.add_parser("report", help="one run's timeline, loss curve, cost and lineage as one HTML page")
-    rp.add_argument("run_id")
+    rp.add_argument("run_id", nargs="?", default=None)
+    rp.add_argument("--dataset", default=None, help="instead: the dataset's runs, champion chain and lineage")
     rp.add_argument("--output", default=None, help="file to write (default: .retrain/reports/RUN.html)")
     rp.set_defaults(fn=cmd_report)
 

@@ -1,4 +1,5 @@
-"""One run's whole life on one page: ``retrain report RUN`` writes it as a single HTML file.
+"""One run's whole life on one page: ``retrain report RUN`` writes it as a single HTML file; a
+dataset's history on another (``retrain report --dataset D``).
 
 The page is self-contained (inline CSS and SVG: no script, font or image is fetched), so it can be
 mailed, attached to a ticket or opened from a bucket.  It shows the stage timeline (queued, tokenizing,
@@ -19,7 +20,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from retrain.config import Settings
-from retrain.domain.runs import Run
+from retrain.domain.runs import Run, RunStatus
 from retrain.plan import training_plan
 from retrain.ports import ObjectStore
 from retrain.steps import trainer_outputs
@@ -246,12 +247,134 @@ def render(run: Run, scalars: Sequence[Scalar]) -> str:
 
 def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -> Path:
     """Render ``run``'s page with the loss curve its trainer left (read through ``store``) to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(run, _scalars_of(settings, store, run)), encoding="utf-8")
+    return path
+
+
+# --- a dataset's history: retrain report --dataset D --------------------------------------------------
+
+
+def waited_s(run: Run) -> float | None:
+    """How long the run waited for capacity (asked until its JobSet was submitted, or until it gave up)."""
+    asked = _when(run.provisioning_at)
+    came = _when(run.training_at) or _when(run.work_ended_at)
+    return (came - asked).total_seconds() if asked and came else None
+
+
+def champion_chain(runs: Sequence[Run]) -> list[Run]:
+    """The dataset's promoted runs, oldest first: each continued from the one before (its base checkpoint)."""
+    return sorted((r for r in runs if r.promoted), key=lambda r: r.created_at)
+
+
+def bars_svg(values: Sequence[tuple[str, float]], colour: str, unit: str, width: int = 720) -> str:
+    """One bar per run (oldest left), its value in its tooltip."""
+    if not values:
+        return '<p class="muted">No runs.</p>'
+    top = max(v for _, v in values) or 1.0
+    step = width / len(values)
+    bars = []
+    for i, (label, v) in enumerate(values):
+        h = max(1.0, v / top * 80)
+        tip = html.escape(f"{label}: {v:,.2f} {unit}")
+        bars.append(
+            f'<rect x="{i * step + 1:.1f}" y="{90 - h:.1f}" width="{max(1.0, step - 2):.1f}" '
+            f'height="{h:.1f}" fill="{colour}"><title>{tip}</title></rect>'
+        )
+    return f'<svg class="bars" width="{width}" height="92">{"".join(bars)}</svg>'
+
+
+def render_dataset(dataset: str, runs: Sequence[Run], curves: Sequence[Scalar]) -> str:
+    """A dataset's page: its runs over time (tokens, cost, idle GPU time, time waited for capacity), the
+    champion chain with each verdict, and the loss curve of that lineage (each champion's run, at the
+    steps it trained)."""
+    e = html.escape
+    runs = sorted(runs, key=lambda r: r.created_at)
+    ended = [r for r in runs if r.status.terminal]
+    rows = []
+    for r in runs:
+        waited = waited_s(r)
+        verdict = "promoted" if r.promoted else ("not promoted" if r.eval else "")
+        said = f"{r.failure}: {r.reason}" if r.failure else (r.reason or "")
+        rows.append(
+            "<tr>"
+            + "".join(
+                f"<td>{e(str(v))}</td>"
+                for v in (
+                    r.run_id,
+                    (r.created_at or "")[:16].replace("T", " "),
+                    r.status,
+                    f"{r.tokens:,}",
+                    f"${r.cost_usd:.2f}",
+                    duration(r.idle_node_seconds),
+                    duration(waited) if waited is not None else "",
+                    verdict,
+                    said,
+                )
+            )
+            + "</tr>"
+        )
+    chain = "".join(
+        f"<li><b>{e(r.run_id)}</b> from {e(r.base_checkpoint or 'nothing (the first run)')} to "
+        f"<code>{e(r.checkpoint or '')}</code>: {e(str((r.eval or {}).get('reason', '')))}</li>"
+        for r in champion_chain(runs)
+    )
+    totals = _rows(
+        [
+            ("runs", f"{len(runs)} ({sum(r.status == RunStatus.SUCCEEDED for r in runs)} succeeded)"),
+            ("tokens written", f"{sum(r.tokens for r in runs):,}"),
+            ("cost of node time", f"${sum(r.cost_usd for r in ended):.2f}"),
+            ("GPU node-seconds idle", f"{sum(r.idle_node_seconds for r in ended):.1f}"),
+        ]
+    )
+    head = (
+        "run",
+        "made",
+        "status",
+        "tokens",
+        "cost",
+        "idle GPU time",
+        "waited for capacity",
+        "eval",
+        "reason",
+    )
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>retrain dataset {e(dataset)}</title>
+<style>{CSS}</style></head><body>
+<h1>Dataset {e(dataset)}</h1>
+<table>{totals}</table>
+<h2>Tokens per run</h2>
+{bars_svg([(r.run_id, float(r.tokens)) for r in runs], STAGE_COLOURS["tokenizing"], "tokens")}
+<h2>Cost per run</h2>
+{bars_svg([(r.run_id, r.cost_usd) for r in ended], STAGE_COLOURS["training"], "USD")}
+<h2>Runs</h2>
+<table class="runs"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>{"".join(rows)}</table>
+<h2>Champion chain</h2>
+{f"<ol>{chain}</ol>" if chain else '<p class="muted">No checkpoint promoted yet.</p>'}
+<h2>Loss along the lineage</h2>
+{loss_svg(curves)}
+<div class="legend"><span><i style="background:{TRAIN_LOSS_COLOUR}"></i>training loss</span>
+<span><i style="background:{VAL_LOSS_COLOUR}"></i>validation loss</span></div>
+</body></html>
+"""
+
+
+def _scalars_of(settings: Settings, store: ObjectStore, run: Run) -> list[Scalar]:
+    """The loss scalars ``run``'s trainer left, at the lineage's steps (its base step on)."""
     trainer = profile(run.profile or "nemo-24.12")  # a record without one was NeMo's, the only one then
     plan = replace(
         training_plan(settings, run.run_id, None), base_step=run.base_step or 0, profile=trainer.name
     )
     scalars, _ = trainer_outputs(store, trainer.run_dir(plan))
-    scalars = trainer.lineage_scalars(scalars, plan)
+    return trainer.lineage_scalars(scalars, plan)
+
+
+def write_dataset_report(
+    settings: Settings, store: ObjectStore, dataset: str, runs: Sequence[Run], path: Path
+) -> Path:
+    """Render ``dataset``'s page from its runs (the loss curves of its champion chain read through
+    ``store``) to ``path``."""
+    curves = [s for r in champion_chain(runs) for s in _scalars_of(settings, store, r)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(run, scalars), encoding="utf-8")
+    path.write_text(render_dataset(dataset, runs, curves), encoding="utf-8")
     return path

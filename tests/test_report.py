@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 
 from retrain.domain.runs import Run, RunStatus
-from retrain.report import STAGE_COLOURS, TRAIN_LOSS_COLOUR, VAL_LOSS_COLOUR, render, stages
+from retrain.report import (
+    STAGE_COLOURS,
+    TRAIN_LOSS_COLOUR,
+    VAL_LOSS_COLOUR,
+    champion_chain,
+    render,
+    render_dataset,
+    stages,
+    waited_s,
+)
 from retrain.tensorboard import Scalar
 
 
@@ -89,17 +98,10 @@ def test_record_values_are_text_never_markup() -> None:
     assert re.search(r"<[^>]*\s(src|href)=", page) is None  # self-contained: no tag fetches anything
 
 
-def hex_rgb(colour: str) -> tuple[int, int, int]:
-    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
-
-
-@pytest.mark.skipif(
-    shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/test installs it)"
-)
-@pytest.mark.integration
-def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path: Path) -> None:
-    page = tmp_path / "report.html"
-    page.write_text(render(a_run(), SCALARS), encoding="utf-8")
+def screenshot(page: str, tmp_path: Path, height: int = 1400) -> np.ndarray:
+    """The page as headless Chromium draws it (RGB pixels)."""
+    html_file = tmp_path / "report.html"
+    html_file.write_text(page, encoding="utf-8")
     shot = tmp_path / "report.png"
     subprocess.run(
         [
@@ -114,9 +116,9 @@ def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path:
             "--disable-sync",
             f"--user-data-dir={tmp_path / 'profile'}",
             "--hide-scrollbars",
-            "--window-size=900,1400",
+            f"--window-size=900,{height}",
             f"--screenshot={shot}",
-            page.as_uri(),
+            html_file.as_uri(),
         ],
         check=True,
         capture_output=True,
@@ -125,7 +127,19 @@ def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path:
     from PIL import Image
 
     with Image.open(shot) as image:
-        rgb = np.asarray(image.convert("RGB"))
+        return np.asarray(image.convert("RGB"))
+
+
+def hex_rgb(colour: str) -> tuple[int, int, int]:
+    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/test installs it)"
+)
+@pytest.mark.integration
+def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path: Path) -> None:
+    rgb = screenshot(render(a_run(), SCALARS), tmp_path)
 
     def count(colour: str) -> int:
         return int((rgb == hex_rgb(colour)).all(axis=2).sum())
@@ -137,3 +151,62 @@ def test_the_page_renders_in_chromium_with_its_timeline_and_loss_curve(tmp_path:
     # the loss curve: a 3 px line across the plot (its legend swatch alone is 144 px), two validation dots
     assert count(TRAIN_LOSS_COLOUR) >= 1000, count(TRAIN_LOSS_COLOUR)
     assert count(VAL_LOSS_COLOUR) >= 250, count(VAL_LOSS_COLOUR)  # two dots besides the 144 px swatch
+
+
+# --- a dataset's page --------------------------------------------------------------------------------
+
+FIRST = a_run(run_id="news-1", checkpoint="gs://a/runs/news-1/megatron_gpt/checkpoints/step=60-last")
+WAITED = a_run(
+    run_id="news-2",
+    status=RunStatus.FAILED,
+    failure="CapacityTimeout",
+    reason="DWS did not provision within 1800 s <b>",
+    eval=None,
+    tokens=50_000,
+    cost_usd=0.0,
+    idle_node_seconds=0.0,
+    created_at="2026-11-25T10:00:00+00:00",
+    provisioning_at="2026-11-25T10:02:00+00:00",
+    training_at=None,
+    work_ended_at="2026-11-25T10:32:00+00:00",
+)
+SECOND = a_run(
+    run_id="news-3",
+    created_at="2026-11-26T10:00:00+00:00",
+    base_checkpoint=FIRST.checkpoint,
+    checkpoint="gs://a/runs/news-3/megatron_gpt/checkpoints/step=120-last",
+    cost_usd=40.0,
+)
+
+
+def test_a_datasets_page_has_its_runs_its_champion_chain_and_its_lineage() -> None:
+    page = render_dataset("news", [SECOND, WAITED, FIRST], SCALARS)
+    rows = re.findall(r"<tr><td>(news-\d)</td><td>[^<]*</td><td>(\w+)</td>", page)
+    assert rows == [("news-1", "succeeded"), ("news-2", "failed"), ("news-3", "succeeded")]  # oldest first
+    assert "<td>5 min 00 s</td>" in page  # news-1 waited 10:02:20 to 10:07:20 for capacity
+    assert "<td>30 min 00 s</td>" in page  # news-2 waited from 10:02 until it gave up at 10:32
+    assert "CapacityTimeout: DWS did not provision within 1800 s &lt;b&gt;" in page  # a reason is text
+    assert "1800 s <b>" not in page
+    chain = page.split("<h2>Champion chain</h2>", 1)[1].split("</ol>", 1)[0]
+    assert chain.index("news-1") < chain.index("news-3") and "news-2" not in chain
+    assert f"from {FIRST.checkpoint} to" in chain  # the second champion continued from the first
+    assert "<td>$76.87</td>" in page  # the ended runs' cost: 36.87 + 0 + 40
+    assert "<polyline" in page  # the lineage's loss curve
+    assert [champion_chain([SECOND, WAITED, FIRST])[i].run_id for i in (0, 1)] == ["news-1", "news-3"]
+    assert waited_s(a_run(provisioning_at=None)) is None
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/test installs it)"
+)
+@pytest.mark.integration
+def test_a_datasets_page_renders_in_chromium_with_its_bars_and_lineage(tmp_path: Path) -> None:
+    rgb = screenshot(render_dataset("news", [FIRST, WAITED, SECOND], SCALARS), tmp_path, height=2400)
+
+    def count(colour: str) -> int:
+        return int((rgb == hex_rgb(colour)).all(axis=2).sum())
+
+    # three token bars (the smallest 50,000 of 120,000: a third of 80 px high) and two cost bars
+    assert count(STAGE_COLOURS["tokenizing"]) >= 3 * 200, count(STAGE_COLOURS["tokenizing"])
+    assert count(STAGE_COLOURS["training"]) >= 2 * 200, count(STAGE_COLOURS["training"])
+    assert count(TRAIN_LOSS_COLOUR) >= 1000, count(TRAIN_LOSS_COLOUR)
