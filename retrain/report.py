@@ -20,7 +20,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from retrain.config import Settings
-from retrain.domain.runs import Run, RunStatus
+from retrain.domain.runs import Run, RunStatus, parse_iso
 from retrain.plan import training_plan
 from retrain.ports import ObjectStore
 from retrain.steps import trainer_outputs
@@ -52,15 +52,6 @@ class Stage:
         return max(0.0, (self.end - self.start).total_seconds())
 
 
-def _when(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
 def stages(run: Run) -> list[Stage]:
     """The stages the record has times for; each ends where the next known one begins (a run that failed
     while tokenizing goes from tokenizing straight to releasing)."""
@@ -72,7 +63,7 @@ def stages(run: Run) -> list[Stage]:
         ("releasing", run.work_ended_at),
         ("", run.finished_at),
     ]
-    known = [(name, t) for name, text in marks if (t := _when(text)) is not None]
+    known = [(name, t) for name, text in marks if (t := parse_iso(text)) is not None]
     if not run.status.terminal and known and known[-1][0]:  # a live run: its stage goes on until now
         known.append(("", datetime.now(UTC)))
     return [Stage(name, start, end) for (name, start), (_, end) in pairwise(known) if name]
@@ -257,8 +248,8 @@ def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -
 
 def waited_s(run: Run) -> float | None:
     """How long the run waited for capacity (asked until its JobSet was submitted, or until it gave up)."""
-    asked = _when(run.provisioning_at)
-    came = _when(run.training_at) or _when(run.work_ended_at)
+    asked = parse_iso(run.provisioning_at)
+    came = parse_iso(run.training_at) or parse_iso(run.work_ended_at)
     return (came - asked).total_seconds() if asked and came else None
 
 

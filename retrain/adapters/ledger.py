@@ -147,11 +147,6 @@ def _first_by_content(arrivals: list[dict[str, Any]]) -> dict[str, ObjectVersion
     return first
 
 
-def _parse_iso(text: str) -> datetime:
-    """A ledger timestamp (``retrain.domain.runs.iso``) back to an aware datetime."""
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
 def _value(v: str | int) -> Any:
     return _Value(string_value=v) if isinstance(v, str) else _Value(integer_value=v)
 

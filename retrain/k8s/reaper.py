@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from retrain.domain.runs import Run
+from retrain.domain.runs import Run, parse_iso
 from retrain.k8s.render import (
     GPU,
     JOBSET_API,
@@ -114,13 +114,7 @@ def default_max_age_s(settings: Any) -> float:
 def _parse_time(value: Any) -> datetime | None:
     if isinstance(value, datetime):
         return value if value.tzinfo else value.replace(tzinfo=UTC)
-    if not value:
-        return None
-    try:
-        t = datetime.fromisoformat(str(value))
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
+    return parse_iso(str(value)) if value else None
 
 
 def _duration(seconds: float) -> str:
