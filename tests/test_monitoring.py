@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from run_events_support import announce
 
 from retrain import config
 from retrain.contracts import RunEvent, RunEventType, field_names
@@ -100,27 +101,12 @@ def test_the_capacity_wait_alert_matches_what_the_sweeper_logs(caplog: pytest.Lo
     ingest = Ingest(settings(), None, None, None)  # type: ignore[arg-type]
     now = datetime.now(UTC)
     waited = timedelta(seconds=ingest.settings.alert_capacity_wait_s + 60)
-    run = Run(
-        run_id="ds-r1",
-        dataset="ds",
-        trigger="manual",
-        status=RunStatus.PROVISIONING,
-        provisioning_at=iso(now - waited),
-    )
-    fresh = Run(
-        run_id="ds-r2",
-        dataset="ds",
-        trigger="manual",
-        status=RunStatus.PROVISIONING,
-        provisioning_at=iso(now),
-    )
-    training = Run(
-        run_id="ds-r3",
-        dataset="ds",
-        trigger="manual",
-        status=RunStatus.TRAINING,
-        provisioning_at=iso(now - waited),
-    )
+
+    def provisioning(run_id: str, since: datetime, status: RunStatus = RunStatus.PROVISIONING) -> Run:
+        return Run(run_id=run_id, dataset="ds", trigger="manual", status=status, provisioning_at=iso(since))
+
+    run, fresh = provisioning("ds-r1", now - waited), provisioning("ds-r2", now)
+    training = provisioning("ds-r3", now - waited, RunStatus.TRAINING)
     with caplog.at_level(logging.INFO):
         for r in (run, fresh, training):
             ingest._note_capacity_wait(r, now)
@@ -191,7 +177,7 @@ def test_the_run_failed_alert_matches_a_failed_run_event_and_nothing_else(
 def test_the_dashboard_reads_fields_the_workflows_entries_carry(caplog: pytest.LogCaptureFixture) -> None:
     """The workflow's announce logs the event and its record fields (sys.log json): the run-events
     metric's label and each run-record metric's value come from there."""
-    from retrain.workflows import ConnectorRegistry, load_workflow
+    from retrain.workflows import ConnectorRegistry
 
     registry = ConnectorRegistry()
     registry.register("googleapis.pubsub.v1.projects.topics.publish", lambda args, _: {"messageIds": ["1"]})
@@ -202,34 +188,14 @@ def test_the_dashboard_reads_fields_the_workflows_entries_carry(caplog: pytest.L
         if "outcome_fields" in step
     )
     record = {k: 1.5 for k in final} | {"status": "succeeded"}
-    source["main"] = {
-        "steps": [
-            {
-                "go": {
-                    "call": "announce",
-                    "args": {
-                        "run": {
-                            "run_id": "ds-w1",
-                            "dataset": "ds",
-                            "project": "p",
-                            "events_topic": "projects/p/topics/t",
-                        },
-                        "type": "succeeded",
-                        "fields": record,
-                    },
-                }
-            }
-        ]
-    }
     with caplog.at_level(logging.INFO, logger="retrain.workflows.sys.log"):
-        load_workflow(yaml.safe_dump(source)).run(connectors=registry)
+        announce("succeeded", record, registry)
     (logged,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "retrain.workflows.sys.log"]
     assert logged["component"] == "workflow" and logged["run_event"]["type"] == "succeeded"
     assert set(logged["run_event"]) == field_names(RunEvent)
     metrics = app().resources("google_logging_metric")
-    events_filter = str(app().evaluate(metrics["run_events"]["filter"])).split(" AND ", 1)[
-        1
-    ]  # less its resource.type
+    resource, events_filter = str(app().evaluate(metrics["run_events"]["filter"])).split(" AND ", 1)
+    assert resource == 'resource.type="workflows.googleapis.com/Workflow"'
     assert matches(events_filter, logged)
     assert "EXTRACT(jsonPayload.run_event.type)" in str(metrics["run_events"]["label_extractors"])
     per_run = app().evaluate(metrics["run_record"]["for_each"])
