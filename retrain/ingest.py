@@ -100,6 +100,9 @@ class Action(StrEnum):
     EXPORT_DEFERRED = "export-deferred"
     """A watched table's next export waits (the tick starts it): a backoff after failures, or rows
     stamped too recently to take yet."""
+    EMPTY = "empty"
+    """A run whose objects are all empty ended at once, succeeded with nothing to train: no job, no
+    capacity (their content counts as trained: empty bytes dropped again start nothing)."""
     ALREADY_TRAINED = "already-trained"
     """Nothing new: every object's content trained before or is in the live or pending run."""
     REFUSED = "refused"
@@ -345,6 +348,8 @@ class Ingest:
             return Outcome(Action.STARTED, str(current.execution if current else ""), run.run_id)
         run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
+        if manifest.total_bytes == 0:
+            return self._nothing_to_train(run, manifest)
         champion = self.ledger.champion(run.dataset)
         cost = self._price(champion)
         if (too_dear := over_budget(self.settings, cost) or self._budget_refusal(run, cost)) is not None:
@@ -405,6 +410,22 @@ class Ingest:
                 self.settings.nodes,
                 extra={"alert": Alert.CAPACITY_WAIT, "run_id": run.run_id, "dataset": run.dataset},
             )
+
+    def _nothing_to_train(self, run: Run, manifest: RunManifest) -> Outcome:
+        """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds
+        now, without a job or capacity (its manifest is written, for its lineage and the audit)."""
+        self.store.write_bytes(
+            f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
+            manifest.to_json(),
+            "application/json",
+        )
+        reason = f"nothing to train: its {len(manifest.objects)} object(s) are empty"
+        now = now_iso()
+        fields = {"status": str(RunStatus.SUCCEEDED), "reason": reason, "nodes_at_end": 0, "finished_at": now}
+        self.ledger.update_run(run.run_id, {**fields, "objects": len(manifest.objects), "work_ended_at": now})
+        tell(self.events, RunEventType.SUCCEEDED, run, reason=reason, cost_usd=0.0)
+        log.info("run %s: %s", run.run_id, reason)
+        return Outcome(Action.EMPTY, reason, run.run_id)
 
     def _settle(self, run: Run) -> Outcome | None:
         """Give back what a run that ended without succeeding still holds (a promoted one keeps it: its

@@ -112,6 +112,11 @@ def test_cancelled_in_training_its_content_is_eligible_again(stack: LocalStack, 
     request_cancel(ledger, executions, run.run_id, "wrong data")
     cancelled = finish(stack, run, 120)
     assert_released(stack, cancelled, "cancelled")
+    # its content goes back in the workflow's finish step, just after the record it waited for
+    deadline = time.monotonic() + 60
+    while not cancelled.content_returned and time.monotonic() < deadline:
+        time.sleep(0.5)
+        cancelled = ledger.get_run(run.run_id) or cancelled
     assert cancelled.content_returned and cancelled.gpu_node_seconds > 0
     report("cancel during training", cancelled, started)
 

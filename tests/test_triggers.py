@@ -61,8 +61,8 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
     )
 
 
-def arrive(ingest: Ingest, dataset: str, name: str) -> None:
-    arrival = ObjectArrival(f"ev-{uuid.uuid4()}", "land", f"incoming/{dataset}/{name}", 1, 10, "", "t")
+def arrive(ingest: Ingest, dataset: str, name: str, size: int = 10) -> None:
+    arrival = ObjectArrival(f"ev-{uuid.uuid4()}", "land", f"incoming/{dataset}/{name}", 1, size, "", "t")
     ingest.ledger.record_arrival(arrival, dataset, f"md5:{uuid.uuid4()}")
 
 
@@ -679,3 +679,27 @@ def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(
     # past alert_budget_fraction (0.8) of the budget, within it: the budget alert's entry, for this run alone
     (near,) = [r for r in caplog.records if getattr(r, "alert", None) == "budget"]
     assert near.run_id == queued.run_id and "83%" in near.getMessage()  # type: ignore[attr-defined]
+
+
+def test_a_batch_of_empty_objects_ends_at_once_with_nothing_to_train(ingest: Ingest) -> None:
+    """Empty files would tokenize to nothing and fail their run (and page someone): the run succeeds at
+    once with the reason, no job or capacity asked for; a batch with data in it runs as ever."""
+    arrive(ingest, "hollow", "empty.jsonl", size=0)
+    arrive(ingest, "hollow", "also-empty.txt", size=0)
+    ended = ingest.seal("hollow", "manual")
+    assert ended.action == "empty"
+    run = ingest.ledger.get_run(ended.run_id)
+    assert run is not None and run.status == RunStatus.SUCCEEDED and run.execution is None
+    assert (run.reason, run.nodes_at_end, run.objects) == (
+        "nothing to train: its 2 object(s) are empty",
+        0,
+        2,
+    )
+    manifest = json.loads(
+        objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{run.run_id}/objects.json")
+    )
+    assert len(manifest["objects"]) == 2  # its lineage, as any run's
+    assert isinstance(ingest.events, Told)
+    assert ingest.events.of(run.run_id) == [("queued", None), ("succeeded", None)]
+    arrive(ingest, "hollow", "data.jsonl")  # and the dataset is free for data
+    assert ingest.seal("hollow", "manual").action == "started"

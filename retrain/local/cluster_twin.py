@@ -103,6 +103,19 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _session_has_members(session: int) -> bool:
+    """Whether a process of session ``session`` still runs (a container started its own session; its
+    first process may exit and leave others behind).  Read from /proc: ``stat``'s sixth field."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and fields[3] == str(session) and fields[0] != "Z":  # a zombie runs nothing
+            return True
+    return False
+
+
 def _condition(
     old: list[dict[str, Any]], ctype: str, status: str, reason: str, message: str
 ) -> list[dict[str, Any]]:
@@ -873,8 +886,11 @@ class ClusterTwin:
         )
 
     def _kill(self, pod: _Pod) -> None:
+        """Every process of the pod's containers: each container's whole process group (its session),
+        also when its first process has exited and left the rest running (a node that goes takes them
+        all)."""
         for proc in pod.procs:
-            if proc.poll() is None:
+            if proc.poll() is None or _session_has_members(proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
