@@ -90,11 +90,18 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     }, run["eval"]
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown
-    # and the run events as a subscriber of the topic received them (retrain.contracts.RunEvent), each once
+    # and the run's whole life as a subscriber of the run events topic received it, in order, each once
+    # (retrain.contracts.RunEvent; the demo prints them as they come, as `retrain events --follow` does)
     told = re.findall(rf"run event: \S+ (\w+) +{run['run_id']}\b", demo.stderr)
-    assert sorted(told) == sorted(
-        ["queued", "tokenizing", "provisioning", "training", "promoted", "releasing", "succeeded"]
-    ), demo.stderr[-3000:]
+    assert told == [
+        "queued",
+        "tokenizing",
+        "provisioning",
+        "training",
+        "promoted",
+        "releasing",
+        "succeeded",
+    ], demo.stderr[-3000:]
     # the run's page (retrain report): its timeline has every stage this run went through, and its loss
     # curve the trainer's scalars (tests/test_report.py looks at such a page in Chromium)
     (page,) = re.findall(r"the run's report: (\S+)", demo.stderr)
@@ -160,3 +167,9 @@ def test_failed_provisioning_still_ends_at_zero_nodes_with_a_reason(tmp_path: Pa
     run = json.loads(demo.stdout)
     assert run["status"] == "failed" and "DWS" in run["reason"], run
     assert run["nodes_at_end"] == 0 and run["tokens"] > 0
+    # a subscriber of the run events topic was told its life and its failure, with the kind
+    told = re.findall(rf"run event: \S+ (\w+) +{run['run_id']} *(\S*)", demo.stderr)
+    assert [t for t, _ in told] == ["queued", "tokenizing", "provisioning", "releasing", "failed"], (
+        demo.stderr
+    )
+    assert told[-1][1] == "CapacityError:", told
