@@ -55,7 +55,12 @@ def steps(settings: Settings) -> Steps:
     """The workflow's steps in Python, with their real adapters."""
     from retrain.adapters import objects
 
-    return Steps(settings, ledger(settings), objects, run_events(settings))
+    lineage = None
+    if settings.lineage_location:
+        from retrain.adapters.lineage import DataLineage
+
+        lineage = DataLineage(settings.project, settings.lineage_location)
+    return Steps(settings, ledger(settings), objects, run_events(settings), lineage)
 
 
 def ingest(settings: Settings) -> Ingest:

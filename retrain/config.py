@@ -88,6 +88,10 @@ class Settings:
     scheduler_topic: str = "projects/retrain-local/topics/retrain-scheduler-ticks"
     """Full id of the topic the Scheduler's ticks go to; a run's workflow publishes a sweeper tick there
     when it ends, so that the dataset's pending run starts at once."""
+    lineage_location: str = ""
+    """The location (region) of Google's Data Lineage API that a run's OpenLineage events are reported
+    to, in this project (empty: not reported).  Either way they are kept in the run's folder
+    (``runs/RUN/openlineage.json``), where ``retrain report`` shows them."""
     events_topic: str = "projects/retrain-local/topics/retrain-run-events"
     """Full id of the run events topic: every state change of a run and every promotion is published there
     as a CloudEvent (:class:`retrain.contracts.RunEvent`) for whatever a deployment subscribes."""

@@ -101,6 +101,12 @@ def arrival_of(info: ObjectInfo, event: str) -> ObjectArrival:
     )
 
 
+def export_folder(dataset: str, table: str) -> str:
+    """The folder (in the artifacts bucket, ending in ``/``) where ``table``'s exports for ``dataset``
+    land: its lineage names the table for what is under it."""
+    return f"bigquery/{dataset}/{_safe_name(table)}/"
+
+
 def _safe_name(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value)).strip("-")[:80] or "x"
 
@@ -236,7 +242,7 @@ class TableExports:
                 return Step(Progress.DEFERRED, f"{table}: its new rows are too recent; due at {iso(due_at)}")
             return Step(Progress.NOTHING_NEW, f"{table}: no rows after {mark.value}")
         job_id = f"{EXPORT_JOB_PREFIX}{uuid.uuid4().hex}"
-        folder = f"bigquery/{dataset}/{_safe_name(table)}/{_safe_name(span.through)}-{job_id[-8:]}"
+        folder = f"{export_folder(dataset, table)}{_safe_name(span.through)}-{job_id[-8:]}"
         return ExportJob(
             table=table,
             dataset=dataset,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -410,6 +410,14 @@ class RunEvents(Protocol):
     def publish(self, event: RunEvent) -> None:
         """Best effort: the state change it reports has happened already, so a publish that fails
         after the client's retries is logged, never raised."""
+        ...
+
+
+class Lineage(Protocol):
+    """Where a run's OpenLineage events go beyond its folder (Google's Data Lineage API)."""
+
+    def report(self, run_id: str, events: Sequence[dict[str, Any]]) -> None:
+        """Best effort, as :meth:`RunEvents.publish`: the run has ended; a failure is logged."""
         ...
 
 

@@ -12,16 +12,19 @@ from the record is escaped: object names and reasons are data, never markup.
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 from retrain.config import Settings
 from retrain.domain.runs import Run, RunStatus, parse_iso
-from retrain.plan import training_plan
+from retrain.lineage import LINEAGE_OBJECT
+from retrain.plan import run_root, training_plan
 from retrain.ports import ObjectStore
 from retrain.steps import trainer_outputs
 from retrain.tensorboard import Scalar
@@ -159,8 +162,26 @@ code { font: 12px/1.4 ui-monospace, monospace; white-space: pre-wrap; word-break
 """
 
 
-def render(run: Run, scalars: Sequence[Scalar]) -> str:
-    """The run's page, as one HTML document."""
+def lineage_rows(events: Sequence[dict[str, Any]]) -> str:
+    """The run's OpenLineage events (``retrain.lineage``) as table rows: what each said, and which
+    datasets it named."""
+    out = []
+    for event in events:
+        named = [
+            f"{d.get('namespace')}/{d.get('name')}"
+            for d in event.get("inputs", []) + event.get("outputs", [])
+        ]
+        said = f"{len(event.get('inputs', []))} in, {len(event.get('outputs', []))} out" if named else ""
+        title = html.escape("\n".join(named))
+        out.append(
+            f"<tr><th>{html.escape(str(event.get('eventType')))}</th>"
+            f'<td title="{title}">{html.escape(str(event.get("eventTime")))} {html.escape(said)}</td></tr>'
+        )
+    return "".join(out)
+
+
+def render(run: Run, scalars: Sequence[Scalar], openlineage: Sequence[dict[str, Any]] = ()) -> str:
+    """The run's page, as one HTML document (``openlineage``: its OpenLineage events, once it ended)."""
     e = html.escape
     parts = stages(run)
     legend = "".join(
@@ -231,6 +252,8 @@ def render(run: Run, scalars: Sequence[Scalar]) -> str:
 <h2>Lineage</h2><table>{lineage}</table>
 <h2>Evaluation against the champion</h2>
 {f"<table>{evaluation}</table>" if verdict else '<p class="muted">No evaluation: no checkpoint to judge.</p>'}
+<h2>OpenLineage events</h2>
+{f"<table>{lineage_rows(openlineage)}</table>" if openlineage else '<p class="muted">None yet.</p>'}
 <h2>Command</h2><code>{e(command) or "none"}</code>
 </body></html>
 """
@@ -238,8 +261,12 @@ def render(run: Run, scalars: Sequence[Scalar]) -> str:
 
 def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -> Path:
     """Render ``run``'s page with the loss curve its trainer left (read through ``store``) to ``path``."""
+    try:
+        events = json.loads(store.read_bytes(f"{run_root(settings, run.run_id)}/{LINEAGE_OBJECT}"))
+    except (FileNotFoundError, ValueError):
+        events = []
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(run, _scalars_of(settings, store, run)), encoding="utf-8")
+    path.write_text(render(run, _scalars_of(settings, store, run), events), encoding="utf-8")
     return path
 
 

@@ -41,9 +41,11 @@ from retrain.contracts import (
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
+from retrain.exports import export_folder
+from retrain.lineage import LINEAGE_OBJECT, openlineage_events
 from retrain.logs import Alert
 from retrain.plan import render_training, run_root, set_aside, shard_root, tokenize_report_uri
-from retrain.ports import Ledger, ObjectStore, RunEvents, tell
+from retrain.ports import Ledger, Lineage, ObjectStore, RunEvents, tell
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
 
@@ -185,12 +187,18 @@ class Steps:
     """The handlers, over the ports alone."""
 
     def __init__(
-        self, settings: Settings, ledger: Ledger, store: ObjectStore, events: RunEvents | None = None
+        self,
+        settings: Settings,
+        ledger: Ledger,
+        store: ObjectStore,
+        events: RunEvents | None = None,
+        lineage: Lineage | None = None,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.store = store
         self.events = events
+        self.lineage = lineage
 
     def handle(self, body: Any) -> dict[str, Any]:
         """One request (:class:`StepRequest`); Rejected for a malformed one or a plan that cannot run."""
@@ -250,9 +258,24 @@ class Steps:
         if run is None or not run.status.terminal:
             return Finished(0)
         self._note_cost(run)
+        self._record_lineage(run)
         if run.status != RunStatus.SUCCEEDED and not run.promoted:
             return Finished(self.ledger.give_back(run))
         return Finished(give_back_unread(self.settings, self.ledger, self.store, run))
+
+    def _record_lineage(self, run: Run) -> None:
+        """The run's OpenLineage events (``retrain.lineage``), kept in its folder and reported to Data
+        Lineage when the deployment asks for it."""
+        tables = {
+            f"{self.settings.artifacts_uri}/{export_folder(dataset, table)}": table
+            for table, dataset in self.settings.watched_tables.items()
+        }
+        uris = [v.uri for v in self.ledger.run_objects(run)]
+        events = openlineage_events(run, uris, tables)
+        uri = f"{run_root(self.settings, run.run_id)}/{LINEAGE_OBJECT}"
+        self.store.write_bytes(uri, json.dumps(events, indent=1).encode(), "application/json")
+        if self.lineage is not None:
+            self.lineage.report(run.run_id, events)
 
     def _note_cost(self, run: Run) -> None:
         """Log a run whose cost passed its estimate times ``alert_cost_factor`` for the cost alert."""

@@ -394,6 +394,10 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 2}
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
     assert ledger.pending("fin") == []  # eligible again, but nothing re-runs by itself
+    # its OpenLineage events, kept in its folder (retrain.lineage): what it read, and how it ended
+    lineage = json.loads(objects.read_bytes(f"{plan['output_dir']}/openlineage.json"))
+    assert [e["eventType"] for e in lineage] == ["START", "RUNNING", "FAIL"]
+    assert [d["name"] for d in lineage[1]["inputs"]] == ["in/a.txt", "in/b.txt"]  # read back, given back
 
     ledger.record_arrival(
         ObjectArrival("ev-c", "land", "in/c.txt", 1, 9, "m-c", "2026-11-24T00:00:00Z"), "fin", "h-c"
@@ -404,6 +408,8 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     good_plan = training_plan(steps.settings, good.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained
+    good_lineage = json.loads(objects.read_bytes(f"{good_plan['output_dir']}/openlineage.json"))
+    assert good_lineage[-1]["eventType"] == "COMPLETE"
 
     # an execution that failed after promoting (its release failed): the champion holds that content,
     # so giving it back would train it twice

@@ -51,6 +51,7 @@ locals {
     RETRAIN_JOBSET_TOPIC               = local.platform.jobset_topic
     RETRAIN_SCHEDULER_TOPIC            = local.platform.scheduler_topic_id
     RETRAIN_EVENTS_TOPIC               = local.platform.run_events_topic_id
+    RETRAIN_LINEAGE_LOCATION           = var.lineage_location
     RETRAIN_CLUSTER                    = local.platform.cluster_name
     RETRAIN_NODE_POOL                  = local.platform.gpu_node_pool
     RETRAIN_NAMESPACE                  = local.platform.k8s_namespace

@@ -370,6 +370,12 @@ variable "max_run_cost_usd" {
   }
 }
 
+variable "lineage_location" {
+  type        = string
+  description = "Location of Data Lineage (Dataplex) that each run's OpenLineage events are reported to (RETRAIN_LINEAGE_LOCATION); empty: not reported (they are kept in the run's folder either way)."
+  default     = "us-central1"
+}
+
 variable "alert_capacity_wait_s" {
   type        = number
   description = "Seconds a run may wait for DWS capacity before the capacity-wait alert fires (RETRAIN_ALERT_CAPACITY_WAIT_S)."

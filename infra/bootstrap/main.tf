@@ -15,6 +15,7 @@ locals {
     "container.googleapis.com",
     "containerfilesystem.googleapis.com",
     "dataflow.googleapis.com",
+    "datalineage.googleapis.com",
     "eventarc.googleapis.com",
     "firestore.googleapis.com",
     "iam.googleapis.com",

@@ -124,6 +124,24 @@ resource "google_project_iam_member" "functions_cluster_connect" {
   member  = "serviceAccount:${google_service_account.functions.email}"
 }
 
+# A run's OpenLineage events, reported by its finish step (retrain.adapters.lineage): "Requires the
+# following IAM permission on the parent resource: datalineage.locations.processOpenLineageMessage"
+# (cloud.google.com/dataplex/docs/reference/data-lineage/rest/v1/projects.locations/processOpenLineageRunEvent),
+# and nothing else of Data Lineage.
+resource "google_project_iam_custom_role" "lineage_producer" {
+  project     = var.project_id
+  role_id     = "retrainLineageProducer"
+  title       = "retrain lineage producer"
+  description = "Report OpenLineage run events to Data Lineage (ProcessOpenLineageRunEvent), nothing more."
+  permissions = ["datalineage.locations.processOpenLineageMessage"]
+}
+
+resource "google_project_iam_member" "functions_lineage_producer" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.lineage_producer.name
+  member  = "serviceAccount:${google_service_account.functions.email}"
+}
+
 # The functions publish the run events they cause: a run queued by a seal, refused, its execution lost,
 # its checkpoint promoted.
 resource "google_pubsub_topic_iam_member" "functions_run_events_publisher" {

@@ -66,6 +66,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
         ("custom:cluster_connect", "project"),  # the reaper: the DNS endpoint; RBAC decides the rest
         ("roles/pubsub.publisher", "topic:run_events"),  # queued, refused, lost, promoted
+        ("custom:lineage_producer", "project"),  # a run's OpenLineage events (ProcessOpenLineageRunEvent)
     },
     "events": {
         ("roles/eventarc.eventReceiver", "project"),
@@ -143,6 +144,7 @@ EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
 
 EXPECTED_CUSTOM_ROLE_PERMISSIONS: dict[str, set[str]] = {
     "cluster_connect": {"container.clusters.connect", "container.clusters.get"},
+    "lineage_producer": {"datalineage.locations.processOpenLineageMessage"},
 }
 
 # For each IAM resource type: the attribute naming the resource the grant is made on.
