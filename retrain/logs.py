@@ -4,9 +4,10 @@ A Cloud Run function's line of serialized JSON becomes a structured entry: ``sev
 entry's severity, ``message`` its display text and the other fields its ``jsonPayload``
 (cloud.google.com/run/docs/logging, "Writing structured logs").  Every line retrain's functions write is
 one such object: ``severity``, ``message``, ``component``, ``logger``, and where they apply ``run_id``,
-``dataset``, ``alert`` (an :class:`Alert`) and ``run_event`` (a :class:`retrain.contracts.RunEvent`'s
-data).  The workflow writes the same ``run_event`` entries with ``sys.log``'s ``json``
-(``workflows/retrain.yaml``'s ``announce``).  ``infra/app/monitoring.tf``'s alert policies match these
+``dataset``, ``alert`` (an :class:`Alert`), ``run_event`` (a :class:`retrain.contracts.RunEvent`'s
+data) and ``run_summary`` (an ended run's numbers, :data:`SUMMARY`, which the dashboard charts).  The
+workflow writes the same ``run_event`` entries with ``sys.log``'s ``json`` (``workflows/retrain.yaml``'s
+``announce``).  ``infra/app/monitoring.tf``'s alert policies match these
 fields; ``tests/test_monitoring.py`` keeps each filter naming a field and a value the code writes.
 """
 
@@ -34,6 +35,9 @@ class Alert(StrEnum):
     budget (its start; one that would pass the budget is refused instead)."""
 
 
+#: An ended run's numbers, logged once by its finish step as ``run_summary`` (and ``status``).
+SUMMARY = ("tokens", "cost_usd", "gpu_node_seconds", "idle_node_seconds", "waited_for_capacity_s")
+
 #: Python's levels as Cloud Logging's LogSeverity names them.
 SEVERITY = {
     logging.DEBUG: "DEBUG",
@@ -43,7 +47,7 @@ SEVERITY = {
     logging.CRITICAL: "CRITICAL",
 }
 #: The ``extra=`` fields a log call may give, copied into the entry.
-FIELDS = ("run_id", "dataset", "alert", "run_event")
+FIELDS = ("run_id", "dataset", "alert", "run_event", "run_summary")
 
 
 class JsonLines(logging.Formatter):

@@ -273,13 +273,6 @@ def write_report(settings: Settings, store: ObjectStore, run: Run, path: Path) -
 # --- a dataset's history: retrain report --dataset D --------------------------------------------------
 
 
-def waited_s(run: Run) -> float | None:
-    """How long the run waited for capacity (asked until its JobSet was submitted, or until it gave up)."""
-    asked = parse_iso(run.provisioning_at)
-    came = parse_iso(run.training_at) or parse_iso(run.work_ended_at)
-    return (came - asked).total_seconds() if asked and came else None
-
-
 def champion_chain(runs: Sequence[Run]) -> list[Run]:
     """The dataset's promoted runs, oldest first: each continued from the one before (its base checkpoint)."""
     return sorted((r for r in runs if r.promoted), key=lambda r: r.created_at)
@@ -311,7 +304,7 @@ def render_dataset(dataset: str, runs: Sequence[Run], curves: Sequence[Scalar]) 
     ended = [r for r in runs if r.status.terminal]
     rows = []
     for r in runs:
-        waited = waited_s(r)
+        waited = r.waited_for_capacity_s
         verdict = "promoted" if r.promoted else ("not promoted" if r.eval else "")
         said = f"{r.failure}: {r.reason}" if r.failure else (r.reason or "")
         rows.append(

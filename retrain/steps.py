@@ -43,7 +43,7 @@ from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
 from retrain.exports import export_folder
 from retrain.lineage import LINEAGE_OBJECT, openlineage_events
-from retrain.logs import Alert
+from retrain.logs import SUMMARY, Alert
 from retrain.plan import render_training, run_root, set_aside, shard_root, tokenize_report_uri
 from retrain.ports import Ledger, Lineage, ObjectStore, RunEvents, tell
 from retrain.tensorboard import Scalar, read_scalars
@@ -259,6 +259,7 @@ class Steps:
             return Finished(0)
         self._note_cost(run)
         self._record_lineage(run)
+        self._log_summary(run)
         if run.status != RunStatus.SUCCEEDED and not run.promoted:
             return Finished(self.ledger.give_back(run))
         return Finished(give_back_unread(self.settings, self.ledger, self.store, run))
@@ -276,6 +277,12 @@ class Steps:
         self.store.write_bytes(uri, json.dumps(events, indent=1).encode(), "application/json")
         if self.lineage is not None:
             self.lineage.report(run.run_id, events)
+
+    def _log_summary(self, run: Run) -> None:
+        """The ended run's numbers as one structured entry (``run_summary``): the dashboard's charts."""
+        summary = {"status": str(run.status), **{k: getattr(run, k) for k in SUMMARY}}
+        extra = {"run_id": run.run_id, "dataset": run.dataset, "run_summary": summary}
+        log.info("run %s ended %s: %s", run.run_id, run.status, summary, extra=extra)
 
     def _note_cost(self, run: Run) -> None:
         """Log a run whose cost passed its estimate times ``alert_cost_factor`` for the cost alert."""

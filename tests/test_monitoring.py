@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from run_events_support import announce
 
 from retrain import config
@@ -20,7 +19,7 @@ from retrain.contracts import RunEvent, RunEventType, field_names
 from retrain.deployment import Deployment
 from retrain.domain.runs import Run, RunStatus, iso
 from retrain.ingest import Ingest
-from retrain.logs import Alert, JsonLines
+from retrain.logs import SUMMARY, Alert, JsonLines
 from retrain.ports import tell
 from retrain.steps import Steps
 
@@ -174,22 +173,17 @@ def test_the_run_failed_alert_matches_a_failed_run_event_and_nothing_else(
     assert matched[0]["severity"] == "WARNING" and matched[0]["run_event"]["failure"] == "ExecutionLost"
 
 
-def test_the_dashboard_reads_fields_the_workflows_entries_carry(caplog: pytest.LogCaptureFixture) -> None:
-    """The workflow's announce logs the event and its record fields (sys.log json): the run-events
-    metric's label and each run-record metric's value come from there."""
+def test_the_run_events_metric_reads_what_the_workflows_entries_carry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The workflow's announce logs the event (sys.log json): the run-events metric counts those
+    entries, labelled by their type."""
     from retrain.workflows import ConnectorRegistry
 
     registry = ConnectorRegistry()
     registry.register("googleapis.pubsub.v1.projects.topics.publish", lambda args, _: {"messageIds": ["1"]})
-    source = yaml.safe_load(WORKFLOW.read_text())
-    final = next(
-        step["outcome_fields"]["assign"][0]["final"]
-        for step in source["main"]["steps"]
-        if "outcome_fields" in step
-    )
-    record = {k: 1.5 for k in final} | {"status": "succeeded"}
     with caplog.at_level(logging.INFO, logger="retrain.workflows.sys.log"):
-        announce("succeeded", record, registry)
+        announce("succeeded", {"status": "succeeded", "cost_usd": 1.5}, registry)
     (logged,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "retrain.workflows.sys.log"]
     assert logged["component"] == "workflow" and logged["run_event"]["type"] == "succeeded"
     assert set(logged["run_event"]) == field_names(RunEvent)
@@ -198,8 +192,38 @@ def test_the_dashboard_reads_fields_the_workflows_entries_carry(caplog: pytest.L
     assert resource == 'resource.type="workflows.googleapis.com/Workflow"'
     assert matches(events_filter, logged)
     assert "EXTRACT(jsonPayload.run_event.type)" in str(metrics["run_events"]["label_extractors"])
-    per_run = app().evaluate(metrics["run_record"]["for_each"])
-    for key in per_run:
-        assert key in final, key  # a field the workflow's final record has
-    record_filter = str(app().evaluate(metrics["run_record"]["filter"])).split(" AND ", 1)[1]
-    assert matches(record_filter, logged)
+
+
+def test_the_dashboards_run_numbers_are_what_a_runs_finish_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """Each per-run metric (tokens, node time busy and idle, cost, time waited for capacity) extracts a
+    number the finish step's summary entry carries."""
+    run = Run(
+        run_id="ds-s1",
+        dataset="ds",
+        trigger="manual",
+        status=RunStatus.SUCCEEDED,
+        tokens=1234,
+        cost_usd=2.5,
+        gpu_node_seconds=600.0,
+        idle_node_seconds=60.0,
+        provisioning_at="2026-11-27T10:00:00.000000Z",
+        training_at="2026-11-27T10:05:00.000000Z",
+    )
+    with caplog.at_level(logging.INFO, logger="retrain.steps"):
+        Steps(settings(), None, None)._log_summary(run)  # type: ignore[arg-type]
+    (entry,) = [e for e in entries(caplog) if "run_summary" in e]
+    metric = app().resources("google_logging_metric")["run_record"]
+    resource, summary_filter = str(app().evaluate(metric["filter"])).split(" AND ", 1)
+    assert resource == 'resource.type="cloud_run_revision"' and matches(summary_filter, entry)
+    per_run = app().evaluate(metric["for_each"])
+    assert set(per_run) == set(SUMMARY)
+    assert {k: entry["run_summary"][k] for k in per_run} == {
+        "tokens": 1234,
+        "cost_usd": 2.5,
+        "gpu_node_seconds": 600.0,
+        "idle_node_seconds": 60.0,
+        "waited_for_capacity_s": 300.0,
+    }
+    assert str(app().evaluate(metric["value_extractor"].replace("each.key", '"tokens"'))) == (
+        "EXTRACT(jsonPayload.run_summary.tokens)"
+    )

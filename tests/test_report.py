@@ -20,7 +20,6 @@ from retrain.report import (
     render,
     render_dataset,
     stages,
-    waited_s,
 )
 from retrain.tensorboard import Scalar
 
@@ -193,7 +192,7 @@ def test_a_datasets_page_has_its_runs_its_champion_chain_and_its_lineage() -> No
     assert "<td>$76.87</td>" in page  # the ended runs' cost: 36.87 + 0 + 40
     assert "<polyline" in page  # the lineage's loss curve
     assert [champion_chain([SECOND, WAITED, FIRST])[i].run_id for i in (0, 1)] == ["news-1", "news-3"]
-    assert waited_s(a_run(provisioning_at=None)) is None
+    assert a_run(provisioning_at=None).waited_for_capacity_s is None
 
 
 @pytest.mark.skipif(

@@ -151,8 +151,8 @@ resource "google_monitoring_alert_policy" "function_errors" {
   }
 }
 
-# Run events as metrics for the dashboard: one counter by type, and each ended run's numbers from the
-# workflow's final entry (its record fields).
+# Run events as metrics for the dashboard: one counter by type (the workflow's entries), and each ended
+# run's numbers from the summary its finish step logs (retrain.logs.SUMMARY).
 resource "google_logging_metric" "run_events" {
   project = var.project_id
   name    = "${var.name_prefix}-run-events"
@@ -173,16 +173,18 @@ resource "google_logging_metric" "run_events" {
 
 resource "google_logging_metric" "run_record" {
   for_each = {
-    gpu_node_seconds  = "GPU node-seconds per ended run"
-    idle_node_seconds = "idle GPU node-seconds per ended run"
-    cost_usd          = "cost per ended run (USD)"
+    tokens                = "tokens per ended run"
+    gpu_node_seconds      = "GPU node-seconds per ended run"
+    idle_node_seconds     = "idle GPU node-seconds per ended run"
+    cost_usd              = "cost per ended run (USD)"
+    waited_for_capacity_s = "seconds waited for capacity per ended run"
   }
 
   project         = var.project_id
   name            = "${var.name_prefix}-run-${replace(each.key, "_", "-")}"
   description     = each.value
-  filter          = "resource.type=\"workflows.googleapis.com/Workflow\" AND (jsonPayload.run_event.type=\"succeeded\" OR jsonPayload.run_event.type=\"failed\" OR jsonPayload.run_event.type=\"cancelled\")"
-  value_extractor = "EXTRACT(jsonPayload.record.${each.key})"
+  filter          = "resource.type=\"cloud_run_revision\" AND jsonPayload.run_summary.status:*"
+  value_extractor = "EXTRACT(jsonPayload.run_summary.${each.key})"
 
   metric_descriptor {
     metric_kind = "DELTA"
@@ -230,7 +232,7 @@ resource "google_monitoring_dashboard" "runs" {
               plotType = "LINE"
               timeSeriesQuery = {
                 timeSeriesFilter = {
-                  filter = "metric.type=\"logging.googleapis.com/user/${metric.name}\" AND resource.type=\"workflows.googleapis.com/Workflow\""
+                  filter = "metric.type=\"logging.googleapis.com/user/${metric.name}\" AND resource.type=\"cloud_run_revision\""
                   aggregation = {
                     alignmentPeriod    = "86400s"
                     perSeriesAligner   = "ALIGN_PERCENTILE_50"

@@ -392,6 +392,14 @@ class Run:
     """When it ended: every node released (or given up on after the release timeout)."""
 
     @property
+    def waited_for_capacity_s(self) -> float | None:
+        """How long it waited for capacity: from asking DWS until its JobSet was submitted (or, when
+        the capacity never came, until it gave up); None when it never asked."""
+        asked = parse_iso(self.provisioning_at)
+        came = parse_iso(self.training_at) or parse_iso(self.work_ended_at)
+        return (came - asked).total_seconds() if asked and came else None
+
+    @property
     def promoted(self) -> bool:
         """Its checkpoint became its dataset's champion: its content is in the model, whatever happened
         after (a release that failed), so it is never given back."""
