@@ -258,8 +258,11 @@ class Steps:
         if run is None or not run.status.terminal:
             return Finished(0)
         self._note_cost(run)
-        self._record_lineage(run)
         self._log_summary(run)
+        try:
+            self._record_lineage(run)
+        except Exception:  # what it tells of the run never keeps its content from going back
+            log.exception("run %s: its lineage was not recorded", run.run_id)
         if run.status != RunStatus.SUCCEEDED and not run.promoted:
             return Finished(self.ledger.give_back(run))
         return Finished(give_back_unread(self.settings, self.ledger, self.store, run))
