@@ -103,17 +103,23 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _session_has_members(session: int) -> bool:
-    """Whether a process of session ``session`` still runs (a container started its own session; its
-    first process may exit and leave others behind).  Read from /proc: ``stat``'s sixth field."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+#: Set in every process of a pod (its name): what stands in for the pod's cgroup when the node goes.
+POD_MARK = "RETRAIN_TWIN_POD"
+
+
+def _marked(pod_name: str) -> list[int]:
+    """Every live process carrying ``pod_name``'s mark in its environment: the pod's containers and all
+    they started, also those in sessions of their own (torchrun's workers) or left behind by a parent
+    that exited.  Read from /proc (``environ``: the environment a process started with, inherited)."""
+    mark = f"{POD_MARK}={pod_name}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if mark in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except (OSError, ValueError):
             continue
-        if len(fields) > 3 and fields[3] == str(session) and fields[0] != "Z":  # a zombie runs nothing
-            return True
-    return False
+    return found
 
 
 def _condition(
@@ -837,6 +843,7 @@ class ClusterTwin:
                     env[e["name"]] = self._field_ref(obj, e["valueFrom"]["fieldRef"]["fieldPath"])
             env.update(self.pod_env)
             env.update(identity)
+            env[POD_MARK] = pod.name
             env.update(
                 {
                     "MASTER_ADDR": "127.0.0.1",
@@ -886,13 +893,18 @@ class ClusterTwin:
         )
 
     def _kill(self, pod: _Pod) -> None:
-        """Every process of the pod's containers: each container's whole process group (its session),
-        also when its first process has exited and left the rest running (a node that goes takes them
-        all)."""
+        """Every process of the pod, as a node that goes takes them all: each container's process group,
+        and every process carrying the pod's mark (torchrun starts its workers in sessions of their own,
+        which outlive a killed launcher: a preempted attempt trained on to the end)."""
         for proc in pod.procs:
-            if proc.poll() is None or _session_has_members(proc.pid):
+            if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _marked(
+            pod.name
+        ):  # what left the containers' sessions (torchrun's workers have their own)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
 
