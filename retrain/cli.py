@@ -421,12 +421,17 @@ def _audit_line(settings: config.Settings, ledger: Any) -> str:
     return f"audit: every object accounted for ({counts})"
 
 
+def _reports(settings: config.Settings) -> Path:
+    """Where report pages go unless ``--output`` says otherwise: ``reports/`` of the state folder."""
+    return Path(settings.state_dir).resolve() / "reports"
+
+
 def _report(settings: config.Settings, run: Run, output: str | None) -> Path:
     """Write the run's page (``retrain.report``): to ``output``, or under the state folder's reports/."""
     from retrain.adapters import objects
     from retrain.report import write_report
 
-    path = Path(output) if output else Path(settings.state_dir).resolve() / "reports" / f"{run.run_id}.html"
+    path = Path(output) if output else _reports(settings) / f"{run.run_id}.html"
     return write_report(settings, objects, run, path)
 
 
@@ -460,8 +465,7 @@ def _dataset_report(settings: config.Settings, dataset: str, output: str | None)
     if not runs:
         _say(f"no run of dataset {dataset}")
         return 1
-    reports = Path(settings.state_dir).resolve() / "reports"
-    path = Path(output) if output else reports / f"dataset-{dataset}.html"
+    path = Path(output) if output else _reports(settings) / f"dataset-{dataset}.html"
     print(write_dataset_report(settings, objects, dataset, runs, path))
     return 0
 

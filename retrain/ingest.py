@@ -369,12 +369,7 @@ class Ingest:
                 "budget_month": budget_month(datetime.now(UTC)),
             },
         )
-        written = self.store.write_bytes(
-            f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
-            manifest.to_json(),
-            "application/json",
-        )
-        self.ledger.update_run(run.run_id, {"manifest_generation": written})  # what audit and report read
+        written = self._write_manifest(run, manifest)
         argument = dataclasses.replace(argument, manifest_generation=written)
         execution = self.orchestrator.start(argument.to_dict())
         self.ledger.attach_execution(run.run_id, execution)
@@ -411,18 +406,31 @@ class Ingest:
                 extra={"alert": Alert.CAPACITY_WAIT, "run_id": run.run_id, "dataset": run.dataset},
             )
 
+    def _write_manifest(self, run: Run, manifest: RunManifest) -> int | None:
+        """Write the run's manifest and record the generation written (the version audit and report
+        read, and the tokenize job is pinned to); that generation."""
+        uri = f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}"
+        written = self.store.write_bytes(uri, manifest.to_json(), "application/json")
+        self.ledger.update_run(run.run_id, {"manifest_generation": written})
+        return written
+
     def _nothing_to_train(self, run: Run, manifest: RunManifest) -> Outcome:
         """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds
         now, without a job or capacity (its manifest is written, for its lineage and the audit)."""
-        self.store.write_bytes(
-            f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}",
-            manifest.to_json(),
-            "application/json",
-        )
+        self._write_manifest(run, manifest)
         reason = f"nothing to train: its {len(manifest.objects)} object(s) are empty"
         now = now_iso()
-        fields = {"status": str(RunStatus.SUCCEEDED), "reason": reason, "nodes_at_end": 0, "finished_at": now}
-        self.ledger.update_run(run.run_id, {**fields, "objects": len(manifest.objects), "work_ended_at": now})
+        self.ledger.update_run(
+            run.run_id,
+            {
+                "status": str(RunStatus.SUCCEEDED),
+                "reason": reason,
+                "objects": len(manifest.objects),
+                "nodes_at_end": 0,
+                "work_ended_at": now,
+                "finished_at": now,
+            },
+        )
         tell(self.events, RunEventType.SUCCEEDED, run, reason=reason, cost_usd=0.0)
         log.info("run %s: %s", run.run_id, reason)
         return Outcome(Action.EMPTY, reason, run.run_id)
