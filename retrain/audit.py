@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from retrain.config import DATASET_RE, Settings
+from retrain.config import Settings, is_dataset_name
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, RunStatus, now_iso
@@ -177,7 +177,7 @@ def landed(settings: Settings, store: ObjectStore, exports_under_way: Iterable[s
     exported = f"{settings.artifacts_uri}/{BIGQUERY_FOLDER}"
     for info in store.list_objects(exported, versions=True):
         head = info.uri[len(exported) :].partition("/")[0]
-        by_dataset[head if DATASET_RE.fullmatch(head) else None].append(info)
+        by_dataset[head if is_dataset_name(head) else None].append(info)
     return Landed(dict(by_dataset), tuple(d.split("*", 1)[0] for d in exports_under_way))
 
 

@@ -14,9 +14,18 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import TypeGuard
 
 #: A dataset name: a folder under the landing prefix, a Kubernetes label part, a Firestore document id.
-DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+DATASET_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+
+
+def is_dataset_name(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a dataset name: the one check of every place a name comes in (whole-string:
+    a ``$``-anchored ``match`` would take ``"news\n"``)."""
+    return isinstance(value, str) and DATASET_RE.fullmatch(value) is not None
+
+
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
 
@@ -283,7 +292,7 @@ class Settings:
         out = {}
         for item in filter(None, (part.strip() for part in self.bigquery_tables.split(","))):
             table, _, dataset = item.partition("=")
-            if not TABLE_RE.match(table) or (dataset and not DATASET_RE.match(dataset)):
+            if not TABLE_RE.match(table) or (dataset and not is_dataset_name(dataset)):
                 raise ValueError(f"RETRAIN_BIGQUERY_TABLES: {item!r} is not project.dataset.table[=dataset]")
             out[table] = dataset or self.dataset
         return out
@@ -294,7 +303,7 @@ class Settings:
         chosen: dict[str, str] = {}
         for item in filter(None, (part.strip() for part in self.profiles.split(","))):
             name, _, value = (part.strip() for part in item.partition("="))
-            if not DATASET_RE.match(name) or not value:
+            if not is_dataset_name(name) or not value:
                 raise ValueError(f"RETRAIN_PROFILES: {item!r} is not DATASET=PROFILE")
             chosen[name] = value
         return chosen.get(dataset, self.profile)
@@ -305,7 +314,7 @@ class Settings:
         head, sep, _ = name[len(self.landing_prefix) :].partition("/")
         if not sep:
             return self.dataset
-        return head if DATASET_RE.fullmatch(head) else None
+        return head if is_dataset_name(head) else None
 
     def image_of(self, profile: str) -> str:
         """The training image of ``profile``."""
@@ -319,7 +328,7 @@ class Settings:
         root = f"{self.artifacts_uri}/eval/"
         for item in filter(None, (part.strip() for part in self.eval_sets.split(","))):
             dataset, _, prefix = item.partition("=")
-            if not DATASET_RE.match(dataset) or not prefix.startswith(root) or len(prefix) == len(root):
+            if not is_dataset_name(dataset) or not prefix.startswith(root) or len(prefix) == len(root):
                 raise ValueError(f"RETRAIN_EVAL_SETS: {item!r} is not DATASET={root}NAME_text_document")
             out[dataset] = prefix
         return out
@@ -334,7 +343,7 @@ class Settings:
                 budget = float(usd)
             except ValueError:
                 budget = math.nan
-            if not DATASET_RE.match(name) or not 0 <= budget < math.inf:
+            if not is_dataset_name(name) or not 0 <= budget < math.inf:
                 raise ValueError(f"RETRAIN_MONTHLY_BUDGETS: {item!r} is not DATASET=USD (0 or more)")
             budgets[name] = budget
         return budgets.get(dataset, self.monthly_budget_usd)

@@ -28,12 +28,13 @@ owns it, and it is re-exported here so that every contract can be found in one p
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from retrain.config import DATASET_RE
+from retrain.config import is_dataset_name
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Run as RunRecord
@@ -107,7 +108,7 @@ class SchedulerTick:
                 f"unknown scheduler job {message.get('job')!r} (one of {[j.value for j in SchedulerJob]})"
             ) from None
         dataset = message.get("dataset")
-        if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
+        if dataset is not None and not is_dataset_name(dataset):
             raise Rejected("dataset must be a valid dataset name")
         return cls(job, dataset)
 
@@ -118,14 +119,41 @@ class SchedulerTick:
         return json.dumps(body).encode()
 
 
-# --- the run plan -> workflows/retrain.yaml ---------------------------------------------------------
+# --- Ingest.start -> workflows/retrain.yaml ----------------------------------------------------------
+
+#: An execution's id as Workflows makes it (``GOOGLE_CLOUD_WORKFLOW_EXECUTION_ID``): a UUID.
+EXECUTION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+
+
+@dataclass(frozen=True)
+class ExecutionArgument:
+    """The argument of one execution of ``workflows/retrain.yaml`` (``start`` in ``main``): which run, and
+    the start claim of the starter that created the execution.  Nothing else: whoever may create
+    executions (``workflows.executions.create``) can name only a run the ledger planned, and the plan it
+    runs is the ledger's (:class:`WorkflowArgument`, handed over by the ``begin`` step), never the
+    caller's."""
+
+    run_id: str
+    """The run: the ledger document ``runs/<run_id>``."""
+    claim: str
+    """The start claim ``Ledger.claim_start`` gave the starter.  ``begin`` binds the execution to the
+    run only while the run's claim is still this one: when a sweep took over a start that seemed stuck,
+    the slow starter's execution ends at ``begin`` without touching anything, so a run has one
+    execution."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- the run plan: the ledger -> workflows/retrain.yaml ------------------------------------------------
 
 
 @dataclass(frozen=True)
 class WorkflowArgument:
-    """The argument of one execution of ``workflows/retrain.yaml`` (``args`` in ``main``, ``run`` in its
-    sub-workflows): the run plan, decided in typed Python when the run starts.  Capped at 32 KB by the
-    Executions API, so object lists travel in the :class:`RunManifest`, never here."""
+    """The run plan, decided in typed Python when the run starts and kept on the run record (``plan``):
+    ``begin`` hands it to the execution (``args`` in ``main``, ``run`` in its sub-workflows).  Held to the
+    Executions API's 32 KB argument limit all the same (it once travelled as the argument, and a plan that
+    size is a plan gone wrong), so object lists travel in the :class:`RunManifest`, never here."""
 
     run_id: str
     """The run's id: the ledger document ``runs/<run_id>`` and the ``retrain.dev/run-id`` label."""
@@ -470,6 +498,9 @@ class CallbackPayload:
 class StepName(StrEnum):
     """The workflow's calls into Python (``retrain.steps``)."""
 
+    BEGIN = "begin"
+    """The execution starts: bind it to its run if the run's start claim is still the argument's, and
+    answer the run's plan from the ledger (:class:`Begun`)."""
     HANDOVER = "handover"
     """Tokenizing is done: render the trainer's command and JobSet from the tokenize report."""
     RESULTS = "results"
@@ -486,10 +517,15 @@ class StepRequest:
     """Which step."""
     run_id: str
     """The run."""
-    training: dict[str, Any]
-    """The run's :class:`retrain.trainers.TrainingPlan`, as the workflow argument carries it."""
+    training: dict[str, Any] = field(default_factory=dict)
+    """The run's :class:`retrain.trainers.TrainingPlan`, as ``begin`` handed it over (every step but
+    ``begin``)."""
     callback_url: str = ""
     """``handover`` only: the execution's callback, annotated on the JobSet for the notifier."""
+    claim: str = ""
+    """``begin`` only: the execution argument's start claim (:class:`ExecutionArgument`)."""
+    execution: str = ""
+    """``begin`` only: the execution's id (``GOOGLE_CLOUD_WORKFLOW_EXECUTION_ID``)."""
 
     @classmethod
     def parse(cls, body: Any) -> StepRequest:
@@ -506,9 +542,29 @@ class StepRequest:
                 f"unknown step {body.get('step')!r} (one of {[s.value for s in StepName]})"
             ) from None
         run_id, training = body.get("run_id"), body.get("training")
-        if not isinstance(run_id, str) or not run_id or not isinstance(training, dict):
-            raise Rejected("run_id (a string) and training (an object) are required")
+        if not isinstance(run_id, str) or not run_id:
+            raise Rejected("run_id (a string) is required")
+        if step == StepName.BEGIN:
+            claim, execution = body.get("claim"), body.get("execution")
+            if not isinstance(claim, str) or not claim:
+                raise Rejected("begin: claim (a string) is required")
+            if not isinstance(execution, str) or not EXECUTION_ID_RE.match(execution):
+                raise Rejected("begin: execution (the execution's id) is required")
+            return cls(step, run_id, claim=claim, execution=execution)
+        if not isinstance(training, dict):
+            raise Rejected(f"{step}: training (an object) is required")
         return cls(step, run_id, training, str(body.get("callback_url") or ""))
+
+
+@dataclass(frozen=True)
+class Begun:
+    """``begin``'s answer: the plan to run, or why this execution runs nothing."""
+
+    plan: dict[str, Any] | None
+    """The run's :class:`WorkflowArgument` as the ledger keeps it; None: this execution is not the run's
+    (another starter's claim holds it, it has another execution, it is not pending) and ends at once."""
+    reason: str
+    """Why not, when ``plan`` is None."""
 
 
 @dataclass(frozen=True)
@@ -689,7 +745,7 @@ class RunEvent:
             event = cls(**{**body, "type": RunEventType(body["type"])})
         except ValueError:
             raise Rejected(f"unknown run event type {body['type']!r}") from None
-        if not isinstance(event.dataset, str) or not DATASET_RE.match(event.dataset):
+        if not is_dataset_name(event.dataset):
             raise Rejected("a run event's dataset must be a valid dataset name")
         kinds = {"cost_usd": (int, float), "verdict": (dict,)}
         wrong = [

@@ -21,9 +21,10 @@ from functools import partial
 from typing import Any
 
 from retrain.audit import Account, AuditReport, audit, log_report, repair
-from retrain.config import DATASET_RE, Settings
+from retrain.config import Settings, is_dataset_name
 from retrain.contracts import (
     CallbackPayload,
+    ExecutionArgument,
     Forecast,
     JobSetCompletion,
     RunEventType,
@@ -358,8 +359,14 @@ class Ingest:
             argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
         except PlanError as e:
             return self._refuse(run, f"the trainer would refuse this run: {e}")
-        self.ledger.update_run(
+        written = self._write_manifest(run, manifest)
+        argument = dataclasses.replace(argument, manifest_generation=written)
+        # The plan is the ledger's, kept under this claim: the execution's argument names only the run
+        # and the claim, and its begin step reads the plan back (ExecutionArgument says why).
+        kept = self.ledger.keep_plan(
             run.run_id,
+            claim.token,
+            argument.to_dict(),
             {
                 "profile": argument.training["profile"],
                 "base_checkpoint": champion.checkpoint if champion else None,
@@ -367,14 +374,30 @@ class Ingest:
                 "estimated_cost_usd": round(cost.cost_usd, 2),
                 "cost_cap_usd": self.settings.max_run_cost_usd or None,
                 "budget_month": budget_month(datetime.now(UTC)),
+                "manifest_generation": written,
             },
         )
-        written = self._write_manifest(run, manifest)
-        argument = dataclasses.replace(argument, manifest_generation=written)
-        execution = self.orchestrator.start(argument.to_dict())
-        self.ledger.attach_execution(run.run_id, execution)
+        if not kept:
+            return self._superseded(run)
+        execution = self.orchestrator.start(ExecutionArgument(run.run_id, claim.token).to_dict())
+        if not self.ledger.attach_execution(run.run_id, claim.token, execution):
+            # Its begin step finds the claim is another's and ends it before it touches anything.
+            return self._superseded(run, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
         return Outcome(Action.STARTED, execution, run.run_id)
+
+    def _superseded(self, run: Run, execution: str = "") -> Outcome:
+        """This starter's claim was taken over (a sweep took it to be stuck): the other starter's
+        execution is the run's; this one's, if it made one, ends at its begin step."""
+        log.warning(
+            "run %s: its start was taken over by another starter%s",
+            run.run_id,
+            f"; execution {execution} will end at its begin step" if execution else "",
+        )
+        current = self.ledger.get_run(run.run_id)
+        if current is not None and current.execution:
+            return Outcome(Action.STARTED, current.execution, run.run_id)
+        return Outcome(Action.QUEUED, "its start was taken over by another starter", run.run_id)
 
     def _note_idle_nodes(self, nodes_up: list[dict[str, Any]]) -> None:
         """Log GPU nodes idle past ``alert_idle_nodes_s`` for their alert: idle since the last run ended
@@ -407,17 +430,16 @@ class Ingest:
             )
 
     def _write_manifest(self, run: Run, manifest: RunManifest) -> int | None:
-        """Write the run's manifest and record the generation written (the version audit and report
-        read, and the tokenize job is pinned to); that generation."""
+        """Write the run's manifest; the generation written (the version the audit and report read and
+        the tokenize job is pinned to: the run record's ``manifest_generation``).  The artifacts bucket
+        keeps noncurrent versions, so a generation stays readable when a later starter rewrites it."""
         uri = f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}"
-        written = self.store.write_bytes(uri, manifest.to_json(), "application/json")
-        self.ledger.update_run(run.run_id, {"manifest_generation": written})
-        return written
+        return self.store.write_bytes(uri, manifest.to_json(), "application/json")
 
     def _nothing_to_train(self, run: Run, manifest: RunManifest) -> Outcome:
         """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds
         now, without a job or capacity (its manifest is written, for its lineage and the audit)."""
-        self._write_manifest(run, manifest)
+        written = self._write_manifest(run, manifest)
         reason = f"nothing to train: its {len(manifest.objects)} object(s) are empty"
         now = now_iso()
         self.ledger.update_run(
@@ -425,6 +447,7 @@ class Ingest:
             {
                 "status": str(RunStatus.SUCCEEDED),
                 "reason": reason,
+                "manifest_generation": written,
                 "objects": len(manifest.objects),
                 "nodes_at_end": 0,
                 "work_ended_at": now,
@@ -567,7 +590,7 @@ class Ingest:
     def forecast(self, dataset: Any = None) -> list[Forecast]:
         """What sealing every dataset with new data or a pending run (or only ``dataset``) would train,
         and its cost; nothing is written."""
-        if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
+        if dataset is not None and not is_dataset_name(dataset):
             raise Rejected("dataset must be a valid dataset name")
         if dataset:
             names = [dataset]
@@ -629,7 +652,7 @@ class Ingest:
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""
-        if dataset is not None and (not isinstance(dataset, str) or not DATASET_RE.match(dataset)):
+        if dataset is not None and not is_dataset_name(dataset):
             raise Rejected("dataset must be a valid dataset name")
         return [self.seal(p.dataset, trigger) for p in self.ledger.pending(dataset)]
 

@@ -95,6 +95,9 @@ class StartClaim:
     """Every object the run trains (one per content hash), when claimed."""
     snapshot: str = ""
     """The run's snapshot id: the hash of its objects' content hashes."""
+    token: str = ""
+    """This claim's token, when claimed: the plan is kept and an execution bound only under it, so a
+    starter whose claim a sweep took over (it seemed stuck) can no longer change the run."""
 
 
 @dataclass(frozen=True)
@@ -295,7 +298,17 @@ class Ledger(Protocol):
 
     def unobserved_release(self) -> list[Run]: ...
 
-    def attach_execution(self, run_id: str, execution: str) -> None: ...
+    def keep_plan(self, run_id: str, claim: str, plan: Mapping[str, Any], fields: Mapping[str, Any]) -> bool:
+        """Keep the run's plan (``plan`` on its record) and write ``fields`` to the record, while its start
+        claim is ``claim`` and it has no execution; False (nothing written) otherwise."""
+        ...
+
+    def plan_of(self, run_id: str) -> dict[str, Any] | None: ...
+
+    def attach_execution(self, run_id: str, claim: str, execution: str) -> bool:
+        """Bind ``execution`` to the run if its start claim is ``claim`` and it has no other execution
+        (the same execution id, whatever the name's project form, counts as its own); False otherwise."""
+        ...
 
     def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None: ...
 

@@ -1,5 +1,7 @@
-"""The workflow's two calls into typed Python, between its cloud calls (the ``run_step`` function).
+"""The workflow's calls into typed Python, between its cloud calls (the ``run_step`` function).
 
+- :meth:`Steps.begin`, first: the execution is bound to its run while the run's start claim is the
+  execution argument's, and gets the run's plan from the ledger (the argument names a run, nothing more).
 - :meth:`Steps.handover`, once tokenizing is done: the tokenize report's blend and tokenizer files
   complete the run's training plan; its trainer profile renders the command (checked against the
   trainer's own configuration) and the JobSet that runs it; the run record gains ``command``,
@@ -28,6 +30,7 @@ from typing import Any
 
 from retrain.config import Settings
 from retrain.contracts import (
+    Begun,
     Finished,
     Handover,
     Results,
@@ -203,6 +206,8 @@ class Steps:
     def handle(self, body: Any) -> dict[str, Any]:
         """One request (:class:`StepRequest`); Rejected for a malformed one or a plan that cannot run."""
         request = StepRequest.parse(body)
+        if request.step == StepName.BEGIN:
+            return dataclasses.asdict(self.begin(request.run_id, request.claim, request.execution))
         try:
             plan = TrainingPlan.parse(request.training)
             if plan.run_id != request.run_id:
@@ -221,6 +226,25 @@ class Steps:
             return dataclasses.asdict(self.results(plan))
         except PlanError as e:
             raise Rejected(str(e)) from None
+
+    def begin(self, run_id: str, claim: str, execution: str) -> Begun:
+        """Bind the execution to its run and hand it the ledger's plan: only while the run is pending and
+        its start claim is the execution's (the argument is no authority: whoever may create executions
+        can name a run, never plan one).  Any other answer ends the execution before it touches anything:
+        the run is another execution's, or a sweep took over its start, or it already ended."""
+        run = self.ledger.get_run(run_id)
+        if run is None:
+            return Begun(None, f"no run {run_id} in the ledger")
+        if run.status != RunStatus.PENDING:
+            return Begun(None, f"run {run_id} is {run.status}, not pending")
+        s = self.settings
+        name = f"projects/{s.project}/locations/{s.region}/workflows/{s.workflow}/executions/{execution}"
+        if not self.ledger.attach_execution(run_id, claim, name):
+            return Begun(None, f"run {run_id} is another execution's (its start claim is not this one's)")
+        plan = self.ledger.plan_of(run_id)
+        if plan is None:  # kept before the execution was made: only a hand-made claim lacks one
+            return Begun(None, f"run {run_id} has no plan in the ledger")
+        return Begun(plan, "")
 
     def handover(self, plan: TrainingPlan, callback_url: str) -> Handover:
         uri = tokenize_report_uri(plan.output_dir)

@@ -25,8 +25,10 @@ import yaml
 
 from retrain import config, contracts
 from retrain.contracts import (
+    Begun,
     CallbackPayload,
     CompletionState,
+    ExecutionArgument,
     Handover,
     JobSetCompletion,
     RunManifest,
@@ -120,6 +122,10 @@ def check_workflow(source: str) -> list[str]:
         problems.append(f"report field {name!r} is not a TokenizeReport field")
     for name in sorted(set(re.findall(r"\bhandover\.([A-Za-z_]\w*)", text)) - field_names(Handover)):
         problems.append(f"handover field {name!r} is not a Handover field")
+    for name in sorted(set(re.findall(r"\bstart\.([A-Za-z_]\w*)", text)) - field_names(ExecutionArgument)):
+        problems.append(f"execution argument field {name!r} is not an ExecutionArgument field")
+    for name in sorted(set(re.findall(r"\bbegun\.([A-Za-z_]\w*)", text)) - field_names(Begun)):
+        problems.append(f"begin's answer field {name!r} is not a Begun field")
     for call in _calls(wf, "python_step"):
         body = call.get("args", {}).get("body", {})
         for key in sorted(set(body) - field_names(StepRequest)):
@@ -156,6 +162,8 @@ def test_the_workflow_names_only_what_the_contracts_declare() -> None:
     ("old", "new", "complaint"),
     [
         ("${run.dataflow_template}", "${run.dataflow_templat}", "dataflow_templat"),
+        ("claim: ${start.claim}", "claim: ${start.token}", "token"),
+        ("args: ${begun.plan}", "args: ${begun.argument}", "argument"),
         ("jobset: ${handover.jobset}", "jobset: ${handover.job_set}", "job_set"),
         ('step: "results"', 'step: "result"', "result"),
         (
@@ -563,7 +571,7 @@ def test_the_workflows_end_of_run_tick_is_a_scheduler_tick_published_as_pubsub_d
     pubsub = json.loads((docs / "pubsub.v1.json").read_text())
     method = pubsub["resources"]["projects"]["resources"]["topics"]["methods"]["publish"]
     wf = yaml.safe_load(WORKFLOW.read_text())
-    init = wf["main"]["steps"][0]["init"]["assign"]
+    init = next(s["init"] for s in wf["main"]["steps"] if "init" in s)["assign"]
     (tick,) = [a["sweeper_tick"] for a in init if "sweeper_tick" in a]
     assert SchedulerTick.parse(tick) == SchedulerTick(SchedulerJob.SWEEPER)
     (call,) = [
@@ -646,3 +654,20 @@ def test_the_workflow_records_the_kind_of_any_error(error: Any, kind: str) -> No
         ],
     }
     assert FailureKind(load_workflow(yaml.safe_dump(source)).run(error)) == kind
+
+
+@pytest.mark.parametrize("name", ["news\n", "News", "-news", "a" * 41, "news/x", "", None, 7])
+def test_a_dataset_name_is_checked_whole_wherever_it_comes_in(name: Any) -> None:
+    """One check (``config.is_dataset_name``) for every place a dataset name comes in; ``"news\\n"``
+    passed the ``$``-anchored ``match`` it replaced (``$`` matches before a final newline)."""
+    assert not config.is_dataset_name(name)
+    with pytest.raises(Rejected, match="dataset must be a valid dataset name"):
+        SchedulerTick.parse({"job": "seal", "dataset": name if name is not None else 1})
+    assert config.is_dataset_name("news-2") and config.is_dataset_name("a" * 40)
+
+
+def test_terraform_validates_dataset_names_as_retrain_does() -> None:
+    """infra/app/variables.tf checks dataset names at plan time with the same pattern."""
+    hcl = (REPO / "infra" / "app" / "variables.tf").read_text()
+    patterns = set(re.findall(r'regex\("(\^\[a-z0-9\]\[a-z0-9-\][^"]*)", dataset\)', hcl))
+    assert patterns == {f"^{config.DATASET_RE.pattern}$"}

@@ -84,10 +84,13 @@ def test_events_become_one_execution_per_sealed_snapshot(
     execution = executions.wait(runs[0].execution, timeout=30)
     assert execution["state"] == "SUCCEEDED"
     assert json.loads(execution["result"]) == runs[0].run_id
+    # the argument names the run and the start claim; the plan is the ledger's (the begin step reads it)
     argument = json.loads(execution["argument"])
-    assert argument["objects"] == 3
-    assert argument["training"]["run_id"] == argument["run_id"] == runs[0].run_id
-    manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/{argument['manifest_object']}"))
+    assert set(argument) == {"run_id", "claim"} and argument["run_id"] == runs[0].run_id
+    plan = FirestoreLedger(project).plan_of(runs[0].run_id)
+    assert plan is not None and plan["objects"] == 3
+    assert plan["training"]["run_id"] == plan["run_id"] == runs[0].run_id
+    manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/{plan['manifest_object']}"))
     assert [o["uri"] for o in manifest["objects"]] == [f"gs://land/{n}" for n in names]
     assert [o["generation"] for o in manifest["objects"]] == [1, 1, 1]  # the versions that arrived
 

@@ -45,11 +45,9 @@ STRESS_SEEDS = [int(s) for s in os.environ.get("RETRAIN_STRESS_SEEDS", "1,2").sp
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    # A start claimed longer ago than stuck_after_s is taken over by the next sweep; on two cores shared
-    # with other tests a start can take that long, and then the run has two executions (a known race:
-    # the second start should not attach, or should cancel its own execution; see the closing note).
-    # These tests are about losing nothing, not about that race: their starts get five minutes.
-    yield from module_stack(tmp_path_factory, stuck_after_s=300)
+    # With the stack's own stuck_after_s: on two shared cores a start can outlast it, and a sweep then
+    # starts the run too; the slow start's execution ends at its begin step (the run has one execution).
+    yield from module_stack(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)

@@ -610,3 +610,64 @@ def test_a_champion_rewritten_since_its_promotion_is_never_restored(steps: Steps
     write_report(forged)
     with pytest.raises(Rejected, match="is not the dataset's champion"):
         steps.handle(request(StepName.HANDOVER, forged))
+
+
+def claimed_run(steps: Steps) -> tuple[str, str]:
+    """A sealed run whose start Ingest claimed and whose plan it kept: (run id, the claim's token)."""
+    from retrain.domain.events import ObjectArrival
+
+    ledger = steps.ledger
+    dataset = f"begin{uuid.uuid4().hex[:6]}"
+    ledger.record_arrival(
+        ObjectArrival("ev", "land", "in/a.txt", 1, 10, "m", "2026-11-27T00:00:00Z"), dataset, "h"
+    )
+    run = ledger.seal(dataset, "manual").run
+    assert run is not None
+    claim = ledger.claim_start(run, stale_after_s=60)
+    assert ledger.keep_plan(run.run_id, claim.token, {"run_id": run.run_id, "dataset": dataset}, {})
+    return run.run_id, claim.token
+
+
+def begin(steps: Steps, run_id: str, claim: str, execution: str) -> dict[str, Any]:
+    return steps.handle({"step": "begin", "run_id": run_id, "claim": claim, "execution": execution})
+
+
+def test_begin_hands_the_ledgers_plan_to_the_claims_execution_alone(steps: Steps) -> None:
+    """The execution argument names a run and a claim; the plan comes from the ledger, and only the
+    first execution under the run's current claim gets it (retried, it gets it again)."""
+    run_id, claim = claimed_run(steps)
+    assert begin(steps, run_id, "forged", "e-0") == {
+        "plan": None,
+        "reason": f"run {run_id} is another execution's (its start claim is not this one's)",
+    }
+    answer = begin(steps, run_id, claim, "e-1")
+    assert answer == {"plan": {"run_id": run_id, "dataset": answer["plan"]["dataset"]}, "reason": ""}
+    assert begin(steps, run_id, claim, "e-1") == answer  # http.default_retry after a lost answer
+    assert begin(steps, run_id, claim, "e-2")["plan"] is None  # a second execution of the same claim
+    s = steps.settings
+    run = steps.ledger.get_run(run_id)
+    assert run is not None
+    assert run.execution == f"projects/{s.project}/locations/{s.region}/workflows/{s.workflow}/executions/e-1"
+    steps.ledger.update_run(run_id, {"status": "cancelled"})
+    assert begin(steps, run_id, claim, "e-1") == {
+        "plan": None,
+        "reason": f"run {run_id} is cancelled, not pending",
+    }
+    assert begin(steps, "nobody", claim, "e-1") == {"plan": None, "reason": "no run nobody in the ledger"}
+
+
+@pytest.mark.parametrize(
+    ("body", "refusal"),
+    [
+        ({"step": "begin", "run_id": "r", "execution": "e"}, "begin: claim (a string) is required"),
+        ({"step": "begin", "run_id": "r", "claim": "c"}, "begin: execution (the execution's id) is required"),
+        (
+            {"step": "begin", "run_id": "r", "claim": "c", "execution": "../e"},
+            "execution (the execution's id)",
+        ),
+        ({"step": "handover", "run_id": "r"}, "handover: training (an object) is required"),
+    ],
+)
+def test_a_malformed_begin_is_refused_with_the_reason(body: dict[str, Any], refusal: str) -> None:
+    with pytest.raises(Rejected, match=refusal.replace("(", r"\(").replace(")", r"\)")):
+        StepRequest.parse(body)

@@ -29,6 +29,7 @@ from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import RunStatus
 from retrain.ingest import Ingest
 from retrain.plan import budget_month
+from retrain.steps import Steps
 from retrain.workflows import ExecutionsServer
 
 pytestmark = pytest.mark.emulators
@@ -170,6 +171,41 @@ def test_a_crash_between_claiming_a_start_and_starting_is_recovered_once_stale(
     ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
     (recovered,) = ingest.sweep()
     assert recovered.action == "started" and held_executions.get(recovered.detail)["state"] == "ACTIVE"
+
+
+def test_a_start_that_outlasts_its_claim_leaves_the_run_one_execution(
+    ingest: Ingest, held_executions: ExecutionsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start slower than ``stuck_after_s`` (shared cores, a slow Executions API) is taken over by a
+    sweep, which starts the run too.  The slow starter's execution is not bound to the run: the run
+    records the sweep's, and the slow one's begin step refuses it (it ends before touching anything)."""
+    arrive(ingest, "slow", "1.txt")
+    sealed = ingest.ledger.seal("slow", "manual")
+    assert sealed.run is not None
+    create = ingest.orchestrator.start
+    swept: list[str] = []
+    stalled: list[bool] = []
+
+    def slow_create(argument: dict[str, object]) -> str:
+        if not stalled:  # the first starter stalls here, past stuck_after_s: a sweep takes over
+            stalled.append(True)
+            ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+            swept.extend(o.detail for o in ingest.sweep() if o.action == "started")
+        return create(argument)
+
+    monkeypatch.setattr(ingest.orchestrator, "start", slow_create)
+    slow = ingest.start(sealed.run)
+    run = ingest.ledger.get_run(sealed.run.run_id)
+    assert run is not None and len(swept) == 1
+    assert (slow.action, slow.detail, run.execution) == ("started", swept[0], swept[0])
+    made = {e["name"]: json.loads(e["argument"]) for e in held_executions.list()}
+    mine = {name: a["claim"] for name, a in made.items() if a["run_id"] == run.run_id}
+    assert len(mine) == 2 and len(set(mine.values())) == 2  # each starter made one, under its own claim
+    steps = Steps(ingest.settings, ingest.ledger, objects)
+    begun = {name: steps.begin(run.run_id, claim, name.rsplit("/", 1)[-1]) for name, claim in mine.items()}
+    assert {name for name, b in begun.items() if b.plan is not None} == {run.execution}
+    (refused,) = (b for b in begun.values() if b.plan is None)
+    assert refused.reason == f"run {run.run_id} is another execution's (its start claim is not this one's)"
 
 
 def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
@@ -460,7 +496,8 @@ def test_a_run_over_the_cost_cap_is_refused_and_its_training_deadline_follows_th
     ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=50.0)
     retried = ingest.retry(refused.run_id)
     assert retried.action == "started"
-    argument = json.loads(ingest.orchestrator.get(retried.detail)["argument"])
+    argument = ingest.ledger.plan_of(retried.run_id)
+    assert argument is not None
     assert (argument["train_timeout_s"], argument["train_deadline_reason"]) == (
         1134,
         "the per-run cost cap of $50.00",
@@ -612,13 +649,14 @@ def test_the_sweeper_leaves_a_pending_run_to_the_sealer_still_joining_a_batch_in
 
 
 def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for(ingest: Ingest) -> None:
-    """Ingest.start writes the manifest, then starts the execution with its generation
+    """Ingest.start writes the manifest, then keeps the plan with its generation
     (WorkflowArgument.manifest_generation), which the workflow hands the tokenize job as ``#GENERATION``."""
     arrive(ingest, "pinned", "1.txt")
     (started,) = ingest.seal_pending("pinned", "manual")
     run = ingest.ledger.get_run(started.run_id)
     assert run is not None and run.execution
-    argument = json.loads(ingest.orchestrator.get(run.execution)["argument"])
+    argument = ingest.ledger.plan_of(run.run_id)
+    assert argument is not None
     manifest = f"{ingest.settings.artifacts_uri}/{argument['manifest_object']}"
     assert argument["manifest_generation"] == objects.stat(manifest).generation
     assert run.manifest_generation == argument["manifest_generation"]  # what audit and report read

@@ -64,6 +64,7 @@ from retrain.domain.runs import (
     Pending,
     Run,
     RunStatus,
+    execution_id,
     iso,
     new_run_id,
     now_iso,
@@ -762,9 +763,10 @@ class FirestoreLedger:
             tx.set(dataset_ref, {"active_run": run.run_id, "active_since": now_iso()}, merge=True)
             if pending.exists and pending.get("run_id") == run.run_id:
                 tx.delete(slot)  # later seals make the next pending run
-            tx.update(run_ref, {"start_claimed_at": iso(now)})
+            tx.update(run_ref, {"start_claimed_at": iso(now), "start_claim": token})
             return "claimed"
 
+        token = uuid.uuid4().hex
         verdict = self._contended(take)
         if verdict != "claimed":
             return StartClaim(StartVerdict(verdict), ())
@@ -774,7 +776,25 @@ class FirestoreLedger:
             return StartClaim(StartVerdict.EMPTY, ())
         snap = snapshot_id(self._run_hashes(run))
         self.update_run(run.run_id, {"objects": len(objects), "snapshot": snap})
-        return StartClaim(StartVerdict.CLAIMED, objects, snap)
+        return StartClaim(StartVerdict.CLAIMED, objects, snap, token)
+
+    def keep_plan(self, run_id: str, claim: str, plan: Mapping[str, Any], fields: Mapping[str, Any]) -> bool:
+        run_ref = self.db.collection("runs").document(run_id)
+
+        @firestore.transactional
+        def keep(tx: firestore.Transaction) -> bool:
+            current = run_ref.get(transaction=tx).to_dict() or {}
+            if current.get("start_claim") != claim or current.get("execution"):
+                return False
+            tx.update(run_ref, {**fields, "plan": dict(plan), "updated_at": now_iso()})
+            return True
+
+        return bool(self._contended(keep))
+
+    def plan_of(self, run_id: str) -> dict[str, Any] | None:
+        snap = self.db.collection("runs").document(run_id).get(field_paths=["plan"])
+        plan = (snap.to_dict() or {}).get("plan") if snap.exists else None
+        return dict(plan) if isinstance(plan, dict) else None
 
     def runs_in(self, *statuses: RunStatus) -> list[Run]:
         """Runs in the given states, oldest first."""
@@ -807,8 +827,21 @@ class FirestoreLedger:
             found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
         return sorted(found, key=lambda r: r.created_at)
 
-    def attach_execution(self, run_id: str, execution: str) -> None:
-        self.update_run(run_id, {"execution": execution})
+    def attach_execution(self, run_id: str, claim: str, execution: str) -> bool:
+        run_ref = self.db.collection("runs").document(run_id)
+
+        @firestore.transactional
+        def attach(tx: firestore.Transaction) -> bool:
+            current = run_ref.get(transaction=tx).to_dict() or {}
+            if current.get("start_claim") != claim:
+                return False
+            bound = current.get("execution")
+            if bound:
+                return bool(execution_id(bound) == execution_id(execution))
+            tx.update(run_ref, {"execution": execution, "updated_at": now_iso()})
+            return True
+
+        return bool(self._contended(attach))
 
     def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None:
         self.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})

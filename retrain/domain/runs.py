@@ -83,6 +83,13 @@ def iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def execution_id(name: str) -> str:
+    """An execution's id from its resource name (``projects/P/locations/L/workflows/W/executions/ID``):
+    the API may name the project by number where the caller used its id, so two names of one execution
+    compare by this."""
+    return name.rsplit("/", 1)[-1]
+
+
 def parse_iso(text: str | None) -> datetime | None:
     """An RFC 3339 timestamp of the record (``iso``'s, or the workflow's ``time.format``, whose fraction
     may have nine digits) as an aware datetime; None for None, empty or unreadable text."""
