@@ -25,6 +25,7 @@ PARAMS = {
     "tokenizer_json": "--tokenizer-json",
     "json_keys": "--json-keys",
     "max_document_bytes": "--max-document-bytes",
+    "hold_out_objects": "--hold-out-objects",
 }
 
 

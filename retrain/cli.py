@@ -132,6 +132,7 @@ def format_run(run: Run) -> str:
         ("nodes at end", run.nodes_at_end),
         ("checkpoint", run.checkpoint),
         ("eval", _eval_line(run.eval)),
+        ("validated on", run.eval_set),
         (
             "lineage",
             f"its data is not in the lineage: `retrain run --retry {run.run_id}` trains it on the champion"

@@ -134,6 +134,15 @@ class Settings:
     Megatron dataset (``retrain tokenize ... --output-prefix``, the runs' tokenizer) that validates
     every run of that dataset instead of the validation split of its blend, so that every checkpoint,
     the champion's too, is judged on the same documents."""
+    hold_out_fraction: float = 0.05
+    """A dataset without an eval set gets one, carved from its run's data and never trained on: this
+    fraction of the run's objects (at least one, at most ``hold_out_max_objects``; none from a run of
+    fewer than four objects), chosen by content.  That run and every later one of the dataset validate on
+    it once a checkpoint validated on it is the champion (:func:`retrain.plan.hold_out_objects`).  0:
+    never carve (runs validate on their blend's split, which a dataset of few large documents leaves
+    empty)."""
+    hold_out_max_objects: int = 100
+    """The most objects a carved eval set holds."""
     max_run_cost_usd: float = 0.0
     """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for
     capacity; a run may train only until the cap's node time, less each node's start-up and release,
@@ -264,6 +273,11 @@ class Settings:
             raise ValueError(
                 f"RETRAIN_ALERT_BUDGET_FRACTION: {self.alert_budget_fraction} is not in (0, 1], or "
                 f"RETRAIN_ALERT_COST_FACTOR: {self.alert_cost_factor} is below 1"
+            )
+        if not 0 <= self.hold_out_fraction < 1 or self.hold_out_max_objects < 1:
+            raise ValueError(
+                f"RETRAIN_HOLD_OUT_FRACTION: {self.hold_out_fraction} is not in [0, 1), or "
+                f"RETRAIN_HOLD_OUT_MAX_OBJECTS: {self.hold_out_max_objects} is below 1"
             )
 
     @property

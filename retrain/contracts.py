@@ -200,6 +200,9 @@ class WorkflowArgument:
     """Subnetwork (self link) of the Dataflow workers; they get private IPs only."""
     dataflow_temp_location: str
     """``gs://`` folder for Dataflow's temporary files."""
+    hold_out_objects: int
+    """How many of the run's objects the tokenize job holds out of the blend as the dataset's eval set
+    (:func:`retrain.plan.hold_out_objects`; 0 when the dataset has one): the report's ``held_out``."""
     training: dict[str, Any]
     """The :class:`retrain.trainers.TrainingPlan` (its blend empty): the workflow hands it back with
     the tokenize report to the ``handover`` step (:class:`StepRequest`), which renders the JobSet."""
@@ -339,6 +342,11 @@ class TokenizeReport:
     data_prefix_blend: list[Any]
     """Megatron's blend over the packs: ``[weight, prefix, weight, prefix, ...]``, weights proportional to
     tokens."""
+    held_out: dict[str, Any] | None
+    """The dataset's new eval set, carved from this run's objects (``--hold-out-objects``) and not in the
+    blend: ``data_prefix`` (a pack of their shards under the shard root; one shard: that shard),
+    ``tokens`` and ``shards``.  None when nothing was held out; each held-out object's entry in
+    ``shards_uri`` says ``held_out``."""
     quarantine_reasons: dict[str, int]
     """Quarantined records by reason, over every shard (the records are in each shard's
     ``_quarantine.jsonl``)."""

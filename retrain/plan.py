@@ -68,10 +68,12 @@ def training_plan(
     settings: Settings, run_id: str, champion: Champion | None, dataset: str | None = None
 ) -> TrainingPlan:
     """The run's training, continuing from the dataset's champion and validated on the dataset's eval
-    set if it has one (no data yet); PlanError for a malformed eval set or profile setting, or for a
-    profile other than the one that wrote the champion (its checkpoint is that trainer's format)."""
+    set if it has one (``eval_sets``, else the one the champion was validated on; no data yet);
+    PlanError for a malformed eval set or profile setting, or for a profile other than the one that
+    wrote the champion (its checkpoint is that trainer's format)."""
     try:
         eval_set = settings.eval_set_of.get(dataset) if dataset else None
+        eval_set = eval_set or (champion.eval_set if champion else None)
         trainer = profile(settings.profile_of(dataset) if dataset else settings.profile).name
     except ValueError as e:
         raise PlanError(str(e)) from None
@@ -264,6 +266,19 @@ def tokenize_deadline_s(settings: Settings, batch_bytes: int, batch_objects: int
     )
 
 
+#: A run of fewer objects holds none out: a quarter or more of its data would never train.
+HOLD_OUT_MIN_OBJECTS = 4
+
+
+def hold_out_objects(settings: Settings, plan: TrainingPlan, objects: int) -> int:
+    """How many of a run's ``objects`` its tokenize job holds out as the dataset's eval set: none when
+    the run has one already; else ``hold_out_fraction`` of them, at least one, at most
+    ``hold_out_max_objects`` (:attr:`Settings.hold_out_fraction` says why)."""
+    if plan.eval_set or settings.hold_out_fraction <= 0 or objects < HOLD_OUT_MIN_OBJECTS:
+        return 0
+    return min(settings.hold_out_max_objects, max(1, int(objects * settings.hold_out_fraction)))
+
+
 def workflow_argument(
     settings: Settings, run: Run, champion: Champion | None, batch_bytes: int = 0
 ) -> WorkflowArgument:
@@ -303,6 +318,7 @@ def workflow_argument(
         dataflow_service_account=settings.dataflow_service_account,
         dataflow_subnetwork=settings.dataflow_subnetwork,
         dataflow_temp_location=settings.temp_location,
+        hold_out_objects=hold_out_objects(settings, plan, run.objects),
         training=plan.to_dict(),
         jobset_name=jobset_name(run.run_id),
         podtemplate=podtemplate,

@@ -137,12 +137,22 @@ def _check_base(store: ObjectStore, champion: Champion | None, plan: TrainingPla
         )
 
 
-def _within_shards(root: str, report_uri: str, plan: TrainingPlan) -> None:
+def with_held_out(plan: TrainingPlan, report: dict[str, Any]) -> TrainingPlan:
+    """``plan`` validated on the eval set its tokenize job carved (the report's ``held_out``) when it had
+    none: handover renders the trainer's command with it, and results judges (and records on the
+    champion) on it, so every later run of the dataset validates on the same documents."""
+    held = report.get("held_out")
+    if plan.eval_set or not isinstance(held, dict) or not isinstance(held.get("data_prefix"), str):
+        return plan
+    return dataclasses.replace(plan, eval_set=held["data_prefix"])
+
+
+def _within_shards(root: str, report_uri: str, plan: TrainingPlan, held_out: str | None = None) -> None:
     """Every data and tokenizer path the report names lies under the shard root: the report is written
     where a run's trainer may write too, and must not make a run read (or hand its tokenizer) any other
     object of the bucket."""
     tokenizer = plan.tokenizer
-    named = [p for p in plan.blend if isinstance(p, str)]
+    named = [p for p in plan.blend if isinstance(p, str)] + ([held_out] if held_out is not None else [])
     if tokenizer is not None:
         named += [f for f in (tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_json) if f]
     outside = [p for p in named if not p.startswith(root + "/") or ".." in p.split("/")]
@@ -246,17 +256,25 @@ class Steps:
             return Begun(None, f"run {run_id} has no plan in the ledger")
         return Begun(plan, "")
 
-    def handover(self, plan: TrainingPlan, callback_url: str) -> Handover:
+    def _report(self, plan: TrainingPlan) -> dict[str, Any]:
+        """The run's tokenize report; PlanError when it cannot be read or lacks a field."""
         uri = tokenize_report_uri(plan.output_dir)
         try:
             body = json.loads(self.store.read_bytes(uri))
         except (FileNotFoundError, ValueError) as e:
             raise PlanError(f"cannot read the tokenize report {uri}: {e}") from None
-        missing = field_names(TokenizeReport) - set(body)
+        missing = field_names(TokenizeReport) - set(body if isinstance(body, dict) else ())
         if missing:
             raise PlanError(f"the tokenize report {uri} lacks {sorted(missing)}")
+        return dict(body)
+
+    def handover(self, plan: TrainingPlan, callback_url: str) -> Handover:
+        uri = tokenize_report_uri(plan.output_dir)
+        body = self._report(plan)
         plan = plan.with_data(list(body["data_prefix_blend"]), TokenizerFiles.parse(body["tokenizer"]))
-        _within_shards(shard_root(self.settings), uri, plan)
+        carved = with_held_out(plan, body)
+        _within_shards(shard_root(self.settings), uri, plan, carved.eval_set if carved != plan else None)
+        plan = carved
         run = self.ledger.get_run(plan.run_id)
         if run is None:
             raise PlanError(f"no run {plan.run_id} in the ledger")
@@ -269,6 +287,7 @@ class Steps:
                 "image": self.settings.image_of(plan.profile),
                 "command": command.argv,
                 "blend": list(plan.blend),
+                "eval_set": plan.eval_set,
             },
         )
         return Handover(jobset, command.argv)
@@ -344,6 +363,10 @@ class Steps:
         if reason:
             fields["reason"] = reason
         run = self.ledger.get_run(plan.run_id)
+        if run is not None and run.eval_set and not plan.eval_set:
+            # its tokenize job carved the dataset's eval set (handover recorded it; the report lies where
+            # trainers write, the record does not): it validated on it, and is judged on it
+            plan = dataclasses.replace(plan, eval_set=run.eval_set)
         champion = self.ledger.champion(run.dataset) if checkpoint and run else None
         retried = champion is not None and champion.run_id == plan.run_id  # promoted the first time
         val_loss = metrics.val_loss if metrics else None

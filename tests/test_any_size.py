@@ -71,7 +71,13 @@ def test_two_thousand_small_objects_train_in_one_run(stack: LocalStack, tmp_path
     assert max(len(a.encode()) for a in run.command) < MAX_ARG_STRLEN // 10
     report_uri = f"{stack.settings.artifacts_uri}/runs/{run.run_id}/tokenize_report.json"
     report = json.loads(objects.read_bytes(report_uri))
-    assert sum(p["shards"] for p in report["packs"]) == OBJECTS
+    # every shard trains in exactly one pack, but the dataset's eval set: its first run carves one
+    held = report["held_out"]
+    assert held["shards"] == min(
+        stack.settings.hold_out_max_objects, int(OBJECTS * stack.settings.hold_out_fraction)
+    )
+    assert sum(p["shards"] for p in report["packs"]) + held["shards"] == OBJECTS
+    assert run.eval_set == held["data_prefix"] and run.eval_set not in run.blend
     assert len(objects.read_bytes(report_uri)) < 64 * 1024  # the workflow reads it into a variable
     # every variable of its execution together stayed far under Workflows' 512 KB
     assert run.execution is not None

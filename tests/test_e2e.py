@@ -30,12 +30,21 @@ def _needs_everything() -> None:
             pytest.skip(reason)
 
 
+BOOKS = (
+    "the-devil-s-dictionary_972.txt",
+    "the-complete-angler-1653_9198.txt",
+    "katrine-a-novel_14263.txt",
+    "jack-sheppard-a-romance_16215.txt",
+)
+
+
 def small_corpus(into: Path) -> Path:
-    """Two books, cut to ~60 KB each: enough for real tokens and training, quick on two cores."""
+    """Four books, cut to ~30 KB each: enough for real tokens and training, quick on two cores, and
+    enough objects for the dataset's first run to carve its eval set (one book)."""
     into.mkdir()
-    for name in ("the-devil-s-dictionary_972.txt", "the-complete-angler-1653_9198.txt"):
+    for name in BOOKS:
         text = (CORPUS / name).read_text(encoding="utf-8")
-        (into / name).write_text(text[20_000:80_000], encoding="utf-8")
+        (into / name).write_text(text[20_000:50_000], encoding="utf-8")
     return into
 
 
@@ -62,7 +71,7 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     assert demo.returncode == 0, demo.stderr[-4000:]
     run = json.loads(demo.stdout)
     assert run["status"] == "succeeded", run
-    assert run["tokens"] > 10_000 and run["documents"] == 2 and run["objects"] == 2
+    assert run["tokens"] > 10_000 and run["documents"] == 4 and run["objects"] == 4
     assert run["nodes_at_end"] == 0 and run["gpu_node_seconds"] > 0
     # the nodes stayed up after training until the autoscaler's scale-down delay (600 s / 60 locally)
     assert 10 <= run["idle_node_seconds"] < run["gpu_node_seconds"], run
@@ -70,24 +79,32 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     # the exact NeMo command that deploys, its data on the command line (no @file), in the stand-in image
     command = run["command"]
     assert command[:2] == ["bash", "-c"] and "megatron_gpt_pretraining.py" in command[2]
-    (data,) = [a for a in command if a.startswith("model.data.data_prefix=[")]
-    # the two objects' shards, packed into one dataset (retrain.tokenize.packs)
-    assert "@" not in data and data.count("/gcs/") == 1 and "trainer.devices=8" in command
+    (data,) = [a for a in command if a.startswith("model.data.data_prefix={")]
+    # three objects' shards, packed into one dataset (retrain.tokenize.packs), train; the fourth, held
+    # out (chosen by its content) as the dataset's eval set, validates: NeMo's {train, validation, test}
+    assert "@" not in data and "trainer.devices=8" in command
     assert run["blend"][0] == 1.0 and "/shards/pack-" in run["blend"][1]
-    assert run["blend"][1].replace("gs://", "/gcs/") in data
+    eval_set = run["eval_set"].replace("gs://", "/gcs/")
+    assert "/shards/txt-" in eval_set and eval_set.endswith("/data_text_document")
+    train = run["blend"][1].replace("gs://", "/gcs/")
+    assert (
+        data
+        == f"model.data.data_prefix={{train:[1.0,{train}],validation:[1.0,{eval_set}],test:[1.0,{eval_set}]}}"
+    )
     assert run["image"] == "retrain.local/nemo-24.12-standin" and run["profile"] == "nemo-24.12"
     assert run["base_checkpoint"] is None and run["base_step"] == 0  # the dataset's first run
     assert run["metrics"]["steps"] == 10 and run["metrics"]["final_loss"] > 0, run
-    # the eval gate: a dataset's first checkpoint is promoted with nothing to compare it with (two books
-    # are two documents, and Megatron's 900/50/50 split of two documents leaves validation none)
+    # the eval gate: a dataset's first checkpoint is promoted with nothing to compare it with, its
+    # validation loss measured on the held-out book (the champion's, which the next run is judged against)
     assert run["eval"] == {
-        "val_loss": None,
+        "val_loss": run["metrics"]["val_loss"],
         "champion_val_loss": None,
         "champion_run": None,
         "compared_on": None,
         "promoted": True,
-        "reason": "the dataset's first checkpoint (no validation ran)",
+        "reason": "the dataset's first checkpoint",
     }, run["eval"]
+    assert run["metrics"]["val_loss"] > 0, run["metrics"]
     for needle in ("tokenizing", "provisioning", "training", "succeeded"):
         assert needle in demo.stderr  # progress was shown
     # and the run's whole life as a subscriber of the run events topic received it, in order, each once

@@ -24,6 +24,7 @@ from retrain.domain.runs import Champion, Run
 from retrain.plan import run_root, tokenize_report_uri, training_plan
 from retrain.steps import Steps, checkpoint_fingerprint
 from retrain.tensorboard import EventWriter
+from retrain.trainers import TrainingPlan
 
 pytestmark = pytest.mark.emulators
 
@@ -87,6 +88,7 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
             "vocab_file": f"gs://{art}/shards/_tokenizer/f/vocab.json",
             "merge_file": f"gs://{art}/shards/_tokenizer/f/merges.txt",
         },
+        "held_out": None,
         **override,
     }
     objects.write_bytes(f"{plan['output_dir']}/tokenize_report.json", json.dumps(report).encode())
@@ -671,3 +673,43 @@ def test_begin_hands_the_ledgers_plan_to_the_claims_execution_alone(steps: Steps
 def test_a_malformed_begin_is_refused_with_the_reason(body: dict[str, Any], refusal: str) -> None:
     with pytest.raises(Rejected, match=refusal.replace("(", r"\(").replace(")", r"\)")):
         StepRequest.parse(body)
+
+
+def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, tmp_path: Path) -> None:
+    """A dataset without an eval set: its run's tokenize job holds objects out (the report's held_out).
+    Handover validates the run on them and records it; results judges on them and records them on the
+    champion; the dataset's next run validates there too and carves nothing."""
+    from retrain.plan import hold_out_objects
+
+    plan = new_run(steps, "carved")
+    assert hold_out_objects(steps.settings, TrainingPlan.parse(plan), 40) == 2  # 5% of 40
+    art = steps.settings.artifacts_bucket
+    carved = f"gs://{art}/shards/pack-ee/data_text_document"
+    write_report(plan, held_out={"data_prefix": carved, "tokens": 5, "shards": 2})
+    answer = steps.handle(request(StepName.HANDOVER, plan))
+    (data,) = [a for a in answer["command"] if a.startswith("model.data.data_prefix=")]
+    held = f"[1.0,/gcs/{art}/shards/pack-ee/data_text_document]"
+    assert data.endswith(f",validation:{held},test:{held}}}") and "pack-ee" not in data.split("validation")[0]
+    record = steps.ledger.get_run(plan["run_id"])
+    assert record is not None and record.eval_set == carved
+
+    upload_outputs(plan, tmp_path, events=True, val_loss=3.1)
+    assert steps.handle(request(StepName.RESULTS, plan))["promoted"] is True  # its plan still has none
+    champion = steps.ledger.champion("carved")
+    assert champion is not None and champion.eval_set == carved
+    nxt = training_plan(steps.settings, "carved-next", champion, "carved")
+    assert nxt.eval_set == carved and hold_out_objects(steps.settings, nxt, 40) == 0
+
+
+def test_a_held_out_set_outside_the_shard_root_is_refused(steps: Steps) -> None:
+    plan = new_run(steps)
+    write_report(
+        plan,
+        held_out={
+            "data_prefix": f"gs://{steps.settings.artifacts_bucket}/runs/x/data",
+            "tokens": 1,
+            "shards": 1,
+        },
+    )
+    with pytest.raises(Rejected, match="names data outside"):
+        steps.handle(request(StepName.HANDOVER, plan))

@@ -69,6 +69,8 @@ locals {
     RETRAIN_MONTHLY_BUDGETS            = join(",", [for dataset, usd in var.monthly_budgets : "${dataset}=${usd}"])
     RETRAIN_PROMOTION_MARGIN           = tostring(var.promotion_margin)
     RETRAIN_EVAL_SETS                  = join(",", [for dataset, prefix in var.eval_sets : "${dataset}=${prefix}"])
+    RETRAIN_HOLD_OUT_FRACTION          = tostring(var.hold_out_fraction)
+    RETRAIN_HOLD_OUT_MAX_OBJECTS       = tostring(var.hold_out_max_objects)
     RETRAIN_NODE_TOKENS_PER_S          = tostring(var.node_tokens_per_s)
     RETRAIN_NODE_OVERHEAD_S            = tostring(var.node_overhead_s)
     RETRAIN_TOKENS_PER_BYTE            = tostring(var.tokens_per_byte)

@@ -462,6 +462,26 @@ variable "eval_sets" {
   default     = {}
 }
 
+variable "hold_out_fraction" {
+  type        = number
+  description = "A dataset without an eval set gets one carved from its run's data, never trained on (RETRAIN_HOLD_OUT_FRACTION): this fraction of the run's objects, at least one; 0: never carve."
+  default     = 0.05
+  validation {
+    condition     = var.hold_out_fraction >= 0 && var.hold_out_fraction < 1
+    error_message = "hold_out_fraction is a fraction of a run's objects: 0 (never carve) up to, not including, 1."
+  }
+}
+
+variable "hold_out_max_objects" {
+  type        = number
+  description = "The most objects a carved eval set holds (RETRAIN_HOLD_OUT_MAX_OBJECTS)."
+  default     = 100
+  validation {
+    condition     = var.hold_out_max_objects >= 1 && floor(var.hold_out_max_objects) == var.hold_out_max_objects
+    error_message = "hold_out_max_objects is a count: 1 or more."
+  }
+}
+
 variable "node_tokens_per_s" {
   type        = number
   description = "Training tokens per second of one node, for estimates until a dataset's run measured its own (RETRAIN_NODE_TOKENS_PER_S)."

@@ -356,6 +356,10 @@ class Run:
     """The trainer's argv as submitted (container command and arguments)."""
     blend: list[Any] | None = None
     """The exact blend trained on: ``[weight, gs://prefix, ...]``."""
+    eval_set: str | None = None
+    """The ``gs://`` Megatron prefix the run validated on: the dataset's (configured, or the one its
+    champion was validated on), or the one its tokenize job carved from its objects (never trained on);
+    null: its blend's validation split."""
     base_checkpoint: str | None = None
     """The checkpoint it continued from (null: the dataset's first run)."""
     base_step: int = 0

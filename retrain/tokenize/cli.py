@@ -5,7 +5,8 @@
         [--json-keys text ...] [--append-eod | --no-append-eod] [--runner FnApiRunner|DataflowRunner]
         [--workers N] [--max-document-bytes B] [--keep-empty] [beam pipeline options...]
     retrain tokenize OBJECT... --shard-root ROOT [--report URI] [same options]
-    retrain tokenize --manifest URI --shard-root ROOT [--report URI]   (the workflow's launch)
+    retrain tokenize --manifest URI --shard-root ROOT [--report URI] [--hold-out-objects N]
+        (the workflow's launch)
 
 Progress goes to stderr, the report JSON to stdout.  Unknown ``--options`` are Beam pipeline options
 (``--project``, ``--region``, ``--temp_location`` ... for Dataflow).  ``--append-eod`` is on unless
@@ -54,6 +55,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-packs", type=int, default=packs.MAX_PACKS, help="incremental: the most packs a blend holds"
     )
+    p.add_argument(
+        "--hold-out-objects",
+        type=int,
+        default=0,
+        help="incremental: hold this many objects' shards out of the blend, as the report's held_out "
+        "dataset (chosen by content; one object always trains)",
+    )
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-json")
@@ -98,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--report goes with --shard-root")
     if args.manifest and not args.shard_root:
         parser().error("--manifest goes with --shard-root")
+    if args.hold_out_objects < 0 or (args.hold_out_objects and not args.shard_root):
+        parser().error("--hold-out-objects is a count (0 or more) and goes with --shard-root")
     pinned = read_manifest(args.manifest) if args.manifest else []
     if not args.inputs and not pinned:
         parser().error("no inputs: give INPUT... or --manifest")
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 report_uri=args.report,
                 pack_bytes=args.pack_bytes,
                 max_packs=args.max_packs,
+                hold_out_objects=args.hold_out_objects,
                 **common,
             )
         else:

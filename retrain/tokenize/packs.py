@@ -95,6 +95,16 @@ def plan_packs(
     return packs
 
 
+def hold_out(members: Sequence[Member], count: int) -> tuple[list[Member], list[Member]]:
+    """(the members to train on, the ``count`` held out): those whose prefix hashes lowest, so that the
+    choice depends on the content alone, never on names or order; one member always trains."""
+    unique = sorted({m.data_prefix: m for m in members if m.tokens > 0}.values(), key=lambda m: m.data_prefix)
+    count = max(0, min(count, len(unique) - 1))
+    ranked = sorted(unique, key=lambda m: hashlib.sha256(m.data_prefix.encode()).hexdigest())
+    held = {m.data_prefix for m in ranked[:count]}
+    return [m for m in unique if m.data_prefix not in held], [m for m in unique if m.data_prefix in held]
+
+
 def write_pack(pack: Pack) -> bool:
     """Write the pack's .bin and .idx, then its report; False when it was complete already (reused).
 

@@ -541,10 +541,11 @@ def incremental_report(
     tokenizer: dict[str, str],
     quarantined_objects: list[dict[str, Any]] | None = None,
     packed: Sequence[tuple[packs.Pack, bool]] = (),
+    held_out: packs.Pack | None = None,
 ) -> dict[str, Any]:
     """The aggregate: totals over every object's shard (each distinct shard once), the shards, the packs
-    and their blend, and the objects quarantined whole (unreadable, changed since they arrived, over a size
-    limit).  ``packed``: each pack of the run, and whether this job wrote it."""
+    and their blend, the held-out dataset, and the objects quarantined whole (unreadable, changed since
+    they arrived, over a size limit).  ``packed``: each pack of the run, and whether this job wrote it."""
     totals = dict.fromkeys(("documents", "tokens", "quarantined", "input_records", "bytes"), 0)
     new = dict(totals)
     for prefix, r in reports.items():
@@ -569,11 +570,16 @@ def incremental_report(
             for p, written in packed
         ],
         "data_prefix_blend": packs.blend([p for p, _ in packed]),
+        "held_out": None if held_out is None else _held_out_entry(held_out),
         "tokenizer": tokenizer,
         "quarantine_reasons": dict(sorted(reasons.items())),
         "quarantined_objects": (quarantined_objects or [])[:QUARANTINED_LISTED],
         "quarantined_object_count": len(quarantined_objects or []),
     }
+
+
+def _held_out_entry(pack: packs.Pack) -> dict[str, Any]:
+    return {"data_prefix": pack.data_prefix, "tokens": pack.tokens, "shards": len(pack.members)}
 
 
 @dataclass(frozen=True)
@@ -688,6 +694,7 @@ def tokenize_incremental(
     wait: bool = True,
     pack_bytes: int = packs.PACK_BYTES,
     max_packs: int = packs.MAX_PACKS,
+    hold_out_objects: int = 0,
 ) -> dict[str, Any]:
     """Tokenize each object once into its own shard ``shard_root/<format>-<sha256 of its bytes>/data``.
 
@@ -698,6 +705,9 @@ def tokenize_incremental(
     ``max_decompressed_bytes``) is quarantined whole, with its reason, and the others go on.  A shard made
     with other tokenizer settings is an error (use another shard_root), never reused.  The trainer reads
     the shards through at most ``max_packs`` packs (:mod:`retrain.tokenize.packs`), the report's blend.
+    ``hold_out_objects`` objects' shards (chosen by content: :func:`packs.hold_out`) are not in the blend:
+    they make one more dataset, the report's ``held_out``, which validates this run and the dataset's
+    later ones (never trained on).
     """
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
@@ -770,16 +780,24 @@ def tokenize_incremental(
             )
             for e, (_, _, _, p, _) in zip(entries, plan, strict=True)
         ]
-        run_packs = packs.plan_packs(members, shard_root, key, pack_bytes=pack_bytes, max_packs=max_packs)
-        written = packs.write_packs(run_packs)
+        trained, held = packs.hold_out(members, hold_out_objects)
+        run_packs = packs.plan_packs(trained, shard_root, key, pack_bytes=pack_bytes, max_packs=max_packs)
+        # The held-out shards make one dataset: a pack of them (one shard: that shard), under the shard
+        # root like every pack, so the training pods read it and cannot write it.
+        eval_packs = packs.plan_packs(held, shard_root, key, pack_bytes=1 << 62, max_packs=1)
+        written = packs.write_packs([*run_packs, *eval_packs])
         log.info("%d shard(s) in %d pack(s), %d written now", len(members), len(run_packs), sum(written))
+        held_prefixes = {m.data_prefix for m in held}
+        for e in entries:
+            e["held_out"] = e["data_prefix"] in held_prefixes
         agg = incremental_report(
             entries,
             all_reports,
             time.time() - started,
             tokenizer_files,
             quarantined_objects,
-            list(zip(run_packs, written, strict=True)),
+            list(zip(run_packs, written, strict=False)),
+            eval_packs[0] if eval_packs else None,
         )
         if report_uri:
             # The report stays small whatever the run's size (the workflow reads it into a variable): each

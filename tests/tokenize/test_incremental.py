@@ -151,3 +151,50 @@ def test_old_objects_are_not_read_again_and_a_rewritten_one_is(tmp_path, monkeyp
     report = tokenize_incremental([str(p) for p in paths], root)
     assert hashed == [str(paths[0])] and [s["reused"] for s in report["shards"]] == [False, True, True]
     assert report["shards"][0]["sha256"] == _sha(paths[0])
+
+
+def test_held_out_objects_make_the_eval_set_and_never_the_blend(tmp_path):
+    """``--hold-out-objects N``: N objects' shards, chosen by content (not name, not order), leave the
+    blend and make the report's ``held_out`` dataset; the same contents under other names hold out the
+    same shards; one object always trains."""
+    docs = corpus_documents(max_bytes=60_000)
+    names = [f"o{i}.txt" for i in range(6)]
+    for i, name in enumerate(names):
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / name).write_text(docs[i])
+    root = str(tmp_path / "shards")
+    inputs = [str(tmp_path / "in" / n) for n in names]
+    report = tokenize_incremental(inputs, root, hold_out_objects=2, report_uri=str(tmp_path / "r.json"))
+    held = [s for s in report["shards"] if s["held_out"]]
+    trained = [s for s in report["shards"] if not s["held_out"]]
+    assert len(held) == 2 and len(trained) == 4
+    (pack,) = report["packs"]
+    assert report["data_prefix_blend"] == [1.0, pack["data_prefix"]]
+    assert pack["shards"] == 4 and pack["tokens"] == sum(s["tokens"] for s in trained)
+    eval_set = report["held_out"]
+    assert eval_set["shards"] == 2 and eval_set["tokens"] == sum(s["tokens"] for s in held)
+    assert eval_set["data_prefix"].startswith(root + "/pack-")  # under the shard root, like the packs
+    held_docs = sorted(megatron.read(s["data_prefix"])[0].tolist() for s in held)
+    evaluated = megatron.read(eval_set["data_prefix"])
+    assert sorted(evaluated[i].tolist() for i in range(len(evaluated))) == held_docs
+    assert json.loads((tmp_path / "r.json").read_text())["held_out"] == eval_set
+
+    # the same contents, renamed and listed in reverse: the same shards held out, the same eval set
+    (tmp_path / "again").mkdir()
+    for name in names:
+        (tmp_path / "again" / f"renamed-{name}").write_text((tmp_path / "in" / name).read_text())
+    again = tokenize_incremental(
+        sorted((str(p) for p in (tmp_path / "again").iterdir()), reverse=True), root, hold_out_objects=2
+    )
+    assert again["held_out"] == eval_set
+    # one object: it trains, nothing is held out; none asked: none held out
+    alone = tokenize_incremental(inputs[:1], root, hold_out_objects=3)
+    assert alone["held_out"] is None and len(alone["packs"]) == 1
+    assert tokenize_incremental(inputs, root)["held_out"] is None
+
+
+def test_the_cli_takes_hold_out_objects_only_with_shard_root(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(SystemExit):
+        cli_main([str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "p"), "--hold-out-objects", "1"])
+    assert "--hold-out-objects is a count (0 or more) and goes with --shard-root" in capsys.readouterr().err
