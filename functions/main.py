@@ -20,6 +20,7 @@ import functions_framework.aio
 from cloudevents.http import CloudEvent
 
 from retrain import composition, config, logs
+from retrain.contracts import StepName
 from retrain.domain.errors import Rejected
 from retrain.ingest import Action, Ingest
 from retrain.steps import Steps
@@ -134,14 +135,18 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
 
     Internal-only; the workflow's service account is the only invoker (OIDC).  A plan the trainer would
     refuse answers 400 with the reason, any other failure 500 with what failed; the workflow records it.
+    A failed ``begin`` answers 503, which the workflow's ``http.default_retry`` retries: it is idempotent,
+    and it runs before the workflow's own error handling (nothing is created yet to release).
     """
     if request.method != "POST":
         return {"error": "POST a StepRequest"}, 405
+    body = request.get_json(silent=True)
     try:
-        return steps().handle(request.get_json(silent=True)), 200
+        return steps().handle(body), 200
     except Rejected as e:
         log.warning("step refused: %s", e.reason)
         return {"error": e.reason}, 400
     except Exception as e:  # the workflow records why (a service's refusal names the permission)
         log.exception("step failed")
-        return {"error": f"{type(e).__name__}: {e}"}, 500
+        begin = isinstance(body, dict) and body.get("step") == StepName.BEGIN
+        return {"error": f"{type(e).__name__}: {e}"}, 503 if begin else 500

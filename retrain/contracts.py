@@ -122,7 +122,7 @@ class SchedulerTick:
 # --- Ingest.start -> workflows/retrain.yaml ----------------------------------------------------------
 
 #: An execution's id as Workflows makes it (``GOOGLE_CLOUD_WORKFLOW_EXECUTION_ID``): a UUID.
-EXECUTION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+EXECUTION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -556,7 +556,7 @@ class StepRequest:
             claim, execution = body.get("claim"), body.get("execution")
             if not isinstance(claim, str) or not claim:
                 raise Rejected("begin: claim (a string) is required")
-            if not isinstance(execution, str) or not EXECUTION_ID_RE.match(execution):
+            if not isinstance(execution, str) or not EXECUTION_ID_RE.fullmatch(execution):
                 raise Rejected("begin: execution (the execution's id) is required")
             return cls(step, run_id, claim=claim, execution=execution)
         if not isinstance(training, dict):

@@ -350,24 +350,24 @@ class Ingest:
         run = dataclasses.replace(run, objects=len(claim.objects), snapshot=claim.snapshot)
         manifest = RunManifest(run.run_id, run.dataset, run.batch_id, run.snapshot, list(claim.objects))
         if manifest.total_bytes == 0:
-            return self._nothing_to_train(run, manifest)
+            return self._nothing_to_train(run, claim.token, manifest)
         champion = self.ledger.champion(run.dataset)
         cost = self._price(champion)
         if (too_dear := over_budget(self.settings, cost) or self._budget_refusal(run, cost)) is not None:
-            return self._refuse(run, too_dear)
+            return self._refuse(run, claim.token, too_dear)
         try:
             argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
         except PlanError as e:
-            return self._refuse(run, f"the trainer would refuse this run: {e}")
+            return self._refuse(run, claim.token, f"the trainer would refuse this run: {e}")
         written = self._write_manifest(run, manifest)
         argument = dataclasses.replace(argument, manifest_generation=written)
         # The plan is the ledger's, kept under this claim: the execution's argument names only the run
         # and the claim, and its begin step reads the plan back (ExecutionArgument says why).
-        kept = self.ledger.keep_plan(
+        kept = self.ledger.update_claimed(
             run.run_id,
             claim.token,
-            argument.to_dict(),
             {
+                "plan": argument.to_dict(),
                 "profile": argument.training["profile"],
                 "base_checkpoint": champion.checkpoint if champion else None,
                 "base_step": champion.step if champion else 0,
@@ -380,7 +380,7 @@ class Ingest:
         if not kept:
             return self._superseded(run)
         execution = self.orchestrator.start(ExecutionArgument(run.run_id, claim.token).to_dict())
-        if not self.ledger.attach_execution(run.run_id, claim.token, execution):
+        if self.ledger.attach_execution(run.run_id, claim.token, execution) is None:
             # Its begin step finds the claim is another's and ends it before it touches anything.
             return self._superseded(run, execution)
         log.info("run %s started: %d objects, execution %s", run.run_id, run.objects, execution)
@@ -436,14 +436,15 @@ class Ingest:
         uri = f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}"
         return self.store.write_bytes(uri, manifest.to_json(), "application/json")
 
-    def _nothing_to_train(self, run: Run, manifest: RunManifest) -> Outcome:
+    def _nothing_to_train(self, run: Run, claim: str, manifest: RunManifest) -> Outcome:
         """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds
         now, without a job or capacity (its manifest is written, for its lineage and the audit)."""
         written = self._write_manifest(run, manifest)
         reason = f"nothing to train: its {len(manifest.objects)} object(s) are empty"
         now = now_iso()
-        self.ledger.update_run(
+        ended = self.ledger.update_claimed(
             run.run_id,
+            claim,
             {
                 "status": str(RunStatus.SUCCEEDED),
                 "reason": reason,
@@ -454,6 +455,8 @@ class Ingest:
                 "finished_at": now,
             },
         )
+        if not ended:
+            return self._superseded(run)
         tell(self.events, RunEventType.SUCCEEDED, run, reason=reason, cost_usd=0.0)
         log.info("run %s: %s", run.run_id, reason)
         return Outcome(Action.EMPTY, reason, run.run_id)
@@ -489,11 +492,13 @@ class Ingest:
             log.warning("run %s starts: %s", run.run_id, near, extra=extra)
         return refusal
 
-    def _refuse(self, run: Run, reason: str) -> Outcome:
+    def _refuse(self, run: Run, claim: str, reason: str) -> Outcome:
         """End a run before it asks for any capacity, its content given back (eligible again: dropped
-        again, or ``run --retry`` once whatever refused it is fixed)."""
-        self.ledger.update_run(
+        again, or ``run --retry`` once whatever refused it is fixed); not when a sweep took its start
+        over (the other starter decides)."""
+        ended = self.ledger.update_claimed(
             run.run_id,
+            claim,
             {
                 "status": str(RunStatus.FAILED),
                 "failure": str(FailureKind.REFUSED),
@@ -502,6 +507,8 @@ class Ingest:
                 "finished_at": now_iso(),
             },
         )
+        if not ended:
+            return self._superseded(run)
         tell(self.events, RunEventType.REFUSED, run, reason=reason, failure=str(FailureKind.REFUSED))
         returned = self.ledger.give_back(run)
         log.warning(

@@ -298,16 +298,20 @@ class Ledger(Protocol):
 
     def unobserved_release(self) -> list[Run]: ...
 
-    def keep_plan(self, run_id: str, claim: str, plan: Mapping[str, Any], fields: Mapping[str, Any]) -> bool:
-        """Keep the run's plan (``plan`` on its record) and write ``fields`` to the record, while its start
-        claim is ``claim`` and it has no execution; False (nothing written) otherwise."""
+    def update_claimed(self, run_id: str, claim: str, fields: Mapping[str, Any]) -> bool:
+        """Write ``fields`` to the run's record while its start claim is ``claim``, it is pending and it
+        has no execution; False (nothing written) otherwise: a starter whose claim a sweep took over
+        changes nothing (not its plan, not its end)."""
         ...
 
-    def plan_of(self, run_id: str) -> dict[str, Any] | None: ...
+    def plan_of(self, run_id: str) -> dict[str, Any] | None:
+        """The plan kept on the run's record (None before a start kept one)."""
+        ...
 
-    def attach_execution(self, run_id: str, claim: str, execution: str) -> bool:
-        """Bind ``execution`` to the run if its start claim is ``claim`` and it has no other execution
-        (the same execution id, whatever the name's project form, counts as its own); False otherwise."""
+    def attach_execution(self, run_id: str, claim: str, execution: str) -> dict[str, Any] | None:
+        """Bind ``execution`` to the run if its start claim is ``claim``, it has a plan, and it is pending
+        with no execution (or is bound to this one already and has not ended: the same execution id,
+        whatever the name's project form); the run's plan, or None when not."""
         ...
 
     def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None: ...

@@ -242,19 +242,17 @@ class Steps:
         its start claim is the execution's (the argument is no authority: whoever may create executions
         can name a run, never plan one).  Any other answer ends the execution before it touches anything:
         the run is another execution's, or a sweep took over its start, or it already ended."""
-        run = self.ledger.get_run(run_id)
+        s = self.settings
+        name = f"projects/{s.project}/locations/{s.region}/workflows/{s.workflow}/executions/{execution}"
+        plan = self.ledger.attach_execution(run_id, claim, name)
+        if plan is not None:
+            return Begun(plan, "")
+        run = self.ledger.get_run(run_id)  # why not, for the execution's result and its log
         if run is None:
             return Begun(None, f"no run {run_id} in the ledger")
         if run.status != RunStatus.PENDING:
             return Begun(None, f"run {run_id} is {run.status}, not pending")
-        s = self.settings
-        name = f"projects/{s.project}/locations/{s.region}/workflows/{s.workflow}/executions/{execution}"
-        if not self.ledger.attach_execution(run_id, claim, name):
-            return Begun(None, f"run {run_id} is another execution's (its start claim is not this one's)")
-        plan = self.ledger.plan_of(run_id)
-        if plan is None:  # kept before the execution was made: only a hand-made claim lacks one
-            return Begun(None, f"run {run_id} has no plan in the ledger")
-        return Begun(plan, "")
+        return Begun(None, f"run {run_id} is another execution's (its start claim is not this one's)")
 
     def _report(self, plan: TrainingPlan) -> dict[str, Any]:
         """The run's tokenize report; PlanError when it cannot be read or lacks a field."""
@@ -263,17 +261,41 @@ class Steps:
             body = json.loads(self.store.read_bytes(uri))
         except (FileNotFoundError, ValueError) as e:
             raise PlanError(f"cannot read the tokenize report {uri}: {e}") from None
-        missing = field_names(TokenizeReport) - set(body if isinstance(body, dict) else ())
+        # held_out is newer than the tokenize image a run in flight during a deployment may have used
+        missing = field_names(TokenizeReport) - {"held_out"} - set(body if isinstance(body, dict) else ())
         if missing:
             raise PlanError(f"the tokenize report {uri} lacks {sorted(missing)}")
         return dict(body)
+
+    def _members(self, prefix: str) -> set[str]:
+        """The shards a pack concatenates (its ``_pack.json``, which only the tokenize job writes under the
+        shard root), or the prefix itself for a shard."""
+        try:
+            listed = json.loads(self.store.read_bytes(prefix + "_pack.json")).get("members")
+        except FileNotFoundError:
+            return {prefix}
+        return {str(m) for m in listed} if isinstance(listed, list) else {prefix}
+
+    def _apart_from_blend(self, report_uri: str, plan: TrainingPlan) -> None:
+        """A carved eval set shares no shard with the blend: the report lies where trainers write, and one
+        naming training data as held out would make every later run of the dataset validate on it."""
+        assert plan.eval_set is not None
+        trained = set().union(*(self._members(p) for p in plan.blend if isinstance(p, str)))
+        shared = self._members(plan.eval_set) & trained
+        if shared:
+            raise PlanError(
+                f"the tokenize report {report_uri} holds out data its blend trains on: {sorted(shared)[:3]}"
+            )
 
     def handover(self, plan: TrainingPlan, callback_url: str) -> Handover:
         uri = tokenize_report_uri(plan.output_dir)
         body = self._report(plan)
         plan = plan.with_data(list(body["data_prefix_blend"]), TokenizerFiles.parse(body["tokenizer"]))
         carved = with_held_out(plan, body)
-        _within_shards(shard_root(self.settings), uri, plan, carved.eval_set if carved != plan else None)
+        if carved != plan:
+            _within_shards(shard_root(self.settings), uri, plan, carved.eval_set)
+            self._apart_from_blend(uri, carved)
+        _within_shards(shard_root(self.settings), uri, plan)
         plan = carved
         run = self.ledger.get_run(plan.run_id)
         if run is None:

@@ -161,36 +161,53 @@ def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: Firestor
     assert ledger.claim_start(run, stale_after_s=60).verdict == StartVerdict.STARTING
     second = ledger.claim_start(run, stale_after_s=0)
     assert second.verdict == StartVerdict.CLAIMED and second.token != first.token
+    assert ledger.update_claimed(run.run_id, second.token, {"plan": {"run_id": run.run_id}})
     execution = "projects/p/locations/l/workflows/w/executions/e-1"
-    assert ledger.attach_execution(run.run_id, second.token, execution)
+    assert ledger.attach_execution(run.run_id, second.token, execution) == {"run_id": run.run_id}
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
 
 
 def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: FirestoreLedger) -> None:
     """A start that outlasts ``stuck_after_s`` is taken over by a sweep: the two starters each keep a plan
-    and create an execution, and only the claim's holder may.  The slow one's plan is refused, and so is
-    its execution, whether it binds before or after the other's; the run's execution binds again under
-    another name of itself (the API may name the project by its number)."""
+    and create an execution, and only the claim's holder may.  The slow one's writes are refused, and so
+    is its execution, whether it binds before or after the other's; the run's execution binds again under
+    another name of itself (the API may name the project by its number), and gets the plan."""
     ledger.record_arrival(arrival("z"), "ds", "h-z")
     run = ledger.seal("ds", "t").run
     assert run is not None
     slow = ledger.claim_start(run, stale_after_s=60)
     sweep = ledger.claim_start(run, stale_after_s=0)  # the slow starter seems stuck
-    plan = {"run_id": run.run_id, "by": "sweep"}
-    assert ledger.keep_plan(run.run_id, sweep.token, plan, {"base_step": 7})
-    assert not ledger.keep_plan(run.run_id, slow.token, {**plan, "by": "slow"}, {"base_step": 1})
-    assert ledger.plan_of(run.run_id) == plan
-    assert ledger.get_run(run.run_id).base_step == 7  # type: ignore[union-attr]
-
     parent = "projects/{}/locations/l/workflows/w/executions/"
-    assert not ledger.attach_execution(run.run_id, slow.token, parent.format("p") + "slow")
-    assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "swept")
-    assert ledger.attach_execution(run.run_id, sweep.token, parent.format("123") + "swept")  # itself again
-    assert not ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "another")
-    assert not ledger.attach_execution(run.run_id, slow.token, parent.format("p") + "slow")
-    assert not ledger.keep_plan(run.run_id, sweep.token, {"run_id": run.run_id}, {})  # bound: plan fixed
+    assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "early") is None  # no plan
+    plan = {"run_id": run.run_id, "by": "sweep"}
+    assert ledger.update_claimed(run.run_id, sweep.token, {"plan": plan, "base_step": 7})
+    assert not ledger.update_claimed(run.run_id, slow.token, {"plan": {**plan, "by": "slow"}, "base_step": 1})
+    assert not ledger.update_claimed(run.run_id, slow.token, {"status": "failed"})  # nor end it
+    assert ledger.plan_of(run.run_id) == plan
+    stored = ledger.get_run(run.run_id)
+    assert stored is not None and (stored.base_step, stored.status) == (7, "pending")
+
+    assert ledger.attach_execution(run.run_id, slow.token, parent.format("p") + "slow") is None
+    assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "swept") == plan
+    assert ledger.attach_execution(run.run_id, sweep.token, parent.format("123") + "swept") == plan  # itself
+    assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "another") is None
+    assert ledger.attach_execution(run.run_id, slow.token, parent.format("p") + "slow") is None
+    assert not ledger.update_claimed(run.run_id, sweep.token, {"plan": {}})  # bound: the plan is fixed
     assert ledger.get_run(run.run_id).execution == parent.format("p") + "swept"  # type: ignore[union-attr]
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
+
+
+def test_an_execution_binds_only_to_a_pending_run(ledger: FirestoreLedger) -> None:
+    ledger.record_arrival(arrival("y"), "ds", "h-y")
+    run = ledger.seal("ds", "t").run
+    assert run is not None
+    claim = ledger.claim_start(run, stale_after_s=60)
+    assert ledger.update_claimed(run.run_id, claim.token, {"plan": {"run_id": run.run_id}})
+    ledger.update_run(run.run_id, {"status": "cancelled"})  # e.g. ended by an operator before it began
+    assert (
+        ledger.attach_execution(run.run_id, claim.token, "projects/p/locations/l/workflows/w/executions/e")
+        is None
+    )
 
 
 def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(

@@ -626,7 +626,9 @@ def claimed_run(steps: Steps) -> tuple[str, str]:
     run = ledger.seal(dataset, "manual").run
     assert run is not None
     claim = ledger.claim_start(run, stale_after_s=60)
-    assert ledger.keep_plan(run.run_id, claim.token, {"run_id": run.run_id, "dataset": dataset}, {})
+    assert ledger.update_claimed(
+        run.run_id, claim.token, {"plan": {"run_id": run.run_id, "dataset": dataset}}
+    )
     return run.run_id, claim.token
 
 
@@ -713,3 +715,19 @@ def test_a_held_out_set_outside_the_shard_root_is_refused(steps: Steps) -> None:
     )
     with pytest.raises(Rejected, match="names data outside"):
         steps.handle(request(StepName.HANDOVER, plan))
+
+
+def test_a_held_out_set_that_the_blend_trains_on_is_refused(steps: Steps) -> None:
+    """The report lies where trainers write: one naming a shard of the blend's pack as held out would make
+    every later run validate on training data."""
+    plan = new_run(steps)
+    art = steps.settings.artifacts_bucket
+    pack = f"gs://{art}/shards/pack-ff/data_text_document"
+    member = f"gs://{art}/shards/text-11/data_text_document"
+    objects.write_bytes(pack + "_pack.json", json.dumps({"members": [member, "gs://x/other"]}).encode())
+    for held in (member, pack):
+        write_report(
+            plan, data_prefix_blend=[1.0, pack], held_out={"data_prefix": held, "tokens": 1, "shards": 1}
+        )
+        with pytest.raises(Rejected, match="holds out data its blend trains on"):
+            steps.handle(request(StepName.HANDOVER, plan))

@@ -208,6 +208,34 @@ def test_a_start_that_outlasts_its_claim_leaves_the_run_one_execution(
     assert refused.reason == f"run {run.run_id} is another execution's (its start claim is not this one's)"
 
 
+def test_a_slow_starter_that_would_refuse_the_run_leaves_it_to_the_one_that_took_over(
+    ingest: Ingest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slow starter stalls before pricing; a sweep takes over and starts the run; then the slow one,
+    under a cost cap the run is over, would refuse it: its end is not written, nothing is given back."""
+    arrive(ingest, "capped", "1.txt")
+    sealed = ingest.ledger.seal("capped", "manual")
+    assert sealed.run is not None
+    champion = ingest.ledger.champion
+    stalled: list[str] = []
+
+    def slow_champion(dataset: str) -> object:
+        if not stalled:
+            stalled.append(dataset)
+            ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+            assert [o.action for o in ingest.sweep()] == ["started"]
+            ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=0.01)
+        return champion(dataset)
+
+    monkeypatch.setattr(ingest.ledger, "champion", slow_champion)
+    outcome = ingest.start(sealed.run)
+    run = ingest.ledger.get_run(sealed.run.run_id)
+    assert (
+        run is not None and run.execution and (outcome.action, outcome.detail) == ("started", run.execution)
+    )
+    assert run.status == RunStatus.PENDING and run.failure is None and not run.content_returned
+
+
 def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
     """The scenario of a new user: 8 concurrent droppers of 200 files, each sealing when done, then the
     same 200 files again under new names: every content trains exactly once, in at most two runs."""

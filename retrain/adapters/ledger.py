@@ -778,18 +778,22 @@ class FirestoreLedger:
         self.update_run(run.run_id, {"objects": len(objects), "snapshot": snap})
         return StartClaim(StartVerdict.CLAIMED, objects, snap, token)
 
-    def keep_plan(self, run_id: str, claim: str, plan: Mapping[str, Any], fields: Mapping[str, Any]) -> bool:
+    def update_claimed(self, run_id: str, claim: str, fields: Mapping[str, Any]) -> bool:
         run_ref = self.db.collection("runs").document(run_id)
 
         @firestore.transactional
-        def keep(tx: firestore.Transaction) -> bool:
+        def update(tx: firestore.Transaction) -> bool:
             current = run_ref.get(transaction=tx).to_dict() or {}
-            if current.get("start_claim") != claim or current.get("execution"):
+            if (
+                current.get("start_claim") != claim
+                or current.get("execution")
+                or current.get("status", str(RunStatus.PENDING)) != str(RunStatus.PENDING)
+            ):
                 return False
-            tx.update(run_ref, {**fields, "plan": dict(plan), "updated_at": now_iso()})
+            tx.update(run_ref, {**fields, "updated_at": now_iso()})
             return True
 
-        return bool(self._contended(keep))
+        return bool(self._contended(update))
 
     def plan_of(self, run_id: str) -> dict[str, Any] | None:
         snap = self.db.collection("runs").document(run_id).get(field_paths=["plan"])
@@ -827,21 +831,25 @@ class FirestoreLedger:
             found += [Run.from_dict(d.to_dict() or {}) for d in query.stream()]
         return sorted(found, key=lambda r: r.created_at)
 
-    def attach_execution(self, run_id: str, claim: str, execution: str) -> bool:
+    def attach_execution(self, run_id: str, claim: str, execution: str) -> dict[str, Any] | None:
         run_ref = self.db.collection("runs").document(run_id)
 
         @firestore.transactional
-        def attach(tx: firestore.Transaction) -> bool:
+        def attach(tx: firestore.Transaction) -> dict[str, Any] | None:
             current = run_ref.get(transaction=tx).to_dict() or {}
-            if current.get("start_claim") != claim:
-                return False
-            bound = current.get("execution")
-            if bound:
-                return bool(execution_id(bound) == execution_id(execution))
+            plan = current.get("plan")
+            if current.get("start_claim") != claim or not isinstance(plan, dict):
+                return None
+            bound, status = current.get("execution"), RunStatus(current.get("status", "pending"))
+            if bound:  # its own again (a retried begin, or Ingest after begin): while the run lives
+                same = execution_id(bound) == execution_id(execution)
+                return dict(plan) if same and not status.terminal else None
+            if status != RunStatus.PENDING:
+                return None
             tx.update(run_ref, {"execution": execution, "updated_at": now_iso()})
-            return True
+            return dict(plan)
 
-        return bool(self._contended(attach))
+        return self._contended(attach)
 
     def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None:
         self.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})

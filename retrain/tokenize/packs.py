@@ -95,11 +95,17 @@ def plan_packs(
     return packs
 
 
+HOLD_OUT_SHARE = 4
+"""At most one in this many of a run's shards with tokens is held out, whatever it was asked (objects that
+were empty or set aside do not count): the plan asks from the manifest's count."""
+
+
 def hold_out(members: Sequence[Member], count: int) -> tuple[list[Member], list[Member]]:
     """(the members to train on, the ``count`` held out): those whose prefix hashes lowest, so that the
-    choice depends on the content alone, never on names or order; one member always trains."""
+    choice depends on the content alone, never on names or order; at most one in
+    :data:`HOLD_OUT_SHARE` of the members with tokens."""
     unique = sorted({m.data_prefix: m for m in members if m.tokens > 0}.values(), key=lambda m: m.data_prefix)
-    count = max(0, min(count, len(unique) - 1))
+    count = max(0, min(count, len(unique) // HOLD_OUT_SHARE))
     ranked = sorted(unique, key=lambda m: hashlib.sha256(m.data_prefix.encode()).hexdigest())
     held = {m.data_prefix for m in ranked[:count]}
     return [m for m in unique if m.data_prefix not in held], [m for m in unique if m.data_prefix in held]
