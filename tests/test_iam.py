@@ -181,8 +181,13 @@ def test_storage_calls_are_checked_as_the_json_api_checks_them(
         assert objects.read_bytes(f"{run}/checkpoint.txt") == b"weights"
         # overwriting needs storage.objects.delete too: objectUser on runs/ has it
         objects.write_bytes(f"{run}/checkpoint.txt", b"weights v2")
+        # the shard cache: read (handover reads the packs' member lists), never written
+        list(objects.list_objects(f"gs://{ARTIFACTS}/shards/"))
+        with pytest.raises(Forbidden) as written:
+            objects.write_bytes(f"gs://{ARTIFACTS}/shards/d/x_pack.json", b"{}")
         with pytest.raises(Forbidden) as listing:
-            list(objects.list_objects(f"gs://{ARTIFACTS}/shards/"))
+            list(objects.list_objects(f"gs://{ARTIFACTS}/dataflow/"))
+    assert "storage.objects.create" in str(written.value)
     assert "storage.objects.list" in str(listing.value)
     # overwriting an object needs storage.objects.delete too ("only required if the request causes an
     # object with the same name to be overwritten"): roles/dataflow.worker, on the project, grants

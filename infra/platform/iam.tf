@@ -172,6 +172,16 @@ resource "google_storage_managed_folder_iam_member" "functions_runs" {
   member         = "serviceAccount:${google_service_account.functions.email}"
 }
 
+# The shard cache (shards/): run_step's handover reads the packs' member lists (`_pack.json`, which only
+# the tokenize job writes) to refuse a held-out eval set that shares a shard with the blend. Read only; the
+# functions already read the landing bucket these shards are tokenized from.
+resource "google_storage_managed_folder_iam_member" "functions_shards_viewer" {
+  bucket         = google_storage_managed_folder.shards.bucket
+  managed_folder = google_storage_managed_folder.shards.name
+  role           = "roles/storage.objectViewer"
+  member         = "serviceAccount:${google_service_account.functions.email}"
+}
+
 # A watched table's new rows: the functions' EXPORT DATA jobs write them with the functions' own
 # credentials (storage.objects.create, and .delete: "Export table data to Cloud Storage",
 # cloud.google.com/bigquery/docs/exporting-data), and the functions list what a job wrote and delete

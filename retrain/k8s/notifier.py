@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from retrain.contracts import CompletionState, JobSetCompletion, JobSetRef
 from retrain.k8s.render import CALLBACK_ANNOTATION, RUN_ID_ANNOTATION, RUN_ID_LABEL
 
 log = logging.getLogger(__name__)
@@ -60,28 +61,30 @@ def terminal_state(jobset: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
 
 
 def message_for(jobset: dict[str, Any], state: str, cond: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """The :class:`JobSetCompletion` of ``jobset`` reaching ``state`` (its JSON), and the message's
+    attributes."""
     meta = jobset["metadata"]
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
     status = jobset.get("status") or {}
     run_id = annotations.get(RUN_ID_ANNOTATION) or labels.get(RUN_ID_LABEL, "")
     key = f"{meta['uid']}:{state}"
-    body = {
-        "type": "jobset.terminal",
-        "run_id": run_id,
-        "state": state,
-        "succeeded": state == "Completed",
-        "reason": cond.get("reason", ""),
-        "message": cond.get("message", ""),
-        "start_time": meta.get("creationTimestamp"),
-        "finish_time": cond.get("lastTransitionTime"),
-        "restarts": int(status.get("restarts") or 0),
-        "jobset": {"name": meta["name"], "namespace": meta.get("namespace"), "uid": meta["uid"]},
-        "callback_url": annotations.get(CALLBACK_ANNOTATION),
-        "dedupe_key": key,
-    }
+    completion = JobSetCompletion(
+        type=JobSetCompletion.TYPE,
+        run_id=run_id,
+        state=CompletionState(state),
+        succeeded=state == CompletionState.COMPLETED,
+        reason=cond.get("reason", ""),
+        message=cond.get("message", ""),
+        start_time=meta.get("creationTimestamp"),
+        finish_time=cond.get("lastTransitionTime"),
+        restarts=int(status.get("restarts") or 0),
+        jobset=JobSetRef(meta["name"], str(meta.get("namespace") or ""), meta["uid"]),
+        callback_url=annotations.get(CALLBACK_ANNOTATION),
+        dedupe_key=key,
+    )
     attributes = {"dedupe_key": key, "run_id": run_id, "state": state, "jobset": meta["name"]}
-    return json.dumps(body, sort_keys=True).encode(), attributes
+    return completion.to_json(), attributes
 
 
 class Notifier:

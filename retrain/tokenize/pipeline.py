@@ -34,7 +34,7 @@ from google.api_core.exceptions import NotFound
 
 from retrain import megatron
 from retrain.adapters import objects
-from retrain.contracts import tokenize_detail_uri
+from retrain.contracts import TokenizeReport, tokenize_detail_uri
 from retrain.domain.events import ObjectVersion
 from retrain.tokenize import packs, records, tables
 from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
@@ -558,24 +558,24 @@ def incremental_report(
     for r in reports.values():
         for reason, n in (r.get("quarantine_reasons") or {}).items():
             reasons[reason] = reasons.get(reason, 0) + int(n)
-    return {
+    return TokenizeReport(
         **totals,
-        "seconds": round(seconds, 3),
-        "new_objects": sum(1 for e in entries if not e["reused"]),
-        "reused_objects": sum(1 for e in entries if e["reused"]),
-        "tokenized": new,
-        "shards_uri": None,
-        "packs": [
+        seconds=round(seconds, 3),
+        new_objects=sum(1 for e in entries if not e["reused"]),
+        reused_objects=sum(1 for e in entries if e["reused"]),
+        tokenized=new,
+        shards_uri=None,
+        packs=[
             {"data_prefix": p.data_prefix, "tokens": p.tokens, "shards": len(p.members), "written": written}
             for p, written in packed
         ],
-        "data_prefix_blend": packs.blend([p for p, _ in packed]),
-        "held_out": None if held_out is None else _held_out_entry(held_out),
-        "tokenizer": tokenizer,
-        "quarantine_reasons": dict(sorted(reasons.items())),
-        "quarantined_objects": (quarantined_objects or [])[:QUARANTINED_LISTED],
-        "quarantined_object_count": len(quarantined_objects or []),
-    }
+        data_prefix_blend=packs.blend([p for p, _ in packed]),
+        held_out=None if held_out is None else _held_out_entry(held_out),
+        tokenizer=tokenizer,
+        quarantine_reasons=dict(sorted(reasons.items())),
+        quarantined_objects=(quarantined_objects or [])[:QUARANTINED_LISTED],
+        quarantined_object_count=len(quarantined_objects or []),
+    ).to_dict()
 
 
 def _held_out_entry(pack: packs.Pack) -> dict[str, Any]:

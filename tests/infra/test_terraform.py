@@ -62,6 +62,7 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/storage.objectViewer", "bucket:landing"),
         ("roles/storage.objectUser", "managed_folder:runs"),  # manifests; results lists runs/RUN/
         ("roles/storage.objectUser", "managed_folder:bigquery"),  # its EXPORT DATA jobs' files
+        ("roles/storage.objectViewer", "managed_folder:shards"),  # handover reads the packs' member lists
         ("roles/bigquery.jobUser", "project"),
         ("roles/bigquery.dataViewer", "table:var.bigquery_tables"),
         ("custom:cluster_connect", "project"),  # the reaper: the DNS endpoint; RBAC decides the rest
