@@ -249,10 +249,13 @@ class Steps:
             return Begun(plan, "")
         run = self.ledger.get_run(run_id)  # why not, for the execution's result and its log
         if run is None:
-            return Begun(None, f"no run {run_id} in the ledger")
-        if run.status != RunStatus.PENDING:
-            return Begun(None, f"run {run_id} is {run.status}, not pending")
-        return Begun(None, f"run {run_id} is another execution's (its start claim is not this one's)")
+            reason = f"no run {run_id} in the ledger"
+        elif run.status != RunStatus.PENDING:
+            reason = f"run {run_id} is {run.status}, not pending"
+        else:
+            reason = f"run {run_id} is another execution's (its start claim is not this one's)"
+        log.warning("execution %s ends at begin: %s", execution, reason)
+        return Begun(None, reason)
 
     def _report(self, plan: TrainingPlan) -> dict[str, Any]:
         """The run's tokenize report; PlanError when it cannot be read or lacks a field."""
