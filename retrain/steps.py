@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 from typing import Any
 
 from retrain.config import Settings
@@ -148,16 +149,23 @@ def with_held_out(plan: TrainingPlan, report: dict[str, Any]) -> TrainingPlan:
 
 
 def _within_shards(root: str, report_uri: str, plan: TrainingPlan, held_out: str | None = None) -> None:
-    """Every data and tokenizer path the report names lies under the shard root: the report is written
-    where a run's trainer may write too, and must not make a run read (or hand its tokenizer) any other
-    object of the bucket."""
+    """Every data and tokenizer path the report names lies under the shard root, and every dataset is
+    named in the one form the tokenize job writes (``ROOT/<kind>-<sha256>/data_<key>_document``): the
+    report is written where a run's trainer may write too, and must not make a run read (or hand its
+    tokenizer) any other object of the bucket, nor name one dataset twice under two spellings (the pods
+    read through a mount, where ``x/`` and ``x``, ``a//b`` and ``a/b`` are one file)."""
     tokenizer = plan.tokenizer
-    named = [p for p in plan.blend if isinstance(p, str)] + ([held_out] if held_out is not None else [])
+    datasets = [p for p in plan.blend if isinstance(p, str)] + ([held_out] if held_out is not None else [])
+    named = list(datasets)
     if tokenizer is not None:
         named += [f for f in (tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_json) if f]
     outside = [p for p in named if not p.startswith(root + "/") or ".." in p.split("/")]
     if outside:
         raise PlanError(f"the tokenize report {report_uri} names data outside {root}/: {outside[:3]}")
+    form = re.compile(re.escape(root) + r"/[a-z0-9]+-[0-9a-f]{64}/data_\w+_document")
+    odd = [p for p in datasets if not form.fullmatch(p)]
+    if odd:
+        raise PlanError(f"the tokenize report {report_uri} names datasets in no form it writes: {odd[:3]}")
 
 
 def give_back_unread(settings: Settings, ledger: Ledger, store: ObjectStore, run: Run) -> int:
@@ -270,24 +278,42 @@ class Steps:
             raise PlanError(f"the tokenize report {uri} lacks {sorted(missing)}")
         return dict(body)
 
-    def _members(self, prefix: str) -> set[str]:
-        """The shards a pack concatenates (its ``_pack.json``, which only the tokenize job writes under the
-        shard root), or the prefix itself for a shard."""
+    def _pack(self, prefix: str) -> dict[str, Any] | None:
+        """A pack's ``_pack.json`` (only the tokenize job writes under the shard root), None for a prefix
+        that is no pack (an object's shard, or an eval set under ``eval/``); PlanError for a pack or a
+        held-out set without one (never committed)."""
         try:
-            listed = json.loads(self.store.read_bytes(prefix + "_pack.json")).get("members")
+            body = json.loads(self.store.read_bytes(prefix + "_pack.json"))
         except FileNotFoundError:
-            return {prefix}
+            if re.search(r"/(pack|eval)-[0-9a-f]{64}/", prefix):
+                raise PlanError(f"{prefix} has no _pack.json: it was never committed") from None
+            return None
+        return body if isinstance(body, dict) else {}
+
+    def _members(self, prefix: str) -> set[str]:
+        """The shards a dataset concatenates: a pack's members, else the prefix itself."""
+        pack = self._pack(prefix)
+        listed = pack.get("members") if pack is not None else None
         return {str(m) for m in listed} if isinstance(listed, list) else {prefix}
 
-    def _apart_from_blend(self, report_uri: str, plan: TrainingPlan) -> None:
-        """A carved eval set shares no shard with the blend: the report lies where trainers write, and one
-        naming training data as held out would make every later run of the dataset validate on it."""
+    def _apart_from_blend(self, plan: TrainingPlan) -> None:
+        """The run's eval set shares no shard with its blend (carved, or the dataset's): the report lies
+        where trainers write, and one training on the eval set would make the gate judge on it."""
         assert plan.eval_set is not None
         trained = set().union(*(self._members(p) for p in plan.blend if isinstance(p, str)))
         shared = self._members(plan.eval_set) & trained
         if shared:
+            raise PlanError(f"run {plan.run_id}'s blend trains on its eval set's data: {sorted(shared)[:3]}")
+
+    def _carved_by_its_job(self, report_uri: str, plan: TrainingPlan) -> None:
+        """A held-out set the report names is one the run's own tokenize job carved: its ``_pack.json``
+        says so (a forged report could otherwise name any shard, one an earlier run trained on)."""
+        assert plan.eval_set is not None
+        pack = self._pack(plan.eval_set)
+        if pack is None or pack.get("held_out_for") != plan.run_id:
             raise PlanError(
-                f"the tokenize report {report_uri} holds out data its blend trains on: {sorted(shared)[:3]}"
+                f"the tokenize report {report_uri} names {plan.eval_set} as held out, which run "
+                f"{plan.run_id}'s tokenize job did not carve"
             )
 
     def handover(self, plan: TrainingPlan, callback_url: str) -> Handover:
@@ -295,11 +321,12 @@ class Steps:
         body = self._report(plan)
         plan = plan.with_data(list(body["data_prefix_blend"]), TokenizerFiles.parse(body["tokenizer"]))
         carved = with_held_out(plan, body)
+        _within_shards(shard_root(self.settings), uri, plan, carved.eval_set if carved != plan else None)
         if carved != plan:
-            _within_shards(shard_root(self.settings), uri, plan, carved.eval_set)
-            self._apart_from_blend(uri, carved)
-        _within_shards(shard_root(self.settings), uri, plan)
+            self._carved_by_its_job(uri, carved)
         plan = carved
+        if plan.eval_set:
+            self._apart_from_blend(plan)
         run = self.ledger.get_run(plan.run_id)
         if run is None:
             raise PlanError(f"no run {plan.run_id} in the ledger")

@@ -85,7 +85,7 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     assert "@" not in data and "trainer.devices=8" in command
     assert run["blend"][0] == 1.0 and "/shards/pack-" in run["blend"][1]
     eval_set = run["eval_set"].replace("gs://", "/gcs/")
-    assert "/shards/text-" in eval_set and eval_set.endswith("/data_text_document")  # one book: its shard
+    assert "/shards/eval-" in eval_set and eval_set.endswith("/data_text_document")  # one book, its own
     train = run["blend"][1].replace("gs://", "/gcs/")
     assert (
         data

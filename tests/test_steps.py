@@ -28,6 +28,9 @@ from retrain.trainers import TrainingPlan
 
 pytestmark = pytest.mark.emulators
 
+#: Shards as the tokenize job names them (``<format>-<sha256>``).
+A, B, C = (f"text-{c * 64}" for c in "abc")
+
 
 @pytest.fixture
 def steps(firestore_host: str, gcs_host: str, project: str) -> Steps:
@@ -65,13 +68,13 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
         "shards_uri": f"{plan['output_dir']}/tokenize_report_shards.json",
         "packs": [
             {
-                "data_prefix": f"gs://{art}/shards/aa/data_text_document",
+                "data_prefix": f"gs://{art}/shards/{A}/data_text_document",
                 "tokens": 1,
                 "shards": 1,
                 "written": False,
             },
             {
-                "data_prefix": f"gs://{art}/shards/bb/data_text_document",
+                "data_prefix": f"gs://{art}/shards/{B}/data_text_document",
                 "tokens": 3,
                 "shards": 1,
                 "written": False,
@@ -79,9 +82,9 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
         ],
         "data_prefix_blend": [
             0.25,
-            f"gs://{art}/shards/aa/data_text_document",
+            f"gs://{art}/shards/{A}/data_text_document",
             0.75,
-            f"gs://{art}/shards/bb/data_text_document",
+            f"gs://{art}/shards/{B}/data_text_document",
         ],
         "tokenizer": {
             "type": "GPT2BPETokenizer",
@@ -100,7 +103,7 @@ def test_handover_renders_the_command_from_the_report_and_records_it(steps: Step
     answer = steps.handle(request(StepName.HANDOVER, plan, callback_url="https://cb/1"))
     art = steps.settings.artifacts_bucket
     shards = f"/gcs/{art}/shards"
-    blend = f"[0.25,{shards}/aa/data_text_document,0.75,{shards}/bb/data_text_document]"
+    blend = f"[0.25,{shards}/{A}/data_text_document,0.75,{shards}/{B}/data_text_document]"
     assert f"model.data.data_prefix={blend}" in answer["command"]
     assert f"model.tokenizer.vocab_file=/gcs/{art}/shards/_tokenizer/f/vocab.json" in answer["command"]
     assert not any(a.startswith("model.restore_from_ckpt=") for a in answer["command"])  # a first run
@@ -112,9 +115,9 @@ def test_handover_renders_the_command_from_the_report_and_records_it(steps: Step
     assert record is not None and record.command == answer["command"] and record.image == steps.settings.image
     assert record.blend == [
         0.25,
-        f"gs://{art}/shards/aa/data_text_document",
+        f"gs://{art}/shards/{A}/data_text_document",
         0.75,
-        f"gs://{art}/shards/bb/data_text_document",
+        f"gs://{art}/shards/{B}/data_text_document",
     ]
     assert record.profile == "nemo-24.12"
 
@@ -677,6 +680,16 @@ def test_a_malformed_begin_is_refused_with_the_reason(body: dict[str, Any], refu
         StepRequest.parse(body)
 
 
+def carve(plan: dict[str, Any], members: list[str], held_out_for: str) -> str:
+    """A held-out set as a run's tokenize job writes it: a pack under the shard root, marked as the
+    carving run's in its ``_pack.json``; its data prefix."""
+    art = plan["output_dir"].split("/")[2]
+    prefix = f"gs://{art}/shards/eval-{uuid.uuid4().hex * 2}/data_text_document"
+    body = {"data_prefix": prefix, "tokens": 5, "members": members, "held_out_for": held_out_for}
+    objects.write_bytes(prefix + "_pack.json", json.dumps(body).encode())
+    return prefix
+
+
 def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, tmp_path: Path) -> None:
     """A dataset without an eval set: its run's tokenize job holds objects out (the report's held_out).
     Handover validates the run on them and records it; results judges on them and records them on the
@@ -686,12 +699,12 @@ def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, t
     plan = new_run(steps, "carved")
     assert hold_out_objects(steps.settings, TrainingPlan.parse(plan), 40) == 2  # 5% of 40
     art = steps.settings.artifacts_bucket
-    carved = f"gs://{art}/shards/pack-ee/data_text_document"
-    write_report(plan, held_out={"data_prefix": carved, "tokens": 5, "shards": 2})
+    carved = carve(plan, [f"gs://{art}/shards/{C}/data_text_document"], plan["run_id"])
+    write_report(plan, held_out={"data_prefix": carved, "tokens": 5, "shards": 1})
     answer = steps.handle(request(StepName.HANDOVER, plan))
     (data,) = [a for a in answer["command"] if a.startswith("model.data.data_prefix=")]
-    held = f"[1.0,/gcs/{art}/shards/pack-ee/data_text_document]"
-    assert data.endswith(f",validation:{held},test:{held}}}") and "pack-ee" not in data.split("validation")[0]
+    held = f"[1.0,{carved.replace('gs://', '/gcs/')}]"
+    assert data.endswith(f",validation:{held},test:{held}}}") and "/eval-" not in data.split("validation")[0]
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.eval_set == carved
 
@@ -701,33 +714,52 @@ def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, t
     assert champion is not None and champion.eval_set == carved
     nxt = training_plan(steps.settings, "carved-next", champion, "carved")
     assert nxt.eval_set == carved and hold_out_objects(steps.settings, nxt, 40) == 0
+    # a later run whose report trains on the dataset's eval set is refused
+    later = new_run(steps, "carved", champion)
+    assert later["eval_set"] == carved
+    write_report(later, data_prefix_blend=[0.5, carved, 0.5, f"gs://{art}/shards/{A}/data_text_document"])
+    with pytest.raises(Rejected, match="blend trains on its eval set's data"):
+        steps.handle(request(StepName.HANDOVER, later))
 
 
-def test_a_held_out_set_outside_the_shard_root_is_refused(steps: Steps) -> None:
+@pytest.mark.parametrize(
+    ("held", "complaint"),
+    [
+        ("gs://ART/runs/x/data", "names data outside"),
+        (f"gs://ART/shards/{A}/data_text_document/", "in no form it writes"),  # the mount reads it as A
+        (f"gs://ART/shards//{A}/data_text_document", "in no form it writes"),
+        (f"gs://ART/shards/{C}/data_text_document", "did not carve"),  # a shard an earlier run trained
+        ("ANOTHER_RUNS", "did not carve"),
+        ("UNCOMMITTED", "has no _pack.json"),
+    ],
+)
+def test_a_held_out_set_the_runs_job_did_not_carve_is_refused(
+    steps: Steps, held: str, complaint: str
+) -> None:
+    """The report lies where trainers write: a held-out set is taken only in the form the job writes,
+    under the shard root, and marked (where only the job writes) as this run's."""
     plan = new_run(steps)
-    write_report(
-        plan,
-        held_out={
-            "data_prefix": f"gs://{steps.settings.artifacts_bucket}/runs/x/data",
-            "tokens": 1,
-            "shards": 1,
-        },
-    )
-    with pytest.raises(Rejected, match="names data outside"):
+    art = steps.settings.artifacts_bucket
+    if held == "ANOTHER_RUNS":
+        held = carve(plan, [f"gs://{art}/shards/{C}/data_text_document"], "another-run")
+    elif held == "UNCOMMITTED":
+        held = f"gs://{art}/shards/eval-{'d' * 64}/data_text_document"
+    write_report(plan, held_out={"data_prefix": held.replace("ART", art), "tokens": 1, "shards": 1})
+    with pytest.raises(Rejected, match=complaint):
         steps.handle(request(StepName.HANDOVER, plan))
 
 
 def test_a_held_out_set_that_the_blend_trains_on_is_refused(steps: Steps) -> None:
-    """The report lies where trainers write: one naming a shard of the blend's pack as held out would make
-    every later run validate on training data."""
+    """Even one the run's job marked: its members and the blend's (a pack's, from its _pack.json) are
+    apart."""
     plan = new_run(steps)
     art = steps.settings.artifacts_bucket
-    pack = f"gs://{art}/shards/pack-ff/data_text_document"
-    member = f"gs://{art}/shards/text-11/data_text_document"
+    pack = f"gs://{art}/shards/pack-{'f' * 64}/data_text_document"
+    member = f"gs://{art}/shards/{C}/data_text_document"
     objects.write_bytes(pack + "_pack.json", json.dumps({"members": [member, "gs://x/other"]}).encode())
-    for held in (member, pack):
-        write_report(
-            plan, data_prefix_blend=[1.0, pack], held_out={"data_prefix": held, "tokens": 1, "shards": 1}
-        )
-        with pytest.raises(Rejected, match="holds out data its blend trains on"):
-            steps.handle(request(StepName.HANDOVER, plan))
+    held = carve(plan, [member], plan["run_id"])
+    write_report(
+        plan, data_prefix_blend=[1.0, pack], held_out={"data_prefix": held, "tokens": 1, "shards": 1}
+    )
+    with pytest.raises(Rejected, match="blend trains on its eval set's data"):
+        steps.handle(request(StepName.HANDOVER, plan))

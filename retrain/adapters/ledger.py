@@ -840,7 +840,11 @@ class FirestoreLedger:
             plan = current.get("plan")
             if current.get("start_claim") != claim or not isinstance(plan, dict):
                 return None
-            bound, status = current.get("execution"), RunStatus(current.get("status", "pending"))
+            bound = current.get("execution")
+            try:
+                status = RunStatus(current.get("status") or "pending")
+            except ValueError:  # a status this release does not know: not one to begin in
+                return None
             if bound:  # its own again (a retried begin, or Ingest after begin): while the run lives
                 same = execution_id(bound) == execution_id(execution)
                 return dict(plan) if same and not status.terminal else None

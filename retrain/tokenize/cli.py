@@ -24,7 +24,6 @@ from typing import Any
 from google.api_core.exceptions import GoogleAPICallError
 
 from retrain.contracts import RunManifest
-from retrain.domain.events import ObjectVersion
 from retrain.tokenize import packs, records
 from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
 
@@ -76,15 +75,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_manifest(uri: str) -> list[ObjectVersion]:
-    """The objects a run trains (its manifest, ``retrain.contracts.RunManifest``, at the generation a
-    ``#GENERATION`` suffix names: the version its run started with): names taken literally, each read at
+def read_manifest(uri: str) -> RunManifest:
+    """The run's manifest (``retrain.contracts.RunManifest``, at the generation a ``#GENERATION`` suffix
+    names: the version its run started with): the objects it trains, names taken literally, each read at
     the generation it had when it arrived."""
     from retrain.adapters import objects
 
     manifest, generation = objects.split_generation(uri)
     try:
-        return RunManifest.parse(objects.read_bytes(manifest, generation)).objects
+        return RunManifest.parse(objects.read_bytes(manifest, generation))
     except FileNotFoundError as e:
         after = ": the manifest was replaced or deleted after its run started" if generation else ""
         raise SystemExit(f"retrain tokenize: {e}{after}") from None
@@ -108,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--manifest goes with --shard-root")
     if args.hold_out_objects < 0 or (args.hold_out_objects and not args.shard_root):
         parser().error("--hold-out-objects is a count (0 or more) and goes with --shard-root")
-    pinned = read_manifest(args.manifest) if args.manifest else []
+    manifest = read_manifest(args.manifest) if args.manifest else None
+    pinned = manifest.objects if manifest else []
     if not args.inputs and not pinned:
         parser().error("no inputs: give INPUT... or --manifest")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 pack_bytes=args.pack_bytes,
                 max_packs=args.max_packs,
                 hold_out_objects=args.hold_out_objects,
+                held_out_for=manifest.run_id if manifest else "",
                 **common,
             )
         else:

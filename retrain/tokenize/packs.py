@@ -45,10 +45,13 @@ class Member:
 
 @dataclass(frozen=True)
 class Pack:
-    """One dataset of the blend: its members' .bin files back to back."""
+    """One dataset of the blend (or the held-out set): its members' .bin files back to back."""
 
     data_prefix: str
     members: tuple[Member, ...]
+    held_out_for: str | None = None
+    """The run whose held-out eval set this is (in its ``_pack.json``, under the shard root where only
+    the tokenize job writes: handover takes a held-out set only with this mark, naming its run)."""
 
     @property
     def tokens(self) -> int:
@@ -111,13 +114,23 @@ def hold_out(members: Sequence[Member], count: int) -> tuple[list[Member], list[
     return [m for m in unique if m.data_prefix not in held], [m for m in unique if m.data_prefix in held]
 
 
+def eval_pack(held: Sequence[Member], shard_root: str, json_key: str, run_id: str) -> Pack | None:
+    """The held-out members as one dataset of their own, even one member: named by the run and its
+    members (``eval-<hash>``), and marked as that run's held-out set."""
+    if not held:
+        return None
+    key = hashlib.sha256("\n".join([run_id, *(m.data_prefix for m in held)]).encode()).hexdigest()
+    prefix = objects.join(shard_root, f"eval-{key}", f"data_{json_key}_document")
+    return Pack(prefix, tuple(held), held_out_for=run_id)
+
+
 def write_pack(pack: Pack) -> bool:
     """Write the pack's .bin and .idx, then its report; False when it was complete already (reused).
 
     Small members are read several at once (a run of many small objects would otherwise pay one round
     trip after another), in windows of at most ``_WINDOW_BYTES``, and written in order; a large one is
     streamed alone, so memory stays bounded whatever the members' sizes."""
-    if len(pack.members) == 1 or objects.exists(pack.report_uri):
+    if (len(pack.members) == 1 and pack.held_out_for is None) or objects.exists(pack.report_uri):
         return False
     with ThreadPool(_READERS) as pool:
         idx = pool.map(objects.read_bytes, [m.data_prefix + ".idx" for m in pack.members])
@@ -139,6 +152,8 @@ def write_pack(pack: Pack) -> bool:
         "tokens": pack.tokens,
         "members": [m.data_prefix for m in pack.members],
     }
+    if pack.held_out_for is not None:
+        report["held_out_for"] = pack.held_out_for
     objects.write_bytes(pack.report_uri, json.dumps(report).encode(), "application/json")
     return True
 

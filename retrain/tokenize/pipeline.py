@@ -695,6 +695,7 @@ def tokenize_incremental(
     pack_bytes: int = packs.PACK_BYTES,
     max_packs: int = packs.MAX_PACKS,
     hold_out_objects: int = 0,
+    held_out_for: str = "",
 ) -> dict[str, Any]:
     """Tokenize each object once into its own shard ``shard_root/<format>-<sha256 of its bytes>/data``.
 
@@ -706,8 +707,8 @@ def tokenize_incremental(
     with other tokenizer settings is an error (use another shard_root), never reused.  The trainer reads
     the shards through at most ``max_packs`` packs (:mod:`retrain.tokenize.packs`), the report's blend.
     ``hold_out_objects`` objects' shards (chosen by content: :func:`packs.hold_out`) are not in the blend:
-    they make one more dataset, the report's ``held_out``, which validates this run and the dataset's
-    later ones (never trained on).
+    they make one more dataset, the report's ``held_out``, marked as run ``held_out_for``'s, which
+    validates this run and the dataset's later ones (never trained on).
     """
     started = time.time()
     spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
@@ -782,9 +783,10 @@ def tokenize_incremental(
         ]
         trained, held = packs.hold_out(members, hold_out_objects)
         run_packs = packs.plan_packs(trained, shard_root, key, pack_bytes=pack_bytes, max_packs=max_packs)
-        # The held-out shards make one dataset: a pack of them (one shard: that shard), under the shard
-        # root like every pack, so the training pods read it and cannot write it.
-        eval_packs = packs.plan_packs(held, shard_root, key, pack_bytes=1 << 62, max_packs=1)
+        # The held-out shards make one dataset of their own, marked as this run's, under the shard root
+        # like every pack: the training pods read it and cannot write it.
+        held_out = packs.eval_pack(held, shard_root, key, held_out_for)
+        eval_packs = [held_out] if held_out is not None else []
         written = packs.write_packs([*run_packs, *eval_packs])
         log.info("%d shard(s) in %d pack(s), %d written now", len(members), len(run_packs), sum(written))
         held_prefixes = {m.data_prefix for m in held}

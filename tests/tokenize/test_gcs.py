@@ -149,13 +149,13 @@ def test_a_manifest_is_read_at_the_generation_its_run_started_with(gcs_host: str
         assert objects.write_bytes(uri, forged, "application/json") != started  # rewritten after the start
         pinned = f"{uri}#{started}"
         if bucket == "versioned-artifacts":
-            assert [o.uri for o in read_manifest(pinned)] == ["gs://land/incoming/d/ours.txt"]
+            assert [o.uri for o in read_manifest(pinned).objects] == ["gs://land/incoming/d/ours.txt"]
         else:
             with pytest.raises(
                 SystemExit, match="the manifest was replaced or deleted after its run started"
             ):
                 read_manifest(pinned)
-        assert [o.uri for o in read_manifest(uri)] == [
+        assert [o.uri for o in read_manifest(uri).objects] == [
             "gs://land/incoming/d/forged.txt"
         ]  # unpinned: the latest
 

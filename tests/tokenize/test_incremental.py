@@ -173,7 +173,10 @@ def test_held_out_objects_make_the_eval_set_and_never_the_blend(tmp_path):
     assert pack["shards"] == 6 and pack["tokens"] == sum(s["tokens"] for s in trained)
     eval_set = report["held_out"]
     assert eval_set["shards"] == 2 and eval_set["tokens"] == sum(s["tokens"] for s in held)
-    assert eval_set["data_prefix"].startswith(root + "/pack-")  # under the shard root, like the packs
+    assert eval_set["data_prefix"].startswith(root + "/eval-")  # under the shard root, like the packs
+    # marked as its run's where only the tokenize job writes (handover takes no other)
+    mark = json.loads(Path(eval_set["data_prefix"] + "_pack.json").read_text())
+    assert mark["held_out_for"] == "" and sorted(mark["members"]) == sorted(s["data_prefix"] for s in held)
     held_docs = sorted(megatron.read(s["data_prefix"])[0].tolist() for s in held)
     evaluated = megatron.read(eval_set["data_prefix"])
     assert sorted(evaluated[i].tolist() for i in range(len(evaluated))) == held_docs

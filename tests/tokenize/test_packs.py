@@ -144,3 +144,22 @@ def test_held_out_members_are_chosen_by_content_and_at_most_a_quarter() -> None:
     assert len(packs.hold_out([*members[:8], *[empty] * 8], 5)[1]) == 2
     assert packs.hold_out(members[:3], 1) == (members[:3], [])
     assert packs.hold_out(members, 0) == (members, [])
+
+
+def test_a_held_out_set_is_a_dataset_of_its_own_marked_as_its_runs(tmp_path: Path) -> None:
+    """Even one member is copied into its own pack (a shard's own prefix would carry no mark), named by
+    the run and its members."""
+    from conftest import write_jsonl
+
+    src = write_jsonl(tmp_path / "a.jsonl", ["held out text"])
+    report = tokenize_incremental([str(src)], str(tmp_path / "shards"))
+    (shard,) = report["shards"]
+    member = packs.Member(shard["data_prefix"], shard["tokens"], shard["tokens"] * 2)
+    pack = packs.eval_pack([member], str(tmp_path / "shards"), "text", "run-1")
+    assert pack is not None and "/eval-" in pack.data_prefix and packs.write_pack(pack)
+    assert Path(pack.data_prefix + ".bin").read_bytes() == Path(shard["data_prefix"] + ".bin").read_bytes()
+    mark = json.loads(Path(pack.report_uri).read_text())
+    assert (mark["held_out_for"], mark["members"]) == ("run-1", [shard["data_prefix"]])
+    other = packs.eval_pack([member], str(tmp_path / "shards"), "text", "run-2")
+    assert other is not None and other.data_prefix != pack.data_prefix
+    assert packs.eval_pack([], str(tmp_path / "shards"), "text", "run-1") is None
