@@ -279,15 +279,17 @@ class Steps:
         return dict(body)
 
     def _pack(self, prefix: str) -> dict[str, Any] | None:
-        """A pack's ``_pack.json`` (only the tokenize job writes under the shard root), None for a prefix
-        that is no pack (an object's shard, or an eval set under ``eval/``); PlanError for a pack or a
-        held-out set without one (never committed)."""
+        """A pack's or held-out set's ``_pack.json`` (only the tokenize job writes under the shard root);
+        None for a prefix that is neither (an object's shard, or an eval set under ``eval/``, which the
+        functions may not read: nothing is read for them); PlanError for one never committed."""
+        if not re.fullmatch(
+            re.escape(shard_root(self.settings)) + r"/(pack|eval)-[0-9a-f]{64}/[^/]+", prefix
+        ):
+            return None
         try:
             body = json.loads(self.store.read_bytes(prefix + "_pack.json"))
         except FileNotFoundError:
-            if re.search(r"/(pack|eval)-[0-9a-f]{64}/", prefix):
-                raise PlanError(f"{prefix} has no _pack.json: it was never committed") from None
-            return None
+            raise PlanError(f"{prefix} has no _pack.json: it was never committed") from None
         return body if isinstance(body, dict) else {}
 
     def _members(self, prefix: str) -> set[str]:

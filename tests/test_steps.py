@@ -763,3 +763,29 @@ def test_a_held_out_set_that_the_blend_trains_on_is_refused(steps: Steps) -> Non
     )
     with pytest.raises(Rejected, match="blend trains on its eval set's data"):
         steps.handle(request(StepName.HANDOVER, plan))
+
+
+def test_a_configured_eval_set_is_never_read_at_handover(
+    steps: Steps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The functions may not read ``eval/`` (no grant there): handover checks a configured eval set by name,
+    reading only the packs' and held-out sets' marks under the shard root."""
+    eval_set = f"gs://{steps.settings.artifacts_bucket}/eval/fixed_text_document"
+    steps.settings = dataclasses.replace(steps.settings, eval_sets=f"fixed={eval_set}")
+    plan = new_run(steps, "fixed")
+    assert plan["eval_set"] == eval_set
+    write_report(plan)
+    read = steps.store.read_bytes
+    seen: list[str] = []
+
+    def guarded(uri: str, *args: Any) -> bytes:
+        seen.append(uri)
+        if "/eval/" in uri:
+            raise PermissionError(f"403: {uri}")
+        return read(uri, *args)
+
+    monkeypatch.setattr(steps.store, "read_bytes", guarded)
+    answer = steps.handle(request(StepName.HANDOVER, plan))
+    mounted = eval_set.replace("gs://", "/gcs/")
+    assert any(a.endswith(f"validation:[1.0,{mounted}],test:[1.0,{mounted}]}}") for a in answer["command"])
+    assert seen == [f"{plan['output_dir']}/tokenize_report.json"]
