@@ -105,6 +105,7 @@ class ControlPlane:
 
     def __init__(self, run_dir: Path, apiserver_port: int | None = None, etcd_port: int | None = None):
         self.run_dir = Path(run_dir)
+        self._chosen = apiserver_port is None and etcd_port is None
         self.apiserver_port = apiserver_port or _free_port()
         self.etcd_port = etcd_port or _free_port_pair()
         self._pids: list[int] = []
@@ -119,7 +120,19 @@ class ControlPlane:
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
-    def start(self, timeout_s: float = 90.0) -> ControlPlane:
+    def start(self, timeout_s: float = 90.0, attempts: int = 3) -> ControlPlane:
+        """Start it; ports it chose itself are chosen again when another process took one between the
+        choice and the bind (a free port is only free until someone binds it: parallel tests do)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(timeout_s)
+            except EnvtestError as e:
+                if not (self._chosen and attempt < attempts and "address already in use" in str(e)):
+                    raise
+                self.apiserver_port, self.etcd_port = _free_port(), _free_port_pair()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> ControlPlane:
         reason = envtest_unavailable_reason()
         if reason:
             raise EnvtestError(reason)

@@ -22,3 +22,42 @@ def test_assets_from_kubebuilder_assets(tmp_path: Path, monkeypatch: pytest.Monk
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("KUBEBUILDER_ASSETS", str(tmp_path))
     assert envtest.assets_dir() == tmp_path
+
+
+@pytest.mark.unit
+def test_ports_taken_between_choice_and_bind_are_chosen_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free port is free only until someone binds it, and parallel test workers do: a control plane that
+    chose its ports chooses again when the apiserver could not bind (seen in a full run on three
+    workers); one given its ports, or failing for another reason, fails as it did."""
+    plane = envtest.ControlPlane(tmp_path / "cp")
+    tried: list[tuple[int, int]] = []
+
+    def start(timeout_s: float) -> envtest.ControlPlane:
+        tried.append((plane.apiserver_port, plane.etcd_port))
+        if len(tried) == 1:
+            raise envtest.EnvtestError("control plane did not start: bind: address already in use")
+        return plane
+
+    monkeypatch.setattr(plane, "_start", start)
+    assert plane.start() is plane and len(tried) == 2 and tried[0] != tried[1]
+
+    def taken(timeout_s: float) -> envtest.ControlPlane:
+        raise envtest.EnvtestError("control plane did not start: bind: address already in use")
+
+    given = envtest.ControlPlane(tmp_path / "given", apiserver_port=1, etcd_port=2)
+    monkeypatch.setattr(given, "_start", taken)
+    with pytest.raises(envtest.EnvtestError, match="address already in use"):
+        given.start()
+    other = envtest.ControlPlane(tmp_path / "other")
+    calls: list[int] = []
+
+    def broken(timeout_s: float) -> envtest.ControlPlane:
+        calls.append(1)
+        raise envtest.EnvtestError("control plane did not start: no such file")
+
+    monkeypatch.setattr(other, "_start", broken)
+    with pytest.raises(envtest.EnvtestError, match="no such file"):
+        other.start()
+    assert calls == [1]
