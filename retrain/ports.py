@@ -304,10 +304,6 @@ class Ledger(Protocol):
         changes nothing (not its plan, not its end)."""
         ...
 
-    def plan_of(self, run_id: str) -> dict[str, Any] | None:
-        """The plan kept on the run's record (None before a start kept one)."""
-        ...
-
     def attach_execution(self, run_id: str, claim: str, execution: str) -> dict[str, Any] | None:
         """Bind ``execution`` to the run if its start claim is ``claim``, it has a plan, and it is pending
         with no execution (or is bound to this one already and has not ended: the same execution id,

@@ -161,3 +161,10 @@ def remove_resource(infra: Path, stage_file: str, rtype: str, name: str, replace
         if depth == 0:
             break
     path.write_text(text[:start] + replace_with + text[end + 1 :])
+
+
+def stored_plan(ledger: FirestoreLedger, run_id: str) -> dict[str, Any] | None:
+    """The plan Ingest kept on the run's record (``plan``), which the workflow's begin step hands over."""
+    snap = ledger.db.collection("runs").document(run_id).get(field_paths=["plan"])
+    plan = (snap.to_dict() or {}).get("plan") if snap.exists else None
+    return dict(plan) if isinstance(plan, dict) else None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
+from stack_support import stored_plan
 
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
@@ -87,7 +88,7 @@ def test_events_become_one_execution_per_sealed_snapshot(
     # the argument names the run and the start claim; the plan is the ledger's (the begin step reads it)
     argument = json.loads(execution["argument"])
     assert set(argument) == {"run_id", "claim"} and argument["run_id"] == runs[0].run_id
-    plan = FirestoreLedger(project).plan_of(runs[0].run_id)
+    plan = stored_plan(FirestoreLedger(project), runs[0].run_id)
     assert plan is not None and plan["objects"] == 3
     assert plan["training"]["run_id"] == plan["run_id"] == runs[0].run_id
     manifest = json.loads(objects.read_bytes(f"gs://{function.artifacts}/{plan['manifest_object']}"))

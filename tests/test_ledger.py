@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from google.cloud import firestore
+from stack_support import stored_plan
 
 from retrain.adapters.ledger import FirestoreLedger, _key
 from retrain.domain.events import ObjectArrival
@@ -183,7 +184,7 @@ def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Fires
     assert ledger.update_claimed(run.run_id, sweep.token, {"plan": plan, "base_step": 7})
     assert not ledger.update_claimed(run.run_id, slow.token, {"plan": {**plan, "by": "slow"}, "base_step": 1})
     assert not ledger.update_claimed(run.run_id, slow.token, {"status": "failed"})  # nor end it
-    assert ledger.plan_of(run.run_id) == plan
+    assert stored_plan(ledger, run.run_id) == plan
     stored = ledger.get_run(run.run_id)
     assert stored is not None and (stored.base_step, stored.status) == (7, "pending")
 

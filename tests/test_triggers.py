@@ -19,6 +19,7 @@ from pathlib import Path
 import functions_framework
 import pytest
 from run_events_support import Told
+from stack_support import stored_plan
 
 from retrain import config
 from retrain.adapters import objects
@@ -524,7 +525,7 @@ def test_a_run_over_the_cost_cap_is_refused_and_its_training_deadline_follows_th
     ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=50.0)
     retried = ingest.retry(refused.run_id)
     assert retried.action == "started"
-    argument = ingest.ledger.plan_of(retried.run_id)
+    argument = stored_plan(ingest.ledger, retried.run_id)
     assert argument is not None
     assert (argument["train_timeout_s"], argument["train_deadline_reason"]) == (
         1134,
@@ -683,7 +684,7 @@ def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for
     (started,) = ingest.seal_pending("pinned", "manual")
     run = ingest.ledger.get_run(started.run_id)
     assert run is not None and run.execution
-    argument = ingest.ledger.plan_of(run.run_id)
+    argument = stored_plan(ingest.ledger, run.run_id)
     assert argument is not None
     manifest = f"{ingest.settings.artifacts_uri}/{argument['manifest_object']}"
     assert argument["manifest_generation"] == objects.stat(manifest).generation

@@ -795,11 +795,6 @@ class FirestoreLedger:
 
         return bool(self._contended(update))
 
-    def plan_of(self, run_id: str) -> dict[str, Any] | None:
-        snap = self.db.collection("runs").document(run_id).get(field_paths=["plan"])
-        plan = (snap.to_dict() or {}).get("plan") if snap.exists else None
-        return dict(plan) if isinstance(plan, dict) else None
-
     def runs_in(self, *statuses: RunStatus) -> list[Run]:
         """Runs in the given states, oldest first."""
         query = self.db.collection("runs").where(
