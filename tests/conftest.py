@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from retrain.local import emulators
+from retrain.local import emulators, processes
 from retrain.workflows import ExecutionsServer
 
 pytest_plugins = ("pytester",)
@@ -135,14 +135,13 @@ def emulator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(
-    start: Callable[[Path], tuple[emulators.Service, str]], state: Path, env_key: str, needs_java: bool
+    make: Callable[[Path, int], tuple[emulators.Service, str]], state: Path, env_key: str, needs_java: bool
 ) -> Iterator[str]:
     """Run one emulator for the session, exported to this process through its client variable."""
     reason = emulators.java_emulators_unavailable_reason() if needs_java else None
     if reason:
         pytest.skip(reason)
-    proc, host = start(state)
-    proc.start()
+    proc, host = processes.start_on_a_free_port(lambda port: make(state, port))
     old = os.environ.get(env_key)
     os.environ[env_key] = host
     yield host
@@ -218,6 +217,10 @@ def serve_function(
 
     started: list[emulators.ManagedProcess] = []
 
+    def start_and_keep(proc: emulators.ManagedProcess) -> None:
+        started.append(proc)
+        proc.start()
+
     def serve(target: str, signature: str = "cloudevent", **extra: str) -> ServedFunction:
         project = f"fn-{uuid.uuid4().hex[:8]}"
         env = {
@@ -235,9 +238,9 @@ def serve_function(
             if client.lookup_bucket(bucket) is None:
                 client.create_bucket(bucket)
         log = tmp_path_factory.mktemp(target) / "function.log"
-        proc, url = function_server(target, log, env, signature)
-        started.append(proc)
-        proc.start()
+        _, url = processes.start_on_a_free_port(
+            lambda port: function_server(target, log, env, signature, port), start_and_keep
+        )
         return ServedFunction(
             url, project, log, env["RETRAIN_LANDING_BUCKET"], env["RETRAIN_ARTIFACTS_BUCKET"]
         )

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from retrain import deploy, pins
-from retrain.local import emulators
+from retrain.local import emulators, processes
 
 REGISTRY = shutil.which("docker-registry")
 needs_registry = pytest.mark.skipif(
@@ -34,8 +34,13 @@ OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 def _serve(
     root: Path, data: Path, auth: dict[str, object] | None = None
 ) -> tuple[emulators.ManagedProcess, str]:
+    return processes.start_on_a_free_port(lambda port: _registry(root, data, port, auth))
+
+
+def _registry(
+    root: Path, data: Path, port: int, auth: dict[str, object] | None
+) -> tuple[emulators.ManagedProcess, str]:
     assert REGISTRY is not None
-    port = emulators.free_port()
     config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": "warn"},
@@ -52,7 +57,6 @@ def _serve(
         None,
         probe_url=f"http://127.0.0.1:{port}/v2/",
     )
-    proc.start()
     return proc, f"127.0.0.1:{port}"
 
 
@@ -303,7 +307,7 @@ def test_deploy_pins_before_the_app_stage_and_keeps_what_resolved_when_one_fails
     ok = push_image(registry, "team/deployed", "v3", "d")
     (tmp_path / "infra").mkdir()
     lock = tmp_path / "infra" / "pins.json"
-    gone = f"127.0.0.1:{emulators.free_port()}/team/unreachable:v1"  # nothing listens there
+    gone = f"127.0.0.1:{processes.free_port()}/team/unreachable:v1"  # nothing listens there
     pins.Lock(images={f"{registry}/team/deployed:v3": None, gone: None}, files={}).save(lock)
     with pytest.raises(deploy.UsageError, match="team/unreachable:v1"):
         deploy.pin_artifacts(tmp_path, deploy.Progress())

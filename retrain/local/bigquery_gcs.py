@@ -10,6 +10,7 @@ on Google.  Nothing else is changed: requests and answers pass through as they a
 
 from __future__ import annotations
 
+import errno
 import http.client
 import logging
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from retrain.adapters import objects
-from retrain.local.processes import ManagedProcess, free_port
+from retrain.local.processes import ManagedProcess, PortTaken, free_port
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,13 @@ class ExportsProxy:
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.emulator.start(timeout_s)
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+        try:
+            self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+        except OSError as e:
+            self.emulator.stop()
+            if e.errno == errno.EADDRINUSE:
+                raise PortTaken(f"the exports proxy could not bind {self.port}") from e
+            raise
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="bigquery-exports-proxy", daemon=True).start()
 

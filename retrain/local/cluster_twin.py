@@ -46,10 +46,10 @@ from google.api_core.exceptions import Forbidden
 
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.local import processes
-from retrain.local.emulators import free_port
 from retrain.local.gcsfuse import DRIVER as GCSFUSE_DRIVER
 from retrain.local.gcsfuse import FuseMount, named_paths
 from retrain.local.images import LocalImage, local_images, translate
+from retrain.local.processes import free_port
 
 log = logging.getLogger(__name__)
 

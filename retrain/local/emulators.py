@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from retrain.local.processes import EmulatorError, ManagedProcess, free_port
+from retrain.local.processes import EmulatorError, ManagedProcess
 
 if TYPE_CHECKING:
     from retrain.local.bigquery_gcs import ExportsProxy
@@ -62,9 +62,7 @@ FIRESTORE_LAUNCHER = "cloud-firestore-emulator/cloud_firestore_emulator"
 PUBSUB_LAUNCHER = "pubsub-emulator/bin/cloud-pubsub-emulator"
 
 
-def firestore(
-    state_dir: Path, port: int | None = None, import_from: Path | None = None
-) -> tuple[ManagedProcess, str]:
+def firestore(state_dir: Path, port: int, import_from: Path | None = None) -> tuple[ManagedProcess, str]:
     """The Firestore emulator; returns the process and its FIRESTORE_EMULATOR_HOST value.
 
     ``import_from`` is an export folder written by :func:`export_firestore` (state kept across restarts).
@@ -72,7 +70,6 @@ def firestore(
     platform = sdk_platform_dir()
     if platform is None:
         raise EmulatorError("Google Cloud SDK not found")
-    port = port or free_port()
     argv = [str(platform / FIRESTORE_LAUNCHER), "--host", "127.0.0.1", "--port", str(port)]
     if import_from is not None:
         meta = sorted(import_from.glob("*.overall_export_metadata"))
@@ -121,12 +118,11 @@ def export_firestore(host: str, project: str, into: Path) -> Path:
     return into
 
 
-def pubsub(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
+def pubsub(state_dir: Path, port: int) -> tuple[ManagedProcess, str]:
     """The Pub/Sub emulator; returns the process and its PUBSUB_EMULATOR_HOST value."""
     platform = sdk_platform_dir()
     if platform is None:
         raise EmulatorError("Google Cloud SDK not found")
-    port = port or free_port()
     proc = ManagedProcess(
         "pubsub-emulator",
         [str(platform / PUBSUB_LAUNCHER), "--host=127.0.0.1", f"--port={port}"],
@@ -136,10 +132,9 @@ def pubsub(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, st
     return proc, f"127.0.0.1:{port}"
 
 
-def gcs(state_dir: Path, port: int | None = None) -> tuple[ManagedProcess, str]:
+def gcs(state_dir: Path, port: int) -> tuple[ManagedProcess, str]:
     """gcp-storage-emulator (``retrain.local.gcs_emulator``: a gone generation is a 404, as on Cloud
     Storage), storing objects under ``state_dir/gcs``; returns it and STORAGE_EMULATOR_HOST."""
-    port = port or free_port()
     proc = ManagedProcess(
         "gcs-emulator",
         [
@@ -168,9 +163,7 @@ def bqemulator_path() -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
-def bigquery(
-    state_dir: Path, port: int | None = None, project: str = "retrain-local"
-) -> tuple[ExportsProxy, str]:
+def bigquery(state_dir: Path, port: int, project: str = "retrain-local") -> tuple[ExportsProxy, str]:
     """bqemulator (an optional tier: scripts/test installs it with duckdb 1.5.5 and its spatial
     extension from PyPI wheels, so it never downloads anything), behind the proxy that puts the files
     its jobs export into the storage emulator; returns it and BIGQUERY_EMULATOR_HOST."""
@@ -179,7 +172,6 @@ def bigquery(
     cli = bqemulator_path()
     if cli is None:
         raise EmulatorError("bqemulator is not installed (scripts/test puts it in .tools/bqemulator)")
-    port = port or free_port()
     argv = [str(cli), "start", "--rest-host", "127.0.0.1", "--rest-port", str(port), "--grpc-port", "0"]
     argv += ["--project", project, "--log-level", "warning"]
     url = f"http://127.0.0.1:{port}"

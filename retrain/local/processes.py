@@ -22,8 +22,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 #: The registry this process writes to (set by the stack; None: nothing is recorded).
 _registry: Path | None = None
@@ -110,10 +112,46 @@ class EmulatorError(RuntimeError):
     """An emulator that could not be found or did not come up."""
 
 
+class PortTaken(EmulatorError):
+    """Another process bound the child's port between its choice and the child's own bind."""
+
+
+#: What a child logs when its port is taken: the JVM emulators' Netty (whose main thread dies while the
+#: JVM lives on, serving nothing), Python's socket servers and Go's net.Listen.
+BIND_FAILED = re.compile(r"java\.net\.BindException|address already in use|EADDRINUSE", re.IGNORECASE)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class Startable(Protocol):
+    def start(self, timeout_s: float = 60.0) -> None: ...
+
+
+S = TypeVar("S", bound=Startable)
+
+
+def start_on_a_free_port(
+    make: Callable[[int], tuple[S, str]],
+    start: Callable[[S], None] = lambda child: child.start(),
+    attempts: int = 3,
+) -> tuple[S, str]:
+    """``make(port)`` on a free port and start it; on another port when the chosen one was taken before
+    the child bound it (a free port is only free until someone binds it: parallel tests and stacks do).
+    Returns the started child and its address."""
+    for attempt in range(1, attempts + 1):
+        child, address = make(free_port())
+        try:
+            start(child)
+        except PortTaken:
+            if attempt == attempts:
+                raise
+            continue
+        return child, address
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -146,6 +184,9 @@ class ManagedProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = self.log_path.read_text(errors="replace")
+            if BIND_FAILED.search(text):  # before the probe, which whoever holds the port may answer
+                self.stop()
+                raise PortTaken(f"{self.name} could not bind its port: {text[-2000:]}")
             if pattern.search(text) and self._probe():
                 return
             if self.proc.poll() is not None:

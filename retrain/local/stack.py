@@ -181,11 +181,10 @@ def deployed_functions_source(folder: Path) -> Path:
 
 
 def function_server(
-    target: str, log_path: Path, env: dict[str, str], signature: str = "cloudevent", port: int | None = None
+    target: str, log_path: Path, env: dict[str, str], signature: str, port: int
 ) -> tuple[emulators.ManagedProcess, str]:
     """A function of the deployed source (functions/main.py with the retrain modules it imports, built
-    next to ``log_path``), served by the real functions-framework; returns it and its URL."""
-    port = port or emulators.free_port()
+    next to ``log_path``), served on ``port`` by the real functions-framework; returns it and its URL."""
     source = deployed_functions_source(log_path.parent)
     argv = [
         sys.executable,
@@ -324,6 +323,11 @@ class LocalStack:
         self._procs.append(proc)
         proc.start(timeout_s)
 
+    def _spawn_on_a_free_port(
+        self, make: Callable[[int], tuple[emulators.ManagedProcess, str]]
+    ) -> tuple[emulators.ManagedProcess, str]:
+        return processes.start_on_a_free_port(make, self._spawn)
+
     def _start(self) -> None:
         s, ep = self.settings, self.endpoints
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -344,11 +348,11 @@ class LocalStack:
             for kept in (self.state_dir / "gcs", self.firestore_data):
                 shutil.rmtree(kept, ignore_errors=True)
         self.progress("starting emulators: GCS, Firestore, Pub/Sub")
-        gcs, gcs_host = emulators.gcs(self.state_dir)
-        fs, self._firestore_host = emulators.firestore(self.state_dir, import_from=self.firestore_data)
-        ps, ep.pubsub = emulators.pubsub(self.state_dir)
-        for proc in (gcs, fs, ps):
-            self._spawn(proc)
+        _, gcs_host = self._spawn_on_a_free_port(lambda port: emulators.gcs(self.state_dir, port))
+        _, self._firestore_host = self._spawn_on_a_free_port(
+            lambda port: emulators.firestore(self.state_dir, port, import_from=self.firestore_data)
+        )
+        _, ep.pubsub = self._spawn_on_a_free_port(lambda port: emulators.pubsub(self.state_dir, port))
         self._closers.append(self._keep_ledger)
         self._closers.append(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
 
@@ -478,8 +482,10 @@ class LocalStack:
         def serve(target: str, signature: str = "cloudevent") -> str:
             function = deployed.functions[target]
             env = {**fn_env, **self.identity_env(function.member)}
-            proc, url = function_server(target, self.state_dir / f"function-{target}.log", env, signature)
-            self._spawn(proc)
+            log = self.state_dir / f"function-{target}.log"
+            _, url = self._spawn_on_a_free_port(
+                lambda port: function_server(target, log, env, signature, port)
+            )
             pushed = {t: p.member for t, p in deployed.pushes.items() if push_routes.get(t) == target}
             front = InvokerFront(
                 url,
@@ -702,8 +708,9 @@ def ledger_access(settings: config.Settings) -> Iterator[None]:
         yield
         return
     state_dir = Path(settings.state_dir).resolve()
-    proc, host = emulators.firestore(state_dir, import_from=state_dir / "firestore-data")
-    proc.start()
+    proc, host = processes.start_on_a_free_port(
+        lambda port: emulators.firestore(state_dir, port, import_from=state_dir / "firestore-data")
+    )
     os.environ["FIRESTORE_EMULATOR_HOST"] = host
     try:
         yield

@@ -26,7 +26,7 @@ import pytest
 
 from retrain import builds, deploy, pins, targets
 from retrain.deployment import Deployment
-from retrain.local import emulators
+from retrain.local import processes
 
 hcl2 = pytest.importorskip("hcl2")
 
@@ -750,7 +750,7 @@ def test_an_artifact_that_cannot_be_pinned_stops_deploy_before_the_app_stage(
     before the app stage's Terraform runs.  A dry run resolves nothing and leaves the lock as it was."""
     path = checkout / "infra" / "pins.json"
     lock = pins.Lock.load(path)
-    unreachable = f"127.0.0.1:{emulators.free_port()}/team/trainer:v9"
+    unreachable = f"127.0.0.1:{processes.free_port()}/team/trainer:v9"
     lock.images[unreachable] = None
     lock.save(path)
     before = path.read_text()

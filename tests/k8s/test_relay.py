@@ -33,8 +33,8 @@ from retrain.ingest import Action, Ingest
 from retrain.k8s.notifier import message_for, terminal_state
 from retrain.k8s.render import JOBSET_API, render_jobset
 from retrain.local import delivery
-from retrain.local.emulators import free_port
 from retrain.local.gke_api import GkeApiServer
+from retrain.local.processes import free_port, start_on_a_free_port
 from retrain.local.stack import function_server
 from retrain.trainers import Command
 
@@ -247,8 +247,9 @@ def test_a_message_the_function_keeps_failing_on_is_dead_lettered_and_bad_ones_a
         LOCAL_TOKEN_VAR: os.environ[LOCAL_TOKEN_VAR],
         "RETRAIN_WORKFLOWS_ENDPOINT": down,
     }
-    proc, url = function_server("on_jobset_event", tmp_path / "relay.log", env)
-    proc.start()
+    proc, url = start_on_a_free_port(
+        lambda port: function_server("on_jobset_event", tmp_path / "relay.log", env, "cloudevent", port)
+    )
     try:
         publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
         project = f"dl-{uuid.uuid4().hex[:8]}"

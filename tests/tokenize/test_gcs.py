@@ -95,9 +95,9 @@ def test_what_the_emulator_took_survives_its_stop_and_restart(tmp_path, monkeypa
     stop (SIGTERM, as the stack stops it) still leaves every object and noncurrent version for the next
     start, however soon after the writes it comes."""
     from retrain.local import emulators
+    from retrain.local.processes import start_on_a_free_port
 
-    proc, host = emulators.gcs(tmp_path)
-    proc.start()
+    proc, host = start_on_a_free_port(lambda port: emulators.gcs(tmp_path, port))
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)
     client = objects.storage_client()
     bucket = client.create_bucket("kept-across-restarts")
@@ -107,8 +107,7 @@ def test_what_the_emulator_took_survives_its_stop_and_restart(tmp_path, monkeypa
         objects.write_bytes(f"gs://kept-across-restarts/o/{i:03d}", b"%d" % i)
     objects.write_bytes("gs://kept-across-restarts/o/000", b"overwritten")
     proc.stop()  # at once: the last writes are at most FLUSH_S old
-    proc, host = emulators.gcs(tmp_path)
-    proc.start()
+    proc, host = start_on_a_free_port(lambda port: emulators.gcs(tmp_path, port))
     try:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)
         names = [b.name for b in objects.storage_client().list_blobs("kept-across-restarts")]
