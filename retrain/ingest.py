@@ -62,6 +62,7 @@ from retrain.ports import (
     Cluster,
     ExecutionState,
     Ledger,
+    ObjectChanged,
     ObjectStore,
     Orchestrator,
     RunEvents,
@@ -359,7 +360,7 @@ class Ingest:
             argument = workflow_argument(self.settings, run, champion, manifest.total_bytes)
         except PlanError as e:
             return self._refuse(run, claim.token, f"the trainer would refuse this run: {e}")
-        written = self._write_manifest(run, manifest)
+        written = self._write_manifest(run, claim.token, manifest)
         argument = dataclasses.replace(argument, manifest_generation=written)
         # The plan is the ledger's, kept under this claim: the execution's argument names only the run
         # and the claim, and its begin step reads the plan back (ExecutionArgument says why).
@@ -429,17 +430,32 @@ class Ingest:
                 extra={"alert": Alert.CAPACITY_WAIT, "run_id": run.run_id, "dataset": run.dataset},
             )
 
-    def _write_manifest(self, run: Run, manifest: RunManifest) -> int | None:
+    def _write_manifest(self, run: Run, claim: str, manifest: RunManifest) -> int | None:
         """Write the run's manifest; the generation written (the version the audit and report read and
-        the tokenize job is pinned to: the run record's ``manifest_generation``).  The artifacts bucket
-        keeps noncurrent versions, so a generation stays readable when a later starter rewrites it."""
+        the tokenize job is pinned to: the run record's ``manifest_generation``).
+
+        Written only where none is (ifGenerationMatch=0): a starter whose claim a sweep took over must
+        not rewrite the manifest its successor recorded, whose version would then be noncurrent and, after
+        the bucket's retention, gone from under the run's audit and report.  The same bytes already there
+        (a starter of this run before, on the same content) are this claim's manifest; other bytes (the
+        run's content changed between the two claims) are rewritten only at the generation read and only
+        while the claim is still this one; None when it is not (the caller's claimed update then fails)."""
         uri = f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}"
-        return self.store.write_bytes(uri, manifest.to_json(), "application/json")
+        data = manifest.to_json()
+        try:
+            return self.store.write_bytes(uri, data, "application/json", if_generation_match=0)
+        except ObjectChanged:
+            there = self.store.stat(uri)
+        if self.store.read_bytes(uri, there.generation) == data:
+            return there.generation
+        if not self.ledger.update_claimed(run.run_id, claim, {"manifest_generation": None}):
+            return None
+        return self.store.write_bytes(uri, data, "application/json", if_generation_match=there.generation)
 
     def _nothing_to_train(self, run: Run, claim: str, manifest: RunManifest) -> Outcome:
         """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds
         now, without a job or capacity (its manifest is written, for its lineage and the audit)."""
-        written = self._write_manifest(run, manifest)
+        written = self._write_manifest(run, claim, manifest)
         reason = f"nothing to train: its {len(manifest.objects)} object(s) are empty"
         now = now_iso()
         ended = self.ledger.update_claimed(

@@ -183,6 +183,11 @@ class ExportStatus:
     error: str = ""
 
 
+class ObjectChanged(Exception):
+    """A conditional write found the object at another generation than it was conditioned on (Cloud
+    Storage's 412 Precondition Failed): nothing was written."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """An object's identity and size, as listing or stat-ing it tells."""
@@ -384,8 +389,12 @@ class ObjectStore(Protocol):
         """The object's bytes (of ``generation`` exactly, when given); FileNotFoundError without it."""
         ...
 
-    def write_bytes(self, uri: str, data: bytes, content_type: str = ...) -> int | None:
-        """Writes the object; its new generation (None where there is none: a local file)."""
+    def write_bytes(
+        self, uri: str, data: bytes, content_type: str = ..., if_generation_match: int | None = None
+    ) -> int | None:
+        """Writes the object; its new generation (None where there is none: a local file).  With
+        ``if_generation_match``, only while the live version is that generation (0: none is live), else
+        ObjectChanged and nothing written."""
         ...
 
     def delete(self, uri: str) -> None: ...

@@ -25,6 +25,7 @@ from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.contracts import RunManifest
 from retrain.deployment import Deployment
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import RunStatus
@@ -47,7 +48,9 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
         max_batch_age_s=3600,
         stuck_after_s=30,
     )
-    objects.storage_client().create_bucket(settings.artifacts_bucket)
+    artifacts = objects.storage_client().create_bucket(settings.artifacts_bucket)
+    artifacts.versioning_enabled = True  # as deployed (infra/platform/storage.tf)
+    artifacts.patch()
     return Ingest(
         settings,
         FirestoreLedger(project),
@@ -207,6 +210,64 @@ def test_a_start_that_outlasts_its_claim_leaves_the_run_one_execution(
     assert {name for name, b in begun.items() if b.plan is not None} == {run.execution}
     (refused,) = (b for b in begun.values() if b.plan is None)
     assert refused.reason == f"run {run.run_id} is another execution's (its start claim is not this one's)"
+    assert manifest_versions(ingest, run.run_id) == [run.manifest_generation]  # written once, for both
+
+
+def manifest_versions(ingest: Ingest, run_id: str) -> list[int | None]:
+    """Every version, live or noncurrent, of the run's manifest (the artifacts bucket is versioned)."""
+    uri = f"{ingest.settings.artifacts_uri}/runs/{run_id}/objects.json"
+    return [o.generation for o in objects.list_objects(uri, versions=True)]
+
+
+def test_a_slow_starter_never_rewrites_the_manifest_its_successor_recorded(
+    ingest: Ingest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A starter stalled after the seal but before its manifest, past stuck_after_s: a sweep takes over,
+    writes the manifest and starts the run.  The slow one then finds the same bytes there and writes
+    nothing (a rewrite would make the recorded generation noncurrent, gone after the bucket's retention);
+    had the content changed between the claims, its stale bytes are refused too, while the claim's
+    holder may still rewrite at the generation it read."""
+    arrive(ingest, "stale", "1.txt")
+    arrive(ingest, "stale", "2.txt")
+    sealed = ingest.ledger.seal("stale", "manual")
+    assert sealed.run is not None
+    champion = ingest.ledger.champion
+    stalled: list[str] = []
+
+    def slow_champion(dataset: str) -> object:
+        if not stalled:
+            stalled.append(dataset)
+            ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+            assert [o.action for o in ingest.sweep()] == ["started"]
+        return champion(dataset)
+
+    monkeypatch.setattr(ingest.ledger, "champion", slow_champion)
+    ingest.start(sealed.run)
+    run = ingest.ledger.get_run(sealed.run.run_id)
+    assert run is not None and run.execution and run.manifest_generation is not None
+    assert manifest_versions(ingest, run.run_id) == [run.manifest_generation]
+
+    other = RunManifest(run.run_id, run.dataset, run.batch_id, "another-snapshot", [])
+    assert ingest._write_manifest(run, "a-claim-taken-over", other) is None
+    assert manifest_versions(ingest, run.run_id) == [run.manifest_generation]
+
+
+def test_the_claims_holder_rewrites_a_manifest_whose_content_changed_at_the_generation_it_read(
+    ingest: Ingest,
+) -> None:
+    arrive(ingest, "changed", "1.txt")
+    sealed = ingest.ledger.seal("changed", "manual")
+    assert sealed.run is not None
+    claim = ingest.ledger.claim_start(sealed.run, ingest.settings.stuck_after_s)
+    first = RunManifest(sealed.run.run_id, "changed", sealed.run.batch_id, "s1", list(claim.objects))
+    written = ingest._write_manifest(sealed.run, claim.token, first)
+    assert ingest._write_manifest(sealed.run, claim.token, first) == written  # the same bytes: as is
+    second = dataclasses.replace(first, snapshot="s2")
+    rewritten = ingest._write_manifest(sealed.run, claim.token, second)
+    assert rewritten is not None and written is not None and rewritten > written
+    assert manifest_versions(ingest, sealed.run.run_id) == [written, rewritten]
+    uri = f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json"
+    assert objects.read_bytes(uri) == second.to_json()
 
 
 def test_a_slow_starter_that_would_refuse_the_run_leaves_it_to_the_one_that_took_over(

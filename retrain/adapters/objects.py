@@ -19,10 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
 
-from google.api_core.exceptions import NotFound
+from google.api_core.exceptions import NotFound, PreconditionFailed
 
 from retrain.adapters import credentials
-from retrain.ports import ObjectInfo
+from retrain.ports import ObjectChanged, ObjectInfo
 
 GS = "gs://"
 
@@ -96,16 +96,39 @@ def open_read(uri: str, generation: int | None = None) -> IO[bytes]:
     return open(uri, "rb")
 
 
-def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-stream") -> int | None:
-    """Writes the object whole; its new generation (a local file has none: None)."""
+def write_bytes(
+    uri: str,
+    data: bytes,
+    content_type: str = "application/octet-stream",
+    if_generation_match: int | None = None,
+) -> int | None:
+    """Writes the object whole; its new generation (a local file has none: None).  With
+    ``if_generation_match``, only while the live version is that generation, 0 meaning none is live
+    (cloud.google.com/storage/docs/request-preconditions: a 412 otherwise): ObjectChanged when not."""
     if is_gcs(uri):
         blob = _blob(uri)
-        blob.upload_from_string(data, content_type=content_type)
+        try:
+            blob.upload_from_string(data, content_type=content_type, if_generation_match=if_generation_match)
+        except PreconditionFailed:
+            raise ObjectChanged(f"{uri} is not at generation {if_generation_match}") from None
         return int(blob.generation)
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
+    if if_generation_match == 0:  # a local file's "generation" is its mtime: 0 is "no such file"
+        try:
+            os.link(tmp, path)  # atomic, and refused where the name exists
+        except FileExistsError:
+            raise ObjectChanged(f"{uri} exists") from None
+        finally:
+            tmp.unlink()
+        return None
+    if if_generation_match is not None and (
+        not path.exists() or path.stat().st_mtime_ns != if_generation_match
+    ):
+        tmp.unlink()
+        raise ObjectChanged(f"{uri} is not at generation {if_generation_match}")
     tmp.replace(path)
     return None
 

@@ -19,6 +19,11 @@ with the current one, so a reader pinned to a generation that is gone silently g
 - **A generation that does not exist is a 404** (objects.get, cloud.google.com/storage/docs/json_api/v1/
   objects/get: ``generation`` "If present, selects a specific revision of this object"), never the
   current version's bytes.
+- **Preconditions hold** on every write (uploads, whole or resumable, copy, rewrite and compose to their
+  destination, delete, patch): ``ifGenerationMatch`` (0: no live version) and ``ifMetagenerationMatch``
+  that do not hold are a 412, ``ifGenerationNotMatch`` and ``ifMetagenerationNotMatch`` that do not
+  hold a 304, and nothing is written (cloud.google.com/storage/docs/request-preconditions).  Out of the
+  box the emulator ignores them and writes.
 """
 
 from __future__ import annotations
@@ -173,6 +178,77 @@ def _listing_versions(handler: Any) -> Any:
     return handle
 
 
+PRECONDITIONS = (
+    "ifGenerationMatch",
+    "ifGenerationNotMatch",
+    "ifMetagenerationMatch",
+    "ifMetagenerationNotMatch",
+)
+_request = threading.local()
+"""The preconditions of the request being handled (requests are handled one at a time: _STATE)."""
+
+
+class _NotMet(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _check_preconditions(storage: Any, bucket: str, name: str) -> None:
+    """Raise _NotMet when the request's preconditions do not hold for the live version of ``name``."""
+    conditions: dict[str, int] = getattr(_request, "conditions", {})
+    if not conditions:
+        return
+    live = (storage.objects.get(bucket) or {}).get(name)
+    generation = int(live.get("generation") or 0) if live else 0
+    metageneration = int(live.get("metageneration") or 1) if live else None
+    for key, wanted in conditions.items():
+        if key == "ifGenerationMatch" and generation != wanted:
+            raise _NotMet(HTTPStatus.PRECONDITION_FAILED, f"{name}: generation {generation}, not {wanted}")
+        if key == "ifMetagenerationMatch" and metageneration != wanted:
+            raise _NotMet(HTTPStatus.PRECONDITION_FAILED, f"{name}: metageneration {metageneration}")
+        if key == "ifGenerationNotMatch" and generation == wanted:
+            raise _NotMet(HTTPStatus.NOT_MODIFIED, f"{name}: generation {generation}")
+        if key == "ifMetagenerationNotMatch" and metageneration == wanted:
+            raise _NotMet(HTTPStatus.NOT_MODIFIED, f"{name}: metageneration {metageneration}")
+
+
+def _conditional(method: Any) -> Any:
+    """A storage write (create, delete, patch) that first checks the request's preconditions."""
+
+    def write(self: Any, bucket_name: str, file_name: str, *args: Any, **kwargs: Any) -> Any:
+        _check_preconditions(self, bucket_name, file_name)
+        return method(self, bucket_name, file_name, *args, **kwargs)
+
+    return write
+
+
+def _with_preconditions(handler: Any) -> Any:
+    """A write handler whose request's preconditions the storage checks (a resumable upload's are on
+    the session URL the emulator hands out, so its finishing PUT carries them too)."""
+
+    def handle(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _request.conditions = {k: int(v[0]) for k in PRECONDITIONS if (v := request.query.get(k))}
+        except ValueError:
+            response.status = HTTPStatus.BAD_REQUEST
+            response.json({"error": {"code": 400, "message": "a precondition is not a number"}})
+            return None
+        try:
+            return handler(request, response, storage, *args, **kwargs)
+        except _NotMet as e:
+            response.status = e.status
+            if e.status == HTTPStatus.PRECONDITION_FAILED:
+                message = "At least one of the pre-conditions you specified did not hold."
+                error = {"message": message, "domain": "global", "reason": "conditionNotMet"}
+                response.json({"error": {"code": 412, "message": message, "errors": [error]}})
+            return None
+        finally:
+            _request.conditions = {}
+
+    return handle
+
+
 def _write_later(storage: Any) -> None:
     """Stands for ``Storage._write_config_to_file``: the metadata is written by :func:`_flush`."""
     _dirty.setdefault(storage, set()).add(".meta")
@@ -235,12 +311,15 @@ def main() -> None:
     threading.Thread(target=_flushing, name="metadata-flush", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_flushed)
-    emulated.Storage.create_file = _keeping_versions(emulated.Storage.create_file)
-    emulated.Storage.delete_file = _keeping_versions(emulated.Storage.delete_file)
+    emulated.Storage.create_file = _conditional(_keeping_versions(emulated.Storage.create_file))
+    emulated.Storage.delete_file = _conditional(_keeping_versions(emulated.Storage.delete_file))
+    emulated.Storage.patch_object = _conditional(emulated.Storage.patch_object)
     objects.get = _by_generation(objects.get)
     objects.download = _by_generation(objects.download)
     objects.ls = _listing_versions(objects.ls)
-    objects.delete = _deleting_a_version(objects.delete)
+    objects.delete = _with_preconditions(_deleting_a_version(objects.delete))
+    for write in ("insert", "upload_partial", "copy", "rewrite", "compose", "patch"):
+        setattr(objects, write, _with_preconditions(getattr(objects, write)))
     from gcp_storage_emulator import server  # its routes bind the handlers above: imported after them
     from gcp_storage_emulator.__main__ import main as emulator
 
