@@ -210,6 +210,7 @@ def request_cancel(
 
     A run whose execution no longer exists is recorded as failed ("execution lost") and what it left
     in the cluster is reaped (with ``ingest``), instead of refusing: nothing else would stop it."""
+    from retrain.contracts import CallbackPayload, CompletionState
     from retrain.domain.errors import ExecutionLost
     from retrain.ingest import record_silent_end
 
@@ -227,7 +228,11 @@ def request_cancel(
         if ingest is not None:
             ingest.reap()
         return f"run {run_id}'s execution no longer exists: recorded as failed, its capacity reaped"
-    payload = {"state": "Cancelled", "reason": reason, "requested_by": operator_identity(cloud)}
+    # The record first: the workflow stops the run only on a cancel the ledger holds (who asked, and why,
+    # are read there), and the callback wakes it to look.
+    if not ledger.request_cancel(run_id, operator_identity(cloud), reason):
+        raise RuntimeError(f"run {run_id} ended before the cancel was recorded")
+    payload = CallbackPayload(CompletionState.CANCELLED, run_id=run_id).to_dict()
     code = executions.send_callback(run.callback_url, payload)
     if code >= 300:
         raise RuntimeError(f"the run's workflow did not take the cancel (HTTP {code})")

@@ -459,13 +459,14 @@ class JobSetCompletion:
 
 @dataclass(frozen=True)
 class CallbackPayload:
-    """The body POSTed to a run's callback endpoint.  A completion is a hint the workflow confirms from the
-    JobSet's own status; a ``Cancelled`` one is the operator's (``retrain cancel``)."""
+    """The body POSTed to a run's callback endpoint.  Each is a hint the workflow confirms: a completion
+    from the JobSet's own status, a ``Cancelled`` one (``retrain cancel``) from the cancel the ledger
+    holds for the run (:class:`CancelRequest`)."""
 
     state: CompletionState
     """How training ended, or ``Cancelled``."""
     reason: str = ""
-    """Why (the JobSet condition's reason, or the operator's words)."""
+    """Why (the JobSet condition's reason; for a cancel, the ledger's words are the ones kept)."""
     run_id: str = ""
     """The run the payload is about."""
     jobset: str = ""
@@ -478,8 +479,6 @@ class CallbackPayload:
     """When the JobSet was created."""
     finish_time: str | None = None
     """When it finished."""
-    requested_by: str = ""
-    """For a cancel: who asked (the operator's identity, recorded in the run's reason)."""
 
     @classmethod
     def of(cls, completion: JobSetCompletion) -> CallbackPayload:
@@ -515,6 +514,10 @@ class StepName(StrEnum):
     """The JobSet completed: read what the trainer wrote, record it, promote the checkpoint."""
     FINISH = "finish"
     """The run ended (its outcome recorded): one that did not succeed gives its content back."""
+    CANCEL = "cancel"
+    """A callback said ``Cancelled``: answer the operator's cancel as the ledger holds it
+    (:class:`CancelRequest`).  The callback is only a wake-up: whoever may send callbacks cannot stop a
+    run, nor say who asked, without ``retrain cancel``'s record in the ledger."""
 
 
 @dataclass(frozen=True)
@@ -552,6 +555,8 @@ class StepRequest:
         run_id, training = body.get("run_id"), body.get("training")
         if not isinstance(run_id, str) or not run_id:
             raise Rejected("run_id (a string) is required")
+        if step == StepName.CANCEL:
+            return cls(step, run_id)
         if step == StepName.BEGIN:
             claim, execution = body.get("claim"), body.get("execution")
             if not isinstance(claim, str) or not claim:
@@ -573,6 +578,17 @@ class Begun:
     (another starter's claim holds it, it has another execution, it is not pending) and ends at once."""
     reason: str
     """Why not, when ``plan`` is None."""
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    """``cancel``'s answer: the operator's cancel as the ledger recorded it."""
+
+    requested_by: str | None
+    """Who asked (:attr:`retrain.domain.runs.Run.cancel_requested_by`); None: the ledger holds no cancel
+    for the run, and the callback that said so is ignored."""
+    reason: str
+    """The operator's words ("no reason given" when there were none)."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@
   complete the run's training plan; its trainer profile renders the command (checked against the
   trainer's own configuration) and the JobSet that runs it; the run record gains ``command``,
   ``image`` and ``blend``, and the workflow submits the JobSet.
+- :meth:`Steps.cancel`, when a callback says Cancelled: the operator's cancel as the ledger recorded it
+  (none: the callback is ignored).
 - :meth:`Steps.finish`, once the run ended: a run that did not succeed gives its content back, so that
   it trains in a later run (content counts as trained only when its run succeeded).
 - :meth:`Steps.results`, once the JobSet completed: what the trainer wrote -- TensorBoard events and
@@ -32,6 +34,7 @@ from typing import Any
 from retrain.config import Settings
 from retrain.contracts import (
     Begun,
+    CancelRequest,
     Finished,
     Handover,
     Results,
@@ -226,6 +229,8 @@ class Steps:
         request = StepRequest.parse(body)
         if request.step == StepName.BEGIN:
             return dataclasses.asdict(self.begin(request.run_id, request.claim, request.execution))
+        if request.step == StepName.CANCEL:
+            return dataclasses.asdict(self.cancel(request.run_id))
         try:
             plan = TrainingPlan.parse(request.training)
             if plan.run_id != request.run_id:
@@ -264,6 +269,16 @@ class Steps:
             reason = f"run {run_id} is another execution's (its start claim is not this one's)"
         log.warning("execution %s ends at begin: %s", execution, reason)
         return Begun(None, reason)
+
+    def cancel(self, run_id: str) -> CancelRequest:
+        """The operator's cancel of the run as the ledger holds it: the workflow stops a run on a
+        Cancelled callback only when one is recorded, and names who asked from here, never from the
+        callback's body (whoever may send callbacks could write any name there, or stop any run)."""
+        run = self.ledger.get_run(run_id)
+        if run is None or not run.cancel_requested_by:
+            log.warning("run %s: a Cancelled callback without a cancel in the ledger is ignored", run_id)
+            return CancelRequest(None, "")
+        return CancelRequest(run.cancel_requested_by, run.cancel_reason or "no reason given")
 
     def _report(self, plan: TrainingPlan) -> dict[str, Any]:
         """The run's tokenize report; PlanError when it cannot be read or lacks a field."""

@@ -27,6 +27,7 @@ from retrain import config, contracts
 from retrain.contracts import (
     Begun,
     CallbackPayload,
+    CancelRequest,
     CompletionState,
     ExecutionArgument,
     Handover,
@@ -126,6 +127,8 @@ def check_workflow(source: str) -> list[str]:
         problems.append(f"execution argument field {name!r} is not an ExecutionArgument field")
     for name in sorted(set(re.findall(r"\bbegun\.([A-Za-z_]\w*)", text)) - field_names(Begun)):
         problems.append(f"begin's answer field {name!r} is not a Begun field")
+    for name in sorted(set(re.findall(r"\bcancel\.([A-Za-z_]\w*)", text)) - field_names(CancelRequest)):
+        problems.append(f"cancel's answer field {name!r} is not a CancelRequest field")
     for call in _calls(wf, "python_step"):
         body = call.get("args", {}).get("body", {})
         for key in sorted(set(body) - field_names(StepRequest)):
@@ -178,6 +181,8 @@ def test_the_workflow_names_only_what_the_contracts_declare() -> None:
         ("quarantined: ${report.quarantined}", "quarantine: ${report.quarantined}", "quarantine"),
         ('training.state == "Cancelled"', 'training.state == "Canceled"', "Canceled"),
         ('- status: "cancelled"', '- status: "canceled"', "canceled"),
+        ("${cancel.requested_by != null}", "${cancel.requester != null}", "requester"),
+        ('step: "cancel"', 'step: "cancelled"', "cancelled"),
     ],
 )
 def test_a_drifted_workflow_is_caught(old: str, new: str, complaint: str) -> None:

@@ -150,7 +150,8 @@ def test_a_cancel_while_tokenizing_stops_the_tokenize_job(stack: LocalStack, tmp
 
 def test_a_forged_failure_posted_to_the_callback_is_ignored(stack: LocalStack, tmp_path: Path) -> None:
     """Anyone who can call the callback is only giving a hint: the training wait reads the JobSet, which
-    is running, logs the message as unconfirmed and waits on; the run succeeds."""
+    is running, logs the message as unconfirmed and waits on; a Cancelled with no cancel in the ledger
+    (retrain cancel records one first) stops nothing, whatever name it gives; the run succeeds."""
     s = stack.settings
     ledger, executions = FirestoreLedger(s.project), WorkflowsExecutions(s.project, s.region, s.workflow)
     started = time.monotonic()
@@ -166,12 +167,15 @@ def test_a_forged_failure_posted_to_the_callback_is_ignored(stack: LocalStack, t
         "jobset": f"retrain-{run.run_id}",
     }
     assert executions.send_callback(current.callback_url, forged) == 200  # delivered, and not believed
+    cancel = {"state": "Cancelled", "run_id": run.run_id, "requested_by": "the-ceo", "reason": "forged"}
+    assert executions.send_callback(current.callback_url, cancel) == 200
     # bodies that are no JSON object (map.get on them raised, and the run failed): logged, waited past
     for odd in (["Cancelled"], "Cancelled", 7):
         assert executions.session().post(current.callback_url, json=odd, timeout=30).status_code == 200
     ended = finish(stack, run)
     assert_released(stack, ended, "succeeded")
-    report("a forged Failed POSTed to the run's callback", ended, started)
+    assert ended.cancel_requested_by is None
+    report("a forged Failed and Cancelled POSTed to the run's callback", ended, started)
 
 
 def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(

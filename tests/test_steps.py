@@ -680,6 +680,25 @@ def test_a_malformed_begin_is_refused_with_the_reason(body: dict[str, Any], refu
         StepRequest.parse(body)
 
 
+def test_a_cancel_is_the_ledgers_never_the_callbacks(steps: Steps) -> None:
+    """A Cancelled callback only wakes the workflow: the cancel step answers the request retrain cancel
+    recorded (who asked and why), the first one standing; without one (a callback forged by whoever may
+    send callbacks) it answers none and the run goes on; a run that ended takes no request."""
+    run_id, _ = claimed_run(steps)
+    assert steps.handle({"step": "cancel", "run_id": run_id}) == {"requested_by": None, "reason": ""}
+    assert steps.ledger.request_cancel(run_id, "alice@example.com", "wrong data")
+    assert steps.ledger.request_cancel(run_id, "mallory@example.com", "")  # taken, and changes nothing
+    answer = steps.handle({"step": "cancel", "run_id": run_id})
+    assert answer == {"requested_by": "alice@example.com", "reason": "wrong data"}
+    assert steps.handle({"step": "cancel", "run_id": "nobody"}) == {"requested_by": None, "reason": ""}
+    other, _ = claimed_run(steps)
+    steps.ledger.update_run(other, {"status": "succeeded"})
+    assert not steps.ledger.request_cancel(other, "alice@example.com", "too late")
+    assert not steps.ledger.request_cancel("nobody", "alice@example.com", "no such run")
+    ended = steps.ledger.get_run(other)
+    assert ended is not None and ended.cancel_requested_by is None
+
+
 def carve(plan: dict[str, Any], members: list[str], held_out_for: str) -> str:
     """A held-out set as a run's tokenize job writes it: a pack under the shard root, marked as the
     carving run's in its ``_pack.json``; its data prefix."""

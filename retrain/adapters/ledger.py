@@ -853,6 +853,24 @@ class FirestoreLedger:
     def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None:
         self.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})
 
+    def request_cancel(self, run_id: str, requested_by: str, reason: str) -> bool:
+        run_ref = self.db.collection("runs").document(run_id)
+
+        @firestore.transactional
+        def request(tx: firestore.Transaction) -> bool:
+            snap = run_ref.get(transaction=tx)
+            if not snap.exists:
+                return False
+            current = Run.from_dict(snap.to_dict() or {})
+            if current.status.terminal:
+                return False
+            if not current.cancel_requested_by:
+                fields = {"cancel_requested_by": requested_by, "cancel_reason": reason}
+                tx.update(run_ref, {**fields, "updated_at": now_iso()})
+            return True
+
+        return bool(self._contended(request))
+
     def get_run(self, run_id: str) -> Run | None:
         snap = self.db.collection("runs").document(run_id).get()
         return Run.from_dict(snap.to_dict() or {}) if snap.exists else None

@@ -372,6 +372,11 @@ class Run:
     """:class:`Evaluation`: its validation loss against the champion's, and whether it was promoted."""
     reason: str | None = None
     """Why it ended as it did (failures, cancels, missing metrics), for a person."""
+    cancel_requested_by: str | None = None
+    """Who asked to cancel it (``retrain cancel``: the operator's Google account), as the ledger recorded
+    the request before signalling the run's callback; the workflow stops only on a cancel recorded here."""
+    cancel_reason: str | None = None
+    """The operator's words with that request."""
     failure: FailureKind | None = None
     """The kind of failure of a run that did not succeed (None for one that did, or still runs)."""
     content_returned: bool = False
