@@ -28,7 +28,8 @@ from stack_support import (
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cli import request_cancel
-from retrain.domain.runs import Run
+from retrain.domain.runs import FailureKind, Run
+from retrain.k8s.render import jobset_name
 from retrain.local.cluster_twin import Faults
 from retrain.local.stack import LocalStack
 
@@ -176,6 +177,42 @@ def test_a_forged_failure_posted_to_the_callback_is_ignored(stack: LocalStack, t
     assert_released(stack, ended, "succeeded")
     assert ended.cancel_requested_by is None
     report("a forged Failed and Cancelled POSTed to the run's callback", ended, started)
+
+
+def test_a_jobset_replaced_under_the_runs_name_is_not_taken_for_the_runs(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """The training wait reads the JobSet by name and confirms it by the uid its create answered: one
+    deleted and created again under the run's name, label and all (by whoever may write JobSets), is not
+    the run's, and its completion would not be; the run fails saying so, and still releases every GPU."""
+    from kubernetes import client
+
+    started = time.monotonic()
+    stack.twin.faults = Faults(hold_training_s=60)
+    run = drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset())
+    wait_for_status(stack, run, "training")
+    custom = client.CustomObjectsApi(stack.kube_api)
+    namespace, name = stack.settings.namespace, jobset_name(run.run_id)
+    group = ("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")
+    deadline = time.monotonic() + 60  # "training" is recorded just before the JobSet is submitted
+    while True:
+        try:
+            submitted = custom.get_namespaced_custom_object(*group, name)
+            break
+        except client.ApiException as e:
+            assert e.status == 404 and time.monotonic() < deadline, e
+            time.sleep(0.2)
+    custom.delete_namespaced_custom_object(*group, name)
+    planted = {k: v for k, v in submitted.items() if k != "status"}
+    kept = ("name", "namespace", "labels", "annotations")
+    planted["metadata"] = {k: submitted["metadata"][k] for k in kept}
+    replaced = custom.create_namespaced_custom_object(*group[:3], "jobsets", planted)
+    assert replaced["metadata"]["uid"] != submitted["metadata"]["uid"]
+    ended = finish(stack, run, 180)
+    assert_released(stack, ended, "failed")
+    assert ended.failure == FailureKind.TRAINING_FAILED and ended.reason, ended
+    assert f"JobSet {name} is no longer the one this run submitted" in ended.reason, ended.reason
+    report("a JobSet replaced under the run's name", ended, started)
 
 
 def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(
