@@ -25,7 +25,6 @@ from typing import Any
 
 from retrain import config
 from retrain.hcl import HclError, Stage
-from retrain.local.images import BRIDGE_STANDIN, NEMO_STANDIN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INFRA = REPO_ROOT / "infra"
@@ -62,6 +61,11 @@ SCALED_PERIODS = (
     "alert_capacity_wait_s",
     "alert_idle_nodes_s",
 )
+#: The local stand-in of the NeMo 24.12 image (``nvcr.io/nvidia/nemo:24.12`` in the deployment), which
+#: ``retrain.local.images`` resolves to the cluster twin's local command.
+NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
+#: The local stand-in of a NeMo Framework image with Megatron-Bridge (``nvcr.io/nvidia/nemo:26.08``).
+BRIDGE_STANDIN = "retrain.local/megatron-bridge-standin"
 #: What the local stack plays differently, and why: each training image is its stand-in (the same
 #: command, run by the cluster twin as local processes; ``retrain.local.images``), and sequences are
 #: short enough for two CPU cores to train in seconds.

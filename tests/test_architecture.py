@@ -56,6 +56,18 @@ def test_adapters_are_built_only_in_the_composition_root() -> None:
         assert not any(a in text for a in adapters), f"{path.relative_to(REPO)} builds an adapter itself"
 
 
+def test_only_the_operators_cli_reaches_into_the_local_stack() -> None:
+    """The local stack (twins, stand-ins, emulators) is scaffolding: what deploys never imports it, so a
+    deployment reading infra/ does not drag in the twins, and the stack can change without touching it.
+    The stack imports the deployment, never the other way round."""
+    for path in sorted(RETRAIN.rglob("*.py")):
+        rel = path.relative_to(RETRAIN)
+        if rel.parts[0] == "local" or rel.as_posix() == "cli.py":
+            continue
+        reached = sorted(m for m in imports(path) if m.startswith("retrain.local"))
+        assert reached == [], f"{rel} imports {reached}"
+
+
 def test_outcomes_are_enums_not_prose() -> None:
     """No branch in ingest.py compares against a string literal: verdicts and actions are enums."""
     tree = ast.parse((RETRAIN / "ingest.py").read_text())

@@ -22,16 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retrain.deployment import BRIDGE_STANDIN, NEMO_STANDIN
 from retrain.trainers import megatron_bridge, nemo
 
 REPO = Path(__file__).resolve().parents[2]
 
 #: Commands run on the host as they are (no file is translated).
 HOST = "local"
-#: The local stand-in of the NeMo 24.12 image (``nvcr.io/nvidia/nemo:24.12`` in the deployment).
-NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
-#: The local stand-in of a NeMo Framework image with Megatron-Bridge (``nvcr.io/nvidia/nemo:26.08``).
-BRIDGE_STANDIN = "retrain.local/megatron-bridge-standin"
 #: The local stand-in of this project's tokenize image: the launcher runs dataflow/main.py in place.
 TOKENIZE_STANDIN = "retrain.local/tokenize"
 
