@@ -135,8 +135,9 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
 
     Internal-only; the workflow's service account is the only invoker (OIDC).  A plan the trainer would
     refuse answers 400 with the reason, any other failure 500 with what failed; the workflow records it.
-    A failed ``begin`` answers 503, which the workflow's ``http.default_retry`` retries: it is idempotent,
-    and it runs before the workflow's own error handling (nothing is created yet to release).
+    A failed ``begin`` or ``cancel`` answers 503, which the workflow's ``http.default_retry`` retries: both
+    are idempotent; ``begin`` runs before the workflow's own error handling (nothing is created yet to
+    release), and ``cancel`` only reads the ledger, where one lost answer would otherwise fail the run.
     """
     if request.method != "POST":
         return {"error": "POST a StepRequest"}, 405
@@ -148,5 +149,5 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
         return {"error": e.reason}, 400
     except Exception as e:  # the workflow records why (a service's refusal names the permission)
         log.exception("step failed")
-        begin = isinstance(body, dict) and body.get("step") == StepName.BEGIN
-        return {"error": f"{type(e).__name__}: {e}"}, 503 if begin else 500
+        retried = isinstance(body, dict) and body.get("step") in (StepName.BEGIN, StepName.CANCEL)
+        return {"error": f"{type(e).__name__}: {e}"}, 503 if retried else 500

@@ -411,6 +411,22 @@ def functions_env(firestore_host: str, gcs_host: str, held_executions: Execution
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+def test_run_step_answers_503_where_the_workflow_may_retry(functions_env: str) -> None:
+    """begin and cancel are idempotent: their failures answer 503, which the workflow's http.default_retry
+    retries (a ledger hiccup in cancel's confirmation would otherwise fail the run); a malformed request
+    400.  (Here the failure is a record whose status this release cannot read.)"""
+    app = functions_framework.create_app("run_step", str(REPO / "functions" / "main.py"))
+    http = app.test_client()
+    FirestoreLedger(functions_env).db.collection("runs").document("unreadable").set({"status": "bogus"})
+    cancel = http.post("/", json={"step": "cancel", "run_id": "unreadable"})
+    assert cancel.status_code == 503 and "bogus" in cancel.get_json()["error"]
+    begin = {"step": "begin", "run_id": "unreadable", "claim": "c", "execution": "e-1"}
+    assert http.post("/", json=begin).status_code == 503
+    assert http.post("/", json={"step": "cancel"}).status_code == 400  # no run_id
+    fine = http.post("/", json={"step": "cancel", "run_id": "nobody"})
+    assert fine.status_code == 200 and fine.get_json() == {"requested_by": None, "reason": ""}
+
+
 def test_run_http_entrypoint(functions_env: str) -> None:
     app = functions_framework.create_app("run_http", str(REPO / "functions" / "main.py"))
     http = app.test_client()
