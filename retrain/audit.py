@@ -252,7 +252,7 @@ def classify(
             if not own:
                 return entry(key, Account.DUPLICATE, run.run_id, f"same content as {holding.version.uri}")
             if run.refused:
-                return entry(key, Account.REFUSED, run.run_id, str((run.eval or {}).get("reason", "")))
+                return entry(key, Account.REFUSED, run.run_id, run.eval.reason if run.eval else "")
             return entry(key, Account.HELD if not run.status.terminal else Account.TRAINED, run.run_id)
         if records.last_cut is None or max(arrivals[key]) > records.last_cut:
             return entry(key, Account.PENDING)

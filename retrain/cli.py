@@ -21,7 +21,7 @@ from typing import Any
 
 from retrain import config
 from retrain.contracts import RunEvent, RunEventType, SchedulerJob
-from retrain.domain.runs import Run, RunStatus
+from retrain.domain.runs import Evaluation, Run, RunStatus
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
 
@@ -150,10 +150,10 @@ def format_run(run: Run) -> str:
     return "\n".join(lines)
 
 
-def _eval_line(verdict: dict[str, Any] | None) -> str | None:
-    if not verdict:
+def _eval_line(verdict: Evaluation | None) -> str | None:
+    if verdict is None:
         return None
-    return f"{'promoted' if verdict.get('promoted') else 'not promoted'}: {verdict.get('reason')}"
+    return f"{'promoted' if verdict.promoted else 'not promoted'}: {verdict.reason}"
 
 
 def follow(ledger: Any, run_id: str, timeout_s: float, executions: Any = None) -> Run:

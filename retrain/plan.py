@@ -164,7 +164,7 @@ def estimate(settings: Settings, measured: Run | None = None) -> Estimate:
     it trained and the node time it took (start-up and release included), scaled to this run's steps
     (the batch shape is the settings', as it was then), else from the settings."""
     tokens = settings.steps_per_run * settings.global_batch_size * settings.seq_length
-    steps = int((measured.metrics or {}).get("run_steps") or 0) if measured else 0
+    steps = measured.metrics.run_steps if measured and measured.metrics else 0
     if measured is not None and steps > 0 and measured.gpu_node_seconds > 0:
         node_s = measured.gpu_node_seconds * settings.steps_per_run / steps
         basis = f"run {measured.run_id}: {measured.gpu_node_seconds:.0f} node-seconds for {steps} steps"

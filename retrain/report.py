@@ -188,20 +188,19 @@ def render(run: Run, scalars: Sequence[Scalar], openlineage: Sequence[dict[str, 
         f'<span><i style="background:{STAGE_COLOURS[s.name]}"></i>{e(s.name)} {e(duration(s.seconds))}</span>'
         for s in parts
     )
-    metrics = run.metrics or {}
+    metrics = run.metrics
     busy = run.gpu_node_seconds - run.idle_node_seconds
-    verdict = run.eval or {}
+    verdict = run.eval
     status_class = str(run.status) if str(run.status) in ("succeeded", "failed", "cancelled") else "other"
     cap = f"${run.cost_cap_usd:.2f}" if run.cost_cap_usd else "none"  # the cap it started under
-    promoted = verdict.get("promoted")
     numbers = _rows(
         [
             ("objects", run.objects),
             ("documents written", run.documents),
             ("tokens written", run.tokens),
             ("records quarantined", run.quarantined),
-            ("tokens trained (with the base's)", metrics.get("tokens_seen")),
-            ("steps (this run)", f"{metrics.get('steps')} ({metrics.get('run_steps')})" if metrics else None),
+            ("tokens trained (with the base's)", metrics.tokens_seen if metrics else None),
+            ("steps (this run)", f"{metrics.steps} ({metrics.run_steps})" if metrics else None),
             ("GPU node-seconds busy", f"{busy:.1f}"),
             ("GPU node-seconds idle", f"{run.idle_node_seconds:.1f}"),
             ("cost of node time", f"${run.cost_usd:.2f}"),
@@ -216,17 +215,21 @@ def render(run: Run, scalars: Sequence[Scalar], openlineage: Sequence[dict[str, 
             ("base checkpoint", run.base_checkpoint or "none: the dataset's first run"),
             ("base step", run.base_step),
             ("new checkpoint", run.checkpoint),
-            ("promoted", None if promoted is None else ("yes" if promoted else "no")),
+            ("promoted", None if verdict is None else ("yes" if verdict.promoted else "no")),
         ]
     )
-    evaluation = _rows(
-        [
-            ("val_loss", _or_none(verdict.get("val_loss"))),
-            ("champion's val_loss", _or_none(verdict.get("champion_val_loss"))),
-            ("measured on", verdict.get("compared_on")),
-            ("champion run", verdict.get("champion_run")),
-            ("verdict", verdict.get("reason")),
-        ]
+    evaluation = (
+        _rows(
+            [
+                ("val_loss", _or_none(verdict.val_loss)),
+                ("champion's val_loss", _or_none(verdict.champion_val_loss)),
+                ("measured on", verdict.compared_on),
+                ("champion run", verdict.champion_run),
+                ("verdict", verdict.reason),
+            ]
+        )
+        if verdict
+        else ""
     )
     command = " ".join(run.command or [])
     about = [
@@ -327,7 +330,7 @@ def render_dataset(dataset: str, runs: Sequence[Run], curves: Sequence[Scalar]) 
         )
     chain = "".join(
         f"<li><b>{e(r.run_id)}</b> from {e(r.base_checkpoint or 'nothing (the first run)')} to "
-        f"<code>{e(r.checkpoint or '')}</code>: {e(str((r.eval or {}).get('reason', '')))}</li>"
+        f"<code>{e(r.checkpoint or '')}</code>: {e(r.eval.reason if r.eval else '')}</li>"
         for r in champion_chain(runs)
     )
     totals = _rows(

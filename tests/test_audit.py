@@ -9,7 +9,7 @@ from retrain import config
 from retrain.audit import Account, classify
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import Run, RunStatus
+from retrain.domain.runs import Evaluation, Run, RunStatus
 from retrain.ports import DatasetRecords, Holding, ObjectInfo, RecordedArrival, Rejection
 
 SETTINGS = config.load({})
@@ -17,6 +17,7 @@ NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 LONG_AGO = NOW - timedelta(hours=2)
 LAND = f"gs://{SETTINGS.landing_bucket}/{SETTINGS.landing_prefix}news/"
 CUT = "2026-11-26T11:00:00.000000Z"
+FIRST_CHECKPOINT = Evaluation(3.0, None, None, None, True, "the dataset's first checkpoint")
 BEFORE, AFTER = "2026-11-26T10:00:00.000000Z", "2026-11-26T11:30:00.000000Z"
 
 
@@ -94,7 +95,7 @@ def test_content_of_a_run_whose_checkpoint_was_refused_is_not_called_trained() -
     """Its data trained, but not into the lineage: the audit names it, with the retry that would train
     it on the champion; once retried, it is given back like a failed run's."""
     mine = version("m")
-    refused = {"promoted": False, "reason": "worse than the champion"}
+    refused = Evaluation(3.5, 3.1, "r0", "the dataset's eval set", False, "worse than the champion")
     holding = DatasetRecords(
         "news",
         CUT,
@@ -163,7 +164,7 @@ def test_a_promoted_run_keeps_its_content_whatever_its_status_says() -> None:
         CUT,
         [RecordedArrival(v, BEFORE)],
         [Holding(v, "promoted")],
-        [run("promoted", RunStatus.FAILED, eval={"promoted": True})],
+        [run("promoted", RunStatus.FAILED, eval=FIRST_CHECKPOINT)],
         {},
     )
     assert accounts(records, [listed(v)]) == {("p", 1): (Account.TRAINED, "promoted")}

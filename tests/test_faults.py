@@ -97,7 +97,7 @@ def test_a_pod_that_crashes_once_resumes_and_the_run_succeeds(stack: LocalStack,
     stack.twin.faults = Faults(crash_pod_once=True)
     run = finish(stack, drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset()))
     assert_released(stack, run, "succeeded")
-    assert run.metrics is not None and run.metrics["steps"] == stack.settings.steps_per_run
+    assert run.metrics is not None and run.metrics.steps == stack.settings.steps_per_run
     report("training pod crashes once (JobSet restart)", run, started)
 
 

@@ -209,7 +209,8 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
         "outside_plan": 0,
     }
     record = steps.ledger.get_run(plan["run_id"])
-    assert record is not None and record.checkpoint == last and record.metrics == answer["metrics"]
+    assert record is not None and record.checkpoint == last and record.metrics is not None
+    assert record.metrics.to_dict() == answer["metrics"]
     champion = steps.ledger.champion("results")
     fingerprint = checkpoint_fingerprint(objects, last)  # the files promoted: a restore checks them
     assert champion == Champion(
@@ -237,7 +238,7 @@ def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_
         answer = steps.handle(request(StepName.RESULTS, plan))
         record = steps.ledger.get_run(plan["run_id"])
         assert record is not None and record.eval is not None
-        return answer, record.eval
+        return answer, record.eval.to_dict()
 
     first, first_eval = result(3.1)
     assert first["promoted"] and first_eval["reason"] == "the dataset's first checkpoint"
@@ -293,7 +294,7 @@ def test_a_loss_that_is_not_a_number_never_promotes_and_the_answer_stays_json(
     assert steps.ledger.champion("nan") is None  # never a champion, so never a gate that compares nothing
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.eval is not None
-    assert (record.eval["promoted"], record.eval["reason"]) == (
+    assert (record.eval.promoted, record.eval.reason) == (
         False,
         "val_loss nan is not a finite number: refused",
     )
@@ -322,7 +323,7 @@ def test_with_an_eval_set_the_champion_is_judged_on_the_same_documents(steps: St
         steps.handle(request(StepName.RESULTS, plan))
         record = steps.ledger.get_run(plan["run_id"])
         assert record is not None and record.eval is not None
-        return record.eval
+        return record.eval.to_dict()
 
     result(3.4)  # before the dataset had an eval set: validated on its own split
     eval_set = f"gs://{steps.settings.artifacts_bucket}/eval/judged_text_document"

@@ -629,13 +629,12 @@ def test_a_forecast_says_when_the_trainer_would_refuse_the_run(ingest: Ingest) -
 def test_a_datasets_own_runs_price_the_next_one() -> None:
     """The champion's record (node time for the steps it trained) prices the next run, scaled to its
     steps: a continued run's consumed samples count its base's too, its steps do not."""
-    from retrain.domain.runs import Run
+    from retrain.domain.runs import Run, TrainingMetrics
     from retrain.plan import estimate
 
     settings = config.load({})  # 60 steps a run, $88.49 a node-hour
-    champion = Run(
-        "d-1", "d", "manual", metrics={"run_steps": 30, "tokens_seen": 10**9}, gpu_node_seconds=1800
-    )
+    metrics = TrainingMetrics(60, 30, 2.0, 2.1, 10**9 // 2048, 10**9)
+    champion = Run("d-1", "d", "manual", metrics=metrics, gpu_node_seconds=1800)
     cost = estimate(settings, champion)
     # 1800 node-seconds for 30 steps -> 3600 for 60 = 1 node-hour
     assert (cost.node_hours, round(cost.cost_usd, 2)) == (1.0, 88.49)

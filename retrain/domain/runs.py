@@ -193,6 +193,18 @@ class Evaluation:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Evaluation:
+        """A record's ``eval`` as :meth:`to_dict` wrote it."""
+        return cls(
+            val_loss=d.get("val_loss"),
+            champion_val_loss=d.get("champion_val_loss"),
+            champion_run=d.get("champion_run"),
+            compared_on=d.get("compared_on"),
+            promoted=bool(d.get("promoted")),
+            reason=str(d.get("reason") or ""),
+        )
+
 
 SAME_DATA = "this run's validation data"
 EVAL_SET = "the dataset's eval set"
@@ -293,6 +305,20 @@ class TrainingMetrics:
         and the workflow parses the answer as JSON); the eval gate saw it and said so in ``eval``."""
         return {k: finite(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainingMetrics:
+        """A record's ``metrics`` as :meth:`to_dict` wrote it (a field it lacks reads as not reported)."""
+        return cls(
+            steps=int(d.get("steps") or 0),
+            run_steps=int(d.get("run_steps") or 0),
+            final_loss=d.get("final_loss"),
+            val_loss=d.get("val_loss"),
+            consumed_samples=d.get("consumed_samples"),
+            tokens_seen=d.get("tokens_seen"),
+            base_val_loss=d.get("base_val_loss"),
+            outside_plan=int(d.get("outside_plan") or 0),
+        )
+
 
 @dataclass
 class Run:
@@ -366,10 +392,11 @@ class Run:
     """That checkpoint's step."""
     checkpoint: str | None = None
     """The checkpoint it produced."""
-    metrics: dict[str, Any] | None = None
-    """:class:`TrainingMetrics` as the trainer reported them (null: none were found)."""
-    eval: dict[str, Any] | None = None
-    """:class:`Evaluation`: its validation loss against the champion's, and whether it was promoted."""
+    metrics: TrainingMetrics | None = None
+    """What the trainer reported (None: none were found)."""
+    eval: Evaluation | None = None
+    """The eval gate's verdict: its validation loss against the champion's, and whether it was promoted
+    (None: no checkpoint was judged)."""
     reason: str | None = None
     """Why it ended as it did (failures, cancels, missing metrics), for a person."""
     cancel_requested_by: str | None = None
@@ -419,7 +446,7 @@ class Run:
     def promoted(self) -> bool:
         """Its checkpoint became its dataset's champion: its content is in the model, whatever happened
         after (a release that failed), so it is never given back."""
-        return bool(self.eval and self.eval.get("promoted"))
+        return self.eval is not None and self.eval.promoted
 
     @property
     def refused(self) -> bool:
@@ -427,12 +454,13 @@ class Run:
         lineage the dataset's next run continues.  The content stays with it (training the same data from
         the same champion again would most likely be refused again, GPU time spent in a loop); ``retrain
         run --retry`` gives it back so that it trains on the champion, when an operator decides so."""
-        return self.status == RunStatus.SUCCEEDED and bool(self.eval) and not self.promoted
+        return self.status == RunStatus.SUCCEEDED and self.eval is not None and not self.eval.promoted
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = str(self.status)
         d["failure"] = None if self.failure is None else str(self.failure)
+        d["metrics"] = None if self.metrics is None else self.metrics.to_dict()
         return d
 
     @classmethod
@@ -440,6 +468,9 @@ class Run:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["status"] = RunStatus(known.get("status", "pending"))
         known["failure"] = _failure_kind(known.get("failure"))
+        for name, kind in (("metrics", TrainingMetrics), ("eval", Evaluation)):
+            value = known.get(name)
+            known[name] = kind.from_dict(value) if isinstance(value, Mapping) and value else None
         return cls(**known)
 
 
