@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TypeGuard
 
+from retrain.domain.runs import DEFAULT_PROFILE
+
 #: A dataset name: a folder under the landing prefix, a Kubernetes label part, a Firestore document id.
 DATASET_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 
@@ -184,7 +186,7 @@ class Settings:
     """The GPUDirect-TCPX receive-datapath manager (RxDM) sidecar of multi-node runs: the tcpgpudmarxd
     release paired with the NCCL plugin v3.1.9 that nccl-tcpx-installer.yaml installs
     (GoogleCloudPlatform/cluster-toolkit, modules/compute/gke-node-pool/gpu_direct.tf)."""
-    profile: str = "nemo-24.12"
+    profile: str = DEFAULT_PROFILE
     """The trainer profile that renders the training command (``retrain.trainers``): ``nemo-24.12``
     or ``megatron-bridge``."""
     profiles: str = ""

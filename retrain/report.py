@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain.config import Settings
-from retrain.domain.runs import Run, RunStatus, parse_iso
+from retrain.domain.runs import DEFAULT_PROFILE, Run, RunStatus, parse_iso
 from retrain.lineage import LINEAGE_OBJECT
 from retrain.plan import run_root, training_plan
 from retrain.ports import ObjectStore
@@ -375,7 +375,7 @@ def render_dataset(dataset: str, runs: Sequence[Run], curves: Sequence[Scalar]) 
 
 def _scalars_of(settings: Settings, store: ObjectStore, run: Run) -> list[Scalar]:
     """The loss scalars ``run``'s trainer left, at the lineage's steps (its base step on)."""
-    trainer = profile(run.profile or "nemo-24.12")  # a record without one was NeMo's, the only one then
+    trainer = profile(run.profile or DEFAULT_PROFILE)  # a record without one was NeMo's, the only one then
     plan = replace(
         training_plan(settings, run.run_id, None), base_step=run.base_step or 0, profile=trainer.name
     )

@@ -128,6 +128,11 @@ def snapshot_id(content_hashes: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+#: The trainer profile a dataset trains with unless configured otherwise, and the one of every record
+#: written before profiles were recorded (NeMo 24.12's, the only one then): ``retrain.trainers.nemo``.
+DEFAULT_PROFILE = "nemo-24.12"
+
+
 @dataclass(frozen=True)
 class Champion:
     """The checkpoint a dataset's next run continues from: the last one promoted."""
@@ -142,7 +147,7 @@ class Champion:
     """Its validation loss, when its run validated."""
     eval_set: str | None = None
     """The dataset's eval set that loss was measured on (None: its run's own validation split)."""
-    profile: str = "nemo-24.12"
+    profile: str = DEFAULT_PROFILE
     """The trainer profile that wrote it: its checkpoint format is that trainer's (a champion recorded
     before profiles were recorded was NeMo 24.12's, the only one then)."""
     consumed_samples: int | None = None
@@ -164,7 +169,7 @@ class Champion:
             int(d["step"]),
             d.get("val_loss"),
             d.get("eval_set"),
-            str(d.get("profile") or "nemo-24.12"),
+            str(d.get("profile") or DEFAULT_PROFILE),
             d.get("consumed_samples"),
             d.get("fingerprint"),
         )

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from retrain.config import Settings
+from retrain.domain.runs import DEFAULT_PROFILE
 from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -431,7 +432,7 @@ def example_plan() -> TrainingPlan:
 #: The samples in ``k8s/examples/``: file -> (profile, image); a test checks each file equals
 #: :func:`example_jobset` of its profile.
 EXAMPLES = {
-    "jobset.example.yaml": ("nemo-24.12", "nvcr.io/nvidia/nemo:24.12"),
+    "jobset.example.yaml": (DEFAULT_PROFILE, "nvcr.io/nvidia/nemo:24.12"),
     "jobset.megatron-bridge.example.yaml": ("megatron-bridge", "nvcr.io/nvidia/nemo:26.08"),
 }
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from retrain.domain.errors import PlanError
+from retrain.domain.runs import DEFAULT_PROFILE
 from retrain.tensorboard import Scalar
 
 
@@ -134,7 +135,7 @@ class TrainingPlan:
     eval_set: str | None = None
     """``gs://`` Megatron prefix that validates the run instead of its blend's validation split (the
     dataset's fixed evaluation set; null: the split)."""
-    profile: str = "nemo-24.12"
+    profile: str = DEFAULT_PROFILE
     """The trainer profile that renders the run's command and reads its results (chosen for the
     dataset when the run starts; a plan written before profiles were chosen per dataset was NeMo's)."""
     base_consumed_samples: int = 0
