@@ -206,7 +206,9 @@ def operator_identity(cloud: bool = False) -> str:
 def request_cancel(
     ledger: Any, executions: Any, run_id: str, reason: str, ingest: Any = None, *, cloud: bool = False
 ) -> str:
-    """Ask a run to stop through its callback channel: its workflow then releases every GPU itself.
+    """Ask a run to stop: the cancel (who asks, and why) is recorded in the ledger, where the workflow
+    confirms it, then the run's callback wakes the workflow, which releases every GPU itself.  The first
+    request recorded stands (a second one, by anyone, changes neither name nor reason).
 
     A run whose execution no longer exists is recorded as failed ("execution lost") and what it left
     in the cluster is reaped (with ``ingest``), instead of refusing: nothing else would stop it."""

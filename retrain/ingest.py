@@ -439,7 +439,9 @@ class Ingest:
         the bucket's retention, gone from under the run's audit and report.  The same bytes already there
         (a starter of this run before, on the same content) are this claim's manifest; other bytes (the
         run's content changed between the two claims) are rewritten only at the generation read and only
-        while the claim is still this one; None when it is not (the caller's claimed update then fails)."""
+        while the claim is still this one; None when it is not (the caller's claimed update then fails).
+        Left open: a starter that checked its claim and stalls before that rewrite, past two takeovers,
+        can still make a successor's recorded version noncurrent (still readable until the retention)."""
         uri = f"{self.settings.artifacts_uri}/{manifest_object(run.run_id)}"
         data = manifest.to_json()
         try:
@@ -450,7 +452,10 @@ class Ingest:
             return there.generation
         if not self.ledger.update_claimed(run.run_id, claim, {"manifest_generation": None}):
             return None
-        return self.store.write_bytes(uri, data, "application/json", if_generation_match=there.generation)
+        try:
+            return self.store.write_bytes(uri, data, "application/json", if_generation_match=there.generation)
+        except ObjectChanged:  # another starter wrote meanwhile: the claim is most likely not this one's
+            return None
 
     def _nothing_to_train(self, run: Run, claim: str, manifest: RunManifest) -> Outcome:
         """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds

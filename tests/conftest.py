@@ -218,8 +218,8 @@ def serve_function(
     started: list[emulators.ManagedProcess] = []
 
     def start_and_keep(proc: emulators.ManagedProcess) -> None:
-        started.append(proc)
         proc.start()
+        started.append(proc)
 
     def serve(target: str, signature: str = "cloudevent", **extra: str) -> ServedFunction:
         project = f"fn-{uuid.uuid4().hex[:8]}"

@@ -176,6 +176,8 @@ def test_a_forged_failure_posted_to_the_callback_is_ignored(stack: LocalStack, t
     ended = finish(stack, run)
     assert_released(stack, ended, "succeeded")
     assert ended.cancel_requested_by is None
+    said = (stack.state_dir / "function-run_step.log").read_text()  # read, asked after, and let be
+    assert f"run {run.run_id}: a Cancelled callback without a cancel in the ledger is ignored" in said
     report("a forged Failed and Cancelled POSTed to the run's callback", ended, started)
 
 

@@ -219,6 +219,26 @@ def manifest_versions(ingest: Ingest, run_id: str) -> list[int | None]:
     return [o.generation for o in objects.list_objects(uri, versions=True)]
 
 
+def stall_before_pricing(
+    ingest: Ingest, monkeypatch: pytest.MonkeyPatch, then_settings: dict[str, object] | None = None
+) -> None:
+    """The next starter stalls where it reads the champion (after its claim, before pricing and its
+    manifest) past stuck_after_s: a sweep takes over and starts the run; then the settings change by
+    ``then_settings``, and the stalled starter goes on."""
+    champion = ingest.ledger.champion
+    stalled: list[str] = []
+
+    def slow_champion(dataset: str) -> object:
+        if not stalled:
+            stalled.append(dataset)
+            ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
+            assert [o.action for o in ingest.sweep()] == ["started"]
+            ingest.settings = dataclasses.replace(ingest.settings, **(then_settings or {}))
+        return champion(dataset)
+
+    monkeypatch.setattr(ingest.ledger, "champion", slow_champion)
+
+
 def test_a_slow_starter_never_rewrites_the_manifest_its_successor_recorded(
     ingest: Ingest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,17 +251,7 @@ def test_a_slow_starter_never_rewrites_the_manifest_its_successor_recorded(
     arrive(ingest, "stale", "2.txt")
     sealed = ingest.ledger.seal("stale", "manual")
     assert sealed.run is not None
-    champion = ingest.ledger.champion
-    stalled: list[str] = []
-
-    def slow_champion(dataset: str) -> object:
-        if not stalled:
-            stalled.append(dataset)
-            ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
-            assert [o.action for o in ingest.sweep()] == ["started"]
-        return champion(dataset)
-
-    monkeypatch.setattr(ingest.ledger, "champion", slow_champion)
+    stall_before_pricing(ingest, monkeypatch)
     ingest.start(sealed.run)
     run = ingest.ledger.get_run(sealed.run.run_id)
     assert run is not None and run.execution and run.manifest_generation is not None
@@ -278,18 +288,7 @@ def test_a_slow_starter_that_would_refuse_the_run_leaves_it_to_the_one_that_took
     arrive(ingest, "capped", "1.txt")
     sealed = ingest.ledger.seal("capped", "manual")
     assert sealed.run is not None
-    champion = ingest.ledger.champion
-    stalled: list[str] = []
-
-    def slow_champion(dataset: str) -> object:
-        if not stalled:
-            stalled.append(dataset)
-            ingest.settings = dataclasses.replace(ingest.settings, stuck_after_s=0)
-            assert [o.action for o in ingest.sweep()] == ["started"]
-            ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=0.01)
-        return champion(dataset)
-
-    monkeypatch.setattr(ingest.ledger, "champion", slow_champion)
+    stall_before_pricing(ingest, monkeypatch, then_settings={"max_run_cost_usd": 0.01})
     outcome = ingest.start(sealed.run)
     run = ingest.ledger.get_run(sealed.run.run_id)
     assert (

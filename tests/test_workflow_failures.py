@@ -136,6 +136,41 @@ def test_a_jobset_of_the_runs_name_that_is_not_its_own_is_never_adopted(
     assert ended.failure == FailureKind.STEP_FAILED
 
 
+def test_a_capacity_request_made_again_by_someone_else_is_not_the_runs(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """The provisioning wait reads the run's ProvisioningRequest by name and confirms it by the uid its
+    create answered: one deleted and made again under the name, label and all, is not the request this
+    run asked with, and its Provisioned would not be this run's capacity; the run fails saying so."""
+    from kubernetes import client
+
+    from retrain.k8s.render import provisioning_request_name
+
+    stack.twin.faults = Faults(provisioning="never")  # the run's request stays Accepted
+    lines = [json.dumps({"text": f"a run whose request is replaced {uuid.uuid4()}"})]
+    run = drop_lines(stack, tmp_path / "replaced.jsonl", lines, "replaced")
+    wait_for_status(stack, run, "provisioning", 60)
+    custom = client.CustomObjectsApi(stack.kube_api)
+    group = ("autoscaling.x-k8s.io", "v1", stack.settings.namespace, "provisioningrequests")
+    name = provisioning_request_name(run.run_id)
+    deadline = time.monotonic() + 60  # "provisioning" is recorded just before the request is made
+    while True:
+        try:
+            made = custom.get_namespaced_custom_object(*group, name)
+            break
+        except client.ApiException as e:
+            assert e.status == 404 and time.monotonic() < deadline, e
+            time.sleep(0.2)
+    custom.delete_namespaced_custom_object(*group, name)
+    again = {k: v for k, v in made.items() if k != "status"}
+    again["metadata"] = {k: made["metadata"][k] for k in ("name", "namespace", "labels", "annotations")}
+    custom.create_namespaced_custom_object(*group, again)
+    ended = finish(stack, run, 120)
+    assert_released(stack, ended)
+    assert ended.failure == FailureKind.CAPACITY_ERROR, ended
+    assert ended.reason and f"capacity request {name} is no longer the one this run made" in ended.reason
+
+
 def test_success_on_the_same_stack(stack: LocalStack, tmp_path: Path) -> None:
     run = run_with(stack, tmp_path, Faults())
     assert run.status == "succeeded" and run.nodes_at_end == 0 and run.reason is None and run.failure is None

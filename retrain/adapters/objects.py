@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -114,8 +115,10 @@ def write_bytes(
         return int(blob.generation)
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # one per writer
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp = Path(name)
     if if_generation_match == 0:  # a local file's "generation" is its mtime: 0 is "no such file"
         try:
             os.link(tmp, path)  # atomic, and refused where the name exists

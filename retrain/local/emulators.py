@@ -148,7 +148,7 @@ def gcs(state_dir: Path, port: int) -> tuple[ManagedProcess, str]:
             str(port),
         ],
         state_dir / "gcs.log",
-        ready_line=r"Starting server",
+        ready_line=r"All services started",  # after its bind ("Starting server" comes before)
         env={"STORAGE_BASE": str(state_dir), "STORAGE_DIR": "gcs"},
         probe_url=f"http://127.0.0.1:{port}/storage/v1/b",
     )

@@ -19,11 +19,13 @@ with the current one, so a reader pinned to a generation that is gone silently g
 - **A generation that does not exist is a 404** (objects.get, cloud.google.com/storage/docs/json_api/v1/
   objects/get: ``generation`` "If present, selects a specific revision of this object"), never the
   current version's bytes.
-- **Preconditions hold** on every write (uploads, whole or resumable, copy, rewrite and compose to their
-  destination, delete, patch): ``ifGenerationMatch`` (0: no live version) and ``ifMetagenerationMatch``
-  that do not hold are a 412, ``ifGenerationNotMatch`` and ``ifMetagenerationNotMatch`` that do not
-  hold a 304, and nothing is written (cloud.google.com/storage/docs/request-preconditions).  Out of the
-  box the emulator ignores them and writes.
+- **Preconditions hold** on the JSON API's writes (uploads, whole or resumable, copy, rewrite and
+  compose to their destination, delete, patch): ``ifGenerationMatch`` (0: no live version) and
+  ``ifMetagenerationMatch`` that do not hold are a 412, ``ifGenerationNotMatch`` and
+  ``ifMetagenerationNotMatch`` that do not hold a 304 (a 412 where no live version exists), and
+  nothing is written (cloud.google.com/storage/docs/request-preconditions).  Out of the box the
+  emulator ignores them and writes (and starts an upload at metageneration 2).  The XML API's
+  ``x-goog-if-generation-match`` is not played.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ def _check_preconditions(storage: Any, bucket: str, name: str) -> None:
     generation = int(live.get("generation") or 0) if live else 0
     metageneration = int(live.get("metageneration") or 1) if live else None
     for key, wanted in conditions.items():
+        if key.endswith("NotMatch") and live is None:  # "If no live object exists, the precondition fails"
+            raise _NotMet(HTTPStatus.PRECONDITION_FAILED, f"{name}: no live version")
         if key == "ifGenerationMatch" and generation != wanted:
             raise _NotMet(HTTPStatus.PRECONDITION_FAILED, f"{name}: generation {generation}, not {wanted}")
         if key == "ifMetagenerationMatch" and metageneration != wanted:
@@ -214,7 +218,8 @@ def _check_preconditions(storage: Any, bucket: str, name: str) -> None:
 
 
 def _conditional(method: Any) -> Any:
-    """A storage write (create, delete, patch) that first checks the request's preconditions."""
+    """A storage create that first checks the request's preconditions: where an upload's object name is
+    known only once its body is read (multipart metadata, a resumable session), and compose's."""
 
     def write(self: Any, bucket_name: str, file_name: str, *args: Any, **kwargs: Any) -> Any:
         _check_preconditions(self, bucket_name, file_name)
@@ -223,9 +228,12 @@ def _conditional(method: Any) -> Any:
     return write
 
 
-def _with_preconditions(handler: Any) -> Any:
-    """A write handler whose request's preconditions the storage checks (a resumable upload's are on
-    the session URL the emulator hands out, so its finishing PUT carries them too)."""
+def _with_preconditions(handler: Any, target: tuple[str, str] | None = None) -> Any:
+    """A write handler whose request's preconditions hold or nothing is written.  With ``target`` (the
+    route's bucket and object parameters), they are checked before the handler touches anything (a
+    patch changes the stored resource in place before it saves it); else the storage checks them when
+    the object is created (a resumable upload's are on the session URL the emulator hands out, so its
+    finishing PUT carries them too)."""
 
     def handle(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -235,6 +243,8 @@ def _with_preconditions(handler: Any) -> Any:
             response.json({"error": {"code": 400, "message": "a precondition is not a number"}})
             return None
         try:
+            if target is not None:
+                _check_preconditions(storage, request.params[target[0]], request.params[target[1]])
             return handler(request, response, storage, *args, **kwargs)
         except _NotMet as e:
             response.status = e.status
@@ -247,6 +257,19 @@ def _with_preconditions(handler: Any) -> Any:
             _request.conditions = {}
 
     return handle
+
+
+def _first_metageneration(make: Any) -> Any:
+    """A new object (every upload is a new generation) starts at metageneration 1 (cloud.google.com/
+    storage/docs/metadata#generation-number); the emulator applied the upload's own metadata as a patch,
+    which made it 2, and a precondition on it would see the wrong number."""
+
+    def made(*args: Any, **kwargs: Any) -> Any:
+        resource = make(*args, **kwargs)
+        resource["metageneration"] = "1"
+        return resource
+
+    return made
 
 
 def _write_later(storage: Any) -> None:
@@ -312,13 +335,17 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_flushed)
     emulated.Storage.create_file = _conditional(_keeping_versions(emulated.Storage.create_file))
-    emulated.Storage.delete_file = _conditional(_keeping_versions(emulated.Storage.delete_file))
-    emulated.Storage.patch_object = _conditional(emulated.Storage.patch_object)
+    emulated.Storage.delete_file = _keeping_versions(emulated.Storage.delete_file)
+    objects._make_object_resource = _first_metageneration(objects._make_object_resource)
     objects.get = _by_generation(objects.get)
     objects.download = _by_generation(objects.download)
     objects.ls = _listing_versions(objects.ls)
-    objects.delete = _with_preconditions(_deleting_a_version(objects.delete))
-    for write in ("insert", "upload_partial", "copy", "rewrite", "compose", "patch"):
+    the_object, the_destination = ("bucket_name", "object_id"), ("dest_bucket_name", "dest_object_id")
+    objects.delete = _with_preconditions(_deleting_a_version(objects.delete), the_object)
+    objects.patch = _with_preconditions(objects.patch, the_object)
+    objects.copy = _with_preconditions(objects.copy, the_destination)
+    objects.rewrite = _with_preconditions(objects.rewrite, the_destination)
+    for write in ("insert", "upload_partial", "compose"):
         setattr(objects, write, _with_preconditions(getattr(objects, write)))
     from gcp_storage_emulator import server  # its routes bind the handlers above: imported after them
     from gcp_storage_emulator.__main__ import main as emulator

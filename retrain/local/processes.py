@@ -190,6 +190,9 @@ class ManagedProcess:
             if pattern.search(text) and self._probe():
                 return
             if self.proc.poll() is not None:
+                text = self.log_path.read_text(errors="replace")  # all it wrote before it exited
+                if BIND_FAILED.search(text):
+                    raise PortTaken(f"{self.name} could not bind its port: {text[-2000:]}")
                 raise EmulatorError(f"{self.name} exited with {self.proc.returncode}: {text[-2000:]}")
             time.sleep(0.1)
         self.stop()

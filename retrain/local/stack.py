@@ -320,8 +320,14 @@ class LocalStack:
         self._saved_env.clear()
 
     def _spawn(self, proc: emulators.ManagedProcess, timeout_s: float = 90.0) -> None:
+        """Start ``proc``, kept for the stop (and the functions' supervisor) from its start on; one that
+        could not bind its port is dropped again (its successor on another port takes its place)."""
         self._procs.append(proc)
-        proc.start(timeout_s)
+        try:
+            proc.start(timeout_s)
+        except processes.PortTaken:
+            self._procs.remove(proc)
+            raise
 
     def _spawn_on_a_free_port(
         self, make: Callable[[int], tuple[emulators.ManagedProcess, str]]

@@ -96,6 +96,7 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
                         "${b}",
                         "${kept}",
                         "${found.body.metadata.name}",
+                        "${found.body.metadata.uid}",
                         "${c}",
                         "${d}",
                         "${refused}",
@@ -110,9 +111,11 @@ def test_create_twice_and_delete_twice(control_plane: ControlPlane, namespace: s
     )
     run = {"project": "p", "region": "r", "cluster": "c", "run_id": "r-twice"}
     result = load_workflow(yaml.safe_dump(source)).run(run, connectors=registry)
-    assert result == [
-        "created",
-        "exists",  # a retried create after a lost response: this run's own object
+    created, adopted, uid = result[0], result[1], result[4]
+    # the object's uid, for the caller to tell it from one created later under its name; a retried create
+    # after a lost response adopts this run's own object, and answers its uid too
+    assert created == adopted == uid and uid
+    assert result[2:4] + result[5:] == [
         "not this run's",  # another run's delete leaves it
         "twice",
         "deleted",
@@ -158,7 +161,8 @@ def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
             {"project": "p", "region": "r", "cluster": "c"}, connectors=registry
         )
 
-    assert create_in(namespace) == "created"
+    made = create_in(namespace)
+    assert isinstance(made, str) and len(made) == 36  # the uid Kubernetes gave it
     with pytest.raises(WorkflowError) as refused:
         create_in(elsewhere)
     assert refused.value.value["code"] == 403 and "forbidden" in str(refused.value).lower()

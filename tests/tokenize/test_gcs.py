@@ -93,8 +93,8 @@ def test_racing_writers_each_keep_their_generation(gcs_host):
 def test_preconditions_hold_as_on_cloud_storage(gcs_host: str) -> None:
     """cloud.google.com/storage/docs/request-preconditions: a write whose ifGenerationMatch (0: no live
     version) or ifMetagenerationMatch does not hold is a 412 and writes nothing; a NotMatch that does not
-    hold is a 304.  Out of the box the emulator ignored them: of 16 writers racing to create one name,
-    every one "won"."""
+    hold is a 304 (a 412 where no live version exists).  Out of the box the emulator ignored them: of 16
+    writers racing to create one name, every one "won"."""
     from concurrent.futures import ThreadPoolExecutor
 
     from google.api_core import exceptions
@@ -131,9 +131,20 @@ def test_preconditions_hold_as_on_cloud_storage(gcs_host: str) -> None:
         blob.delete(if_generation_match=generation)
     with pytest.raises(exceptions.PreconditionFailed):
         bucket.copy_blob(blob, bucket, "runs/r1/objects.json", if_generation_match=0)
-    blob.metadata = {"k": "v"}
+    live = bucket.get_blob("runs/r1/objects.json")
+    assert live is not None and live.metageneration == 1
+    live.metadata = {"k": "v"}
     with pytest.raises(exceptions.PreconditionFailed):
-        blob.patch(if_metageneration_match=7)
+        live.patch(if_metageneration_match=7)
+    unchanged = bucket.get_blob("runs/r1/objects.json")
+    assert unchanged is not None and (unchanged.metadata, unchanged.metageneration) == (None, 1)
+    with pytest.raises(exceptions.NotModified):
+        live.patch(if_metageneration_not_match=1)
+    live.patch(if_metageneration_match=1)  # holds: the patch applies
+    patched = bucket.get_blob("runs/r1/objects.json")
+    assert patched is not None and (patched.metadata, patched.metageneration) == ({"k": "v"}, 2)
+    with pytest.raises(exceptions.PreconditionFailed):  # "If no live object exists, the precondition fails"
+        bucket.blob("runs/r1/none.json").upload_from_string(b"x", if_generation_not_match=5)
     blob.delete(if_generation_match=again)
     with pytest.raises(FileNotFoundError):
         objects.stat(uri)
