@@ -86,6 +86,27 @@ def wait_for_status(stack: LocalStack, run: Run, status: str, timeout_s: float =
         time.sleep(0.2)
 
 
+def replace_under_its_name(stack: LocalStack, group: tuple[str, str, str, str], name: str) -> dict[str, Any]:
+    """Delete a run's custom object (``group``: API group, version, namespace, plural) once the workflow
+    has made it, and create it again under its name, labels and annotations (as whoever may write that
+    kind could): a new object with a new uid.  Returns the object the workflow made."""
+    custom = client.CustomObjectsApi(stack.kube_api)
+    deadline = time.monotonic() + 60  # the status the test waited for is recorded just before the create
+    while True:
+        try:
+            made: dict[str, Any] = custom.get_namespaced_custom_object(*group, name)
+            break
+        except client.ApiException as e:
+            assert e.status == 404 and time.monotonic() < deadline, e
+            time.sleep(0.2)
+    custom.delete_namespaced_custom_object(*group, name)
+    again = {k: v for k, v in made.items() if k != "status"}
+    again["metadata"] = {k: made["metadata"][k] for k in ("name", "namespace", "labels", "annotations")}
+    replaced = custom.create_namespaced_custom_object(*group, again)
+    assert replaced["metadata"]["uid"] != made["metadata"]["uid"]
+    return made
+
+
 def run_with(stack: LocalStack, tmp_path: Path, faults: object, lines: list[str] | None = None) -> Run:
     """A run from a fresh dataset with the cluster twin's ``faults``, followed to its end."""
     stack.twin.faults = faults

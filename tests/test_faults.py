@@ -20,6 +20,7 @@ from stack_support import (
     finish,
     module_stack,
     new_dataset,
+    replace_under_its_name,
     unique_lines,
     wait_for_run,
     wait_for_status,
@@ -187,29 +188,12 @@ def test_a_jobset_replaced_under_the_runs_name_is_not_taken_for_the_runs(
     """The training wait reads the JobSet by name and confirms it by the uid its create answered: one
     deleted and created again under the run's name, label and all (by whoever may write JobSets), is not
     the run's, and its completion would not be; the run fails saying so, and still releases every GPU."""
-    from kubernetes import client
-
     started = time.monotonic()
     stack.twin.faults = Faults(hold_training_s=60)
     run = drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset())
     wait_for_status(stack, run, "training")
-    custom = client.CustomObjectsApi(stack.kube_api)
-    namespace, name = stack.settings.namespace, jobset_name(run.run_id)
-    group = ("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")
-    deadline = time.monotonic() + 60  # "training" is recorded just before the JobSet is submitted
-    while True:
-        try:
-            submitted = custom.get_namespaced_custom_object(*group, name)
-            break
-        except client.ApiException as e:
-            assert e.status == 404 and time.monotonic() < deadline, e
-            time.sleep(0.2)
-    custom.delete_namespaced_custom_object(*group, name)
-    planted = {k: v for k, v in submitted.items() if k != "status"}
-    kept = ("name", "namespace", "labels", "annotations")
-    planted["metadata"] = {k: submitted["metadata"][k] for k in kept}
-    replaced = custom.create_namespaced_custom_object(*group[:3], "jobsets", planted)
-    assert replaced["metadata"]["uid"] != submitted["metadata"]["uid"]
+    name = jobset_name(run.run_id)
+    replace_under_its_name(stack, ("jobset.x-k8s.io", "v1alpha2", stack.settings.namespace, "jobsets"), name)
     ended = finish(stack, run, 180)
     assert_released(stack, ended, "failed")
     assert ended.failure == FailureKind.TRAINING_FAILED and ended.reason, ended

@@ -12,7 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stack_support import assert_released, drop_lines, finish, module_stack, run_with, wait_for_status
+from stack_support import (
+    assert_released,
+    drop_lines,
+    finish,
+    module_stack,
+    replace_under_its_name,
+    run_with,
+    wait_for_status,
+)
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
@@ -142,29 +150,15 @@ def test_a_capacity_request_made_again_by_someone_else_is_not_the_runs(
     """The provisioning wait reads the run's ProvisioningRequest by name and confirms it by the uid its
     create answered: one deleted and made again under the name, label and all, is not the request this
     run asked with, and its Provisioned would not be this run's capacity; the run fails saying so."""
-    from kubernetes import client
-
     from retrain.k8s.render import provisioning_request_name
 
     stack.twin.faults = Faults(provisioning="never")  # the run's request stays Accepted
     lines = [json.dumps({"text": f"a run whose request is replaced {uuid.uuid4()}"})]
     run = drop_lines(stack, tmp_path / "replaced.jsonl", lines, "replaced")
     wait_for_status(stack, run, "provisioning", 60)
-    custom = client.CustomObjectsApi(stack.kube_api)
-    group = ("autoscaling.x-k8s.io", "v1", stack.settings.namespace, "provisioningrequests")
     name = provisioning_request_name(run.run_id)
-    deadline = time.monotonic() + 60  # "provisioning" is recorded just before the request is made
-    while True:
-        try:
-            made = custom.get_namespaced_custom_object(*group, name)
-            break
-        except client.ApiException as e:
-            assert e.status == 404 and time.monotonic() < deadline, e
-            time.sleep(0.2)
-    custom.delete_namespaced_custom_object(*group, name)
-    again = {k: v for k, v in made.items() if k != "status"}
-    again["metadata"] = {k: made["metadata"][k] for k in ("name", "namespace", "labels", "annotations")}
-    custom.create_namespaced_custom_object(*group, again)
+    group = ("autoscaling.x-k8s.io", "v1", stack.settings.namespace, "provisioningrequests")
+    replace_under_its_name(stack, group, name)
     ended = finish(stack, run, 120)
     assert_released(stack, ended)
     assert ended.failure == FailureKind.CAPACITY_ERROR, ended
