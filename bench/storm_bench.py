@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrain.local import emulators
+from retrain.local import emulators, processes
 from retrain.local.landing import finalized_event
 from retrain.local.stack import FUNCTIONS_SOURCE
 
@@ -136,13 +136,14 @@ def send_all(port: int, events: list[Event], senders: int) -> tuple[float, list[
 
 
 def serve(source: Path, target: str, log: Path, env: dict[str, str]) -> tuple[emulators.ManagedProcess, int]:
-    port = emulators.free_port()
-    argv = [sys.executable, "-m", "functions_framework", "--source", str(source), "--target", target]
-    argv += ["--signature-type", "cloudevent", "--host", "127.0.0.1", "--port", str(port)]
-    url = f"http://127.0.0.1:{port}/"
-    proc = emulators.ManagedProcess(target, argv, log, None, env, probe_url=url)
-    proc.start()
-    return proc, port
+    def on(port: int) -> tuple[emulators.ManagedProcess, str]:
+        argv = [sys.executable, "-m", "functions_framework", "--source", str(source), "--target", target]
+        argv += ["--signature-type", "cloudevent", "--host", "127.0.0.1", "--port", str(port)]
+        url = f"http://127.0.0.1:{port}/"
+        return emulators.ManagedProcess(target, argv, log, None, env, probe_url=url), str(port)
+
+    proc, port = processes.start_on_a_free_port(on)
+    return proc, int(port)
 
 
 def cpu_seconds(session: int | None) -> float:
@@ -221,11 +222,13 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="storm-"))
     procs: list[emulators.ManagedProcess] = []
     try:
-        fs, fs_host = emulators.firestore(state)
-        gcs, gcs_host = emulators.gcs(state)
-        for p in (fs, gcs):
-            procs.append(p)
-            p.start()
+
+        def keep(child: emulators.ManagedProcess) -> None:
+            child.start()
+            procs.append(child)
+
+        fs, fs_host = processes.start_on_a_free_port(lambda port: emulators.firestore(state, port), keep)
+        _, gcs_host = processes.start_on_a_free_port(lambda port: emulators.gcs(state, port), keep)
         os.environ.update({"FIRESTORE_EMULATOR_HOST": fs_host, "STORAGE_EMULATOR_HOST": gcs_host})
 
         from retrain.adapters import objects
