@@ -135,7 +135,7 @@ def emulator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(
-    make: Callable[[Path, int], tuple[emulators.Service, str]], state: Path, env_key: str, needs_java: bool
+    make: Callable[[Path, int], tuple[processes.Service, str]], state: Path, env_key: str, needs_java: bool
 ) -> Iterator[str]:
     """Run one emulator for the session, exported to this process through its client variable."""
     reason = emulators.java_emulators_unavailable_reason() if needs_java else None

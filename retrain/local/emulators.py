@@ -14,20 +14,12 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from retrain.local.processes import EmulatorError, ManagedProcess
 
 if TYPE_CHECKING:
     from retrain.local.bigquery_gcs import ExportsProxy
-
-
-class Service(Protocol):
-    """What a test session or the local stack starts and stops: an emulator process, or one behind a proxy."""
-
-    def start(self, timeout_s: float = 60.0) -> None: ...
-
-    def stop(self, grace_s: float = 10.0) -> None: ...
 
 
 def sdk_platform_dir() -> Path | None:

@@ -33,16 +33,10 @@ class EnvtestError(RuntimeError):
     """The control plane could not be found, started or prepared."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _free_port_pair() -> int:
     """A port P with P+10 free too (the launcher puts etcd's peer port at ETCD_PORT + 10)."""
     for _ in range(50):
-        p = _free_port()
+        p = processes.free_port()
         if p + 10 > 65535:
             continue
         with socket.socket() as s:
@@ -106,7 +100,7 @@ class ControlPlane:
     def __init__(self, run_dir: Path, apiserver_port: int | None = None, etcd_port: int | None = None):
         self.run_dir = Path(run_dir)
         self._chosen = apiserver_port is None and etcd_port is None
-        self.apiserver_port = apiserver_port or _free_port()
+        self.apiserver_port = apiserver_port or processes.free_port()
         self.etcd_port = etcd_port or _free_port_pair()
         self._pids: list[int] = []
 
@@ -127,9 +121,9 @@ class ControlPlane:
             try:
                 return self._start(timeout_s)
             except EnvtestError as e:
-                if not (self._chosen and attempt < attempts and "address already in use" in str(e)):
+                if not (self._chosen and attempt < attempts and processes.BIND_FAILED.search(str(e))):
                     raise
-                self.apiserver_port, self.etcd_port = _free_port(), _free_port_pair()
+                self.apiserver_port, self.etcd_port = processes.free_port(), _free_port_pair()
         raise AssertionError("unreachable")
 
     def _start(self, timeout_s: float) -> ControlPlane:

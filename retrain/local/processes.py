@@ -127,11 +127,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Startable(Protocol):
+class Service(Protocol):
+    """What a test session or the local stack starts and stops: an emulator process, or one behind a proxy."""
+
     def start(self, timeout_s: float = 60.0) -> None: ...
 
+    def stop(self, grace_s: float = 10.0) -> None: ...
 
-S = TypeVar("S", bound=Startable)
+
+S = TypeVar("S", bound=Service)
 
 
 def start_on_a_free_port(
