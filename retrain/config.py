@@ -45,9 +45,11 @@ BIGQUERY_SHARE = 0.8
 class Settings:
     project: str = "retrain-local"
     """Google Cloud project id."""
-    project_number: str = ""
+    project_number: str = "000000000000"
     """The project's number: Google may write it where the id stands in resource names (an execution's
-    name, hence its callback URLs), so both are recognised."""
+    name, hence its callback URLs), so both are recognised; and Workload Identity's principals name the
+    project by number (the run's pods, ``WorkflowArgument.run_principal``).  The default is the local
+    stack's (``retrain.hcl.LOCAL_PROJECT_NUMBER``); a deployment sets it (infra/app/main.tf)."""
     region: str = "us-central1"
     """Region of the workflow, functions, Dataflow jobs and the GKE cluster."""
     landing_bucket: str = "retrain-landing"
@@ -117,9 +119,6 @@ class Settings:
     """Kubernetes namespace of training JobSets: one of retrain's own (the app stage creates it), never
     ``default``, where the workflow's right to create JobSets would run pods as other workloads' service
     accounts."""
-    training_ksa: str = "retrain-trainer"
-    """Kubernetes service account training pods run as (bound to the training Google service account
-    through Workload Identity: without it the Cloud Storage FUSE mounts are refused)."""
     machine_type: str = "a3-highgpu-8g"
     """GPU machine type of the node pool."""
     gpus_per_node: int = 8

@@ -208,6 +208,19 @@ class WorkflowArgument:
     the tokenize report to the ``handover`` step (:class:`StepRequest`), which renders the JobSet."""
     jobset_name: str
     """Name of the training JobSet (the release deletes it)."""
+    run_account: dict[str, Any]
+    """The Kubernetes ServiceAccount the run's pods run as, one per run
+    (:func:`retrain.k8s.render.render_run_account`): the workflow creates it before tokenizing and
+    deletes it at release."""
+    run_principal: str
+    """The IAM principal of ``run_account``'s pods (``principal://iam.googleapis.com/projects/NUMBER/
+    locations/global/workloadIdentityPools/PROJECT.svc.id.goog/subject/ns/NAMESPACE/sa/KSA``): the only
+    member of ``run_folder``'s policy."""
+    run_folder: str
+    """The managed folder ``runs/<run_id>/`` (in ``artifacts_bucket``, nested in ``runs/``): the workflow
+    creates it and sets its policy to ``roles/storage.objectAdmin`` for ``run_principal`` before
+    tokenizing, so the run's pods may write their checkpoints and events there and nowhere else; the
+    release deletes it (and its policy) again."""
     podtemplate: dict[str, Any]
     """The PodTemplate the ProvisioningRequest refers to."""
     provisioning_request: dict[str, Any]

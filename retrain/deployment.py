@@ -148,10 +148,6 @@ class ManifestValues:
     in the local stack, which runs the notifier in its own process."""
     settings_config_map: str
     """ConfigMap holding the ``RETRAIN_*`` settings (Terraform writes it from ``local.retrain_env``)."""
-    training_ksa: str
-    """Kubernetes service account of the training pods (Workload Identity: the training GSA)."""
-    training_gsa: str
-    """The training Google service account (reads shards, writes checkpoints)."""
     reaper_user: str
     """The Google service account the reaper runs as (the functions'), as Kubernetes RBAC names it."""
     workflow_user: str
@@ -185,8 +181,6 @@ def manifest_values(platform: Mapping[str, Any], app: Mapping[str, Any]) -> Mani
         notifier_gsa=str(out("service_accounts", "notifier")),
         notifier_image=str(app.get("notifier_image") or f"{out('artifact_registry')}/retrain:unbuilt"),
         settings_config_map=str(app.get("settings_config_map") or "retrain-settings"),
-        training_ksa=str(out("training_ksa")),
-        training_gsa=str(out("service_accounts", "training")),
         reaper_user=str(out("service_accounts", "functions")),
         workflow_user=str(out("service_accounts", "workflow")),
         gpu_networks=tuple((str(n["vpc"]), str(n["subnet"])) for n in platform.get("gpu_networks") or ()),

@@ -26,6 +26,9 @@ from retrain.k8s.render import (
     provisioning_request_name,
     render_jobset,
     render_provisioning_request,
+    render_run_account,
+    run_account_name,
+    run_principal,
 )
 from retrain.ports import ObjectStore
 from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan, profile
@@ -125,7 +128,7 @@ def render_training(
         namespace=settings.namespace,
         callback_url=callback_url,
         tcpx_image=settings.tcpx_image if settings.gpudirect_tcpx and plan.shape.nodes > 1 else None,
-        service_account=settings.training_ksa,
+        service_account=run_account_name(plan.run_id),
         provisioning_request=provisioning_request_name(plan.run_id),
     )
     return jobset, command
@@ -321,6 +324,11 @@ def workflow_argument(
         hold_out_objects=hold_out_objects(settings, plan, run.objects),
         training=plan.to_dict(),
         jobset_name=jobset_name(run.run_id),
+        run_account=render_run_account(run.run_id, settings.namespace),
+        run_principal=run_principal(
+            settings.project_number, settings.project, settings.namespace, run_account_name(run.run_id)
+        ),
+        run_folder=f"runs/{run.run_id}/",
         podtemplate=podtemplate,
         provisioning_request=provreq,
         tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes, run.objects),

@@ -19,8 +19,10 @@ from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cli import follow
 from retrain.deployment import local_settings
 from retrain.domain.runs import Run
+from retrain.k8s.render import RUN_ID_ANNOTATION
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
+from retrain.local.iam import RUNTIME_POLICY
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 
@@ -125,8 +127,10 @@ def assert_released(stack: LocalStack, run: Run, status: str = "failed") -> None
     assert_nothing_left(stack)
 
 
-def assert_nothing_left(stack: LocalStack) -> None:
-    """No GPU node, and no JobSet, ProvisioningRequest or PodTemplate in any namespace."""
+def assert_nothing_left(stack: LocalStack, lost: tuple[str, ...] = ()) -> None:
+    """No GPU node; no JobSet, ProvisioningRequest or PodTemplate in any namespace; no run's service
+    account, nor its folder's grant but those of the ``lost`` runs (whose execution never released: the
+    reaper takes their service account, so nothing can use what the grant names)."""
     assert stack.twin.node_names() == []
     custom = client.CustomObjectsApi(stack.kube_api)
     for group, version, plural in (
@@ -137,6 +141,11 @@ def assert_nothing_left(stack: LocalStack) -> None:
         assert [i["metadata"]["name"] for i in items] == [], plural
     templates = client.CoreV1Api(stack.kube_api).list_pod_template_for_all_namespaces().items
     assert [t.metadata.name for t in templates] == []
+    # nor a run's identity: its service account, and the write grant on its folder
+    accounts = client.CoreV1Api(stack.kube_api).list_service_account_for_all_namespaces().items
+    assert [a.metadata.name for a in accounts if RUN_ID_ANNOTATION in (a.metadata.annotations or {})] == []
+    grants = [b for b in stack.guard.policy.bindings if b.address.startswith(RUNTIME_POLICY)]
+    assert [b.on.key for b in grants if not any(f"/runs/{run_id}/" in b.address for run_id in lost)] == []
 
 
 def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:

@@ -397,7 +397,7 @@ def test_every_setting_is_used() -> None:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        (r"\n *RETRAIN_TRAINING_KSA *= local.platform.training_ksa\n", "\n"),
+        (r"\n *RETRAIN_NAMESPACE *= local.platform.k8s_namespace\n", "\n"),
         (r"\n *RETRAIN_SEQ_LENGTH *= tostring\(var.seq_length\)\n", "\n"),
         (r"RETRAIN_DATAFLOW_SUBNETWORK ", "RETRAIN_DATAFLOW_SUBNET "),
     ],
@@ -463,14 +463,12 @@ def test_manifests_are_rendered_from_the_deployment() -> None:
         "project_id": "acme-ml",
         "k8s_namespace": "training",
         "notifier_ksa": "jobset-notifier",
-        "training_ksa": "retrain-trainer",
         "artifact_registry": "europe-west4-docker.pkg.dev/acme-ml/retrain",
         "gpu_node_pool": "a3-dws",
         "gpu_max_nodes": 2,
         "gpus_per_node": 8,
         "service_accounts": {
             "notifier": "n@acme-ml.iam.gserviceaccount.com",
-            "training": "t@acme-ml.iam.gserviceaccount.com",
             "functions": "f@acme-ml.iam.gserviceaccount.com",
             "workflow": "w@acme-ml.iam.gserviceaccount.com",
         },
@@ -485,7 +483,8 @@ def test_manifests_are_rendered_from_the_deployment() -> None:
     assert by[("ServiceAccount", "jobset-notifier")]["metadata"]["annotations"] == {
         "iam.gke.io/gcp-service-account": "n@acme-ml.iam.gserviceaccount.com"
     }
-    assert by[("ServiceAccount", "retrain-trainer")]["metadata"]["namespace"] == "training"
+    # each run's pods run as a service account of their own, the workflow's to create (k8s/workflow.yaml)
+    assert [name for kind, name in by if kind == "ServiceAccount"] == ["jobset-notifier"]
     assert not [d for d in docs if d["apiVersion"].startswith("kueue.x-k8s.io/")]  # no Kueue: see README
     assert by[("RoleBinding", "retrain-reaper")]["subjects"][0]["name"] == "f@acme-ml.iam.gserviceaccount.com"
     workflow = by[("RoleBinding", "retrain-workflow")]
@@ -676,3 +675,50 @@ def test_terraform_validates_dataset_names_as_retrain_does() -> None:
     hcl = (REPO / "infra" / "app" / "variables.tf").read_text()
     patterns = set(re.findall(r'regex\("(\^\[a-z0-9\]\[a-z0-9-\][^"]*)", dataset\)', hcl))
     assert patterns == {f"^{config.DATASET_RE.pattern}$"}
+
+
+# --- Cloud Storage's JSON API: the workflow's managed-folder calls ------------------------------------
+
+
+def _url_template(expression: str) -> str:
+    """A URL expression's shape: each non-literal term of ``"..." + x + "..."`` as ``{}``."""
+    terms = re.split(r"\s\+\s", expression.removeprefix("${").removesuffix("}"))
+    return "".join(json.loads(t) if t.startswith('"') else "{}" for t in terms)
+
+
+def test_the_workflows_storage_calls_are_methods_of_the_json_api() -> None:
+    """Every ``http.*`` call of workflows/retrain.yaml to Cloud Storage is a method of the storage v1
+    discovery document: its verb and path, query parameters it declares, a body of its request schema,
+    and an OAuth2 scope it accepts; and the local stack routes that origin to its storage front."""
+    from retrain.local.storage_front import STORAGE_API
+
+    googleapiclient = pytest.importorskip("googleapiclient")
+    docs = Path(googleapiclient.__file__).parent / "discovery_cache" / "documents"
+    storage = json.loads((docs / "storage.v1.json").read_text())
+    base = storage["rootUrl"] + storage["servicePath"]
+    methods = {
+        (m["httpMethod"], re.sub(r"\{\w+\}", "{}", base + m["path"])): (name, m)
+        for name, m in storage["resources"]["managedFolders"]["methods"].items()
+    }
+    wf = yaml.safe_load(WORKFLOW.read_text())
+    called = []
+    for verb in ("get", "post", "put", "delete", "patch"):
+        for call in _calls(wf, f"http.{verb}"):
+            url = _url_template(str(call["args"]["url"]))
+            if not url.startswith("https://"):
+                continue  # run_step's own URL (RETRAIN_STEPS_URL)
+            assert url.startswith(STORAGE_API + "/"), f"{url}: an API the local stack does not route"
+            assert (verb.upper(), url) in methods, f"{verb.upper()} {url} is no managedFolders method"
+            name, method = methods[verb.upper(), url]
+            called.append(name)
+            assert set(call["args"].get("query") or {}) <= set(method["parameters"]), name
+            auth = call["args"]["auth"]
+            assert auth["type"] == "OAuth2" and set(auth["scopes"]) <= set(method["scopes"]), name
+            body = call["args"].get("body")
+            if body is not None:
+                schema = storage["schemas"][method["request"]["$ref"]]["properties"]
+                assert set(body) <= set(schema), name
+                for binding in body.get("bindings", []):
+                    assert set(binding) <= set(schema["bindings"]["items"]["properties"]), name
+    assert sorted(called) == ["delete", "insert", "setIamPolicy"]
+    assert storage["rootUrl"].rstrip("/") == STORAGE_API

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from retrain.deployment import Deployment
+from retrain.k8s.render import run_account_name, run_principal
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
+from retrain.local.iam import RUNTIME_POLICY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_ACCOUNT = "serviceAccount:retrain-workflow@retrain-local.iam.gserviceaccount.com"
 CORPUS = Path(os.environ.get("RETRAIN_SHARED", REPO.parent / "shared")) / "corpus"
 
 
@@ -126,6 +130,21 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     assert f"Run {run['run_id']}" in html and "<polyline" in html, html[:2000]
     for stage in ("queued", "tokenizing", "waiting for capacity", "training", "releasing"):
         assert f"<title>{stage}: " in html, stage
+
+    # the run's pods were the run's own principal: they read through their namespace's grant and wrote
+    # only through the grant the workflow set on runs/RUN/ (and Google was asked nothing it would refuse)
+    iam = json.loads((state / "iam-report.json").read_text())
+    assert iam["refusals"] == []
+    settings = Deployment().settings()
+    pods = run_principal(
+        settings.project_number, settings.project, settings.namespace, run_account_name(run["run_id"])
+    )
+    folder = f"projects/_/buckets/{settings.artifacts_bucket}/managedFolders/runs/{run['run_id']}/"
+    used = iam["workloads"][pods]
+    assert used["storage.objects.create"] == [f"{RUNTIME_POLICY} by {WORKFLOW_ACCOUNT}: {folder}"], used
+    assert used["storage.objects.list"] == [
+        "infra/platform: google_storage_bucket_iam_member.training_artifacts_viewer"
+    ]
 
     # the record outlives the stack
     runs = retrain(["runs", "--json"], state)

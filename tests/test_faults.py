@@ -227,6 +227,11 @@ def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(
         assert time.monotonic() < deadline, "the lost run's record never observed its release"
         time.sleep(0.5)
     assert seen is not None and seen.nodes_at_end == 0 and seen.release_observed_at, seen
-    assert_nothing_left(stack)
+    # its folder's write grant stays (only a release deletes it), but the reaper took the service account
+    # it names: no pod can be that principal any more
+    assert [b.on.key for b in stack.guard.policy.bindings if f"/runs/{run.run_id}/" in b.address] == [
+        f"{stack.settings.artifacts_bucket}/runs/{run.run_id}/"
+    ]
+    assert_nothing_left(stack, lost=(run.run_id,))
     seconds = time.monotonic() - started
     print(f"\nFAULT workflow execution lost in training: failed; no node left {seconds:.0f} s after the drop")

@@ -19,6 +19,7 @@ from google.api_core.exceptions import Forbidden, PermissionDenied
 from retrain import config
 from retrain.adapters import credentials, objects
 from retrain.deployment import Deployment
+from retrain.k8s.render import run_account_name, run_principal
 from retrain.local.firestore_front import FirestoreFront
 from retrain.local.iam import Kind, Resource, condition_holds, predefined_roles, storage_object
 from retrain.local.identities import OPERATOR, Deployed, Guard
@@ -31,7 +32,13 @@ LANDING = "retrain-local-retrain-landing"
 FUNCTIONS = "serviceAccount:retrain-functions@retrain-local.iam.gserviceaccount.com"
 WORKFLOW = "serviceAccount:retrain-workflow@retrain-local.iam.gserviceaccount.com"
 DATAFLOW = "serviceAccount:retrain-dataflow@retrain-local.iam.gserviceaccount.com"
-TRAINING = "serviceAccount:retrain-training@retrain-local.iam.gserviceaccount.com"
+NOTIFIER = "serviceAccount:retrain-notifier@retrain-local.iam.gserviceaccount.com"
+NAMESPACE = config.Settings().namespace  # infra's k8s_namespace, as its bindings name it
+
+
+def run_pods(run_id: str) -> str:
+    """Who a run's pods are to Google: their own service account's principal."""
+    return run_principal("000000000000", "retrain-local", NAMESPACE, run_account_name(run_id))
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,7 @@ def test_grants_reach_what_google_says_they_reach(guard: Guard) -> None:
     assert acts_as.allowed and acts_as.by is not None
     assert acts_as.by.address == "infra/platform: google_service_account_iam_member.workflow_acts_as_dataflow"
     assert not guard.check(
-        WORKFLOW, "iam.serviceAccounts.actAs", Resource(Kind.SERVICE_ACCOUNT, TRAINING[15:])
+        WORKFLOW, "iam.serviceAccounts.actAs", Resource(Kind.SERVICE_ACCOUNT, NOTIFIER[15:])
     ).allowed
     # the operator owns the project
     assert guard.check(OPERATOR, "storage.buckets.delete", Resource(Kind.BUCKET, LANDING)).allowed
@@ -122,18 +129,32 @@ def test_grants_reach_what_google_says_they_reach(guard: Guard) -> None:
 
 
 def test_workload_identity_maps_a_pod_to_its_google_account_only_with_the_binding(guard: Guard) -> None:
-    annotated = {"iam.gke.io/gcp-service-account": TRAINING.removeprefix("serviceAccount:")}
-    ns = config.Settings().namespace  # infra's k8s_namespace, as the binding names it
-    assert guard.workload_member(ns, "retrain-trainer", annotated) == TRAINING
+    annotated = {"iam.gke.io/gcp-service-account": NOTIFIER.removeprefix("serviceAccount:")}
+    ns = NAMESPACE
+    assert guard.workload_member(ns, "jobset-notifier", annotated) == NOTIFIER
     # the same annotation on a KSA the binding does not name, or in another namespace: the pod keeps
-    # its own principal
+    # its own principal ("principal://.../subject/ns/NAMESPACE/sa/KSA")
+    pool = "principal://iam.googleapis.com/projects/000000000000/locations/global/workloadIdentityPools"
     assert guard.workload_member(ns, "intruder", annotated) == (
-        f"serviceAccount:retrain-local.svc.id.goog[{ns}/intruder]"
+        f"{pool}/retrain-local.svc.id.goog/subject/ns/{ns}/sa/intruder"
     )
-    assert guard.workload_member("default", "retrain-trainer", annotated) == (
-        "serviceAccount:retrain-local.svc.id.goog[default/retrain-trainer]"
+    assert guard.workload_member("default", "jobset-notifier", annotated) == (
+        f"{pool}/retrain-local.svc.id.goog/subject/ns/default/sa/jobset-notifier"
     )
     assert guard.refused()[-1].permission == "iam.serviceAccounts.getAccessToken"
+
+
+def test_a_run_s_pods_read_the_artifacts_through_their_namespace_and_write_nowhere(guard: Guard) -> None:
+    # "All GKE Pods in a Kubernetes namespace" (principalSet://.../namespace/NAMESPACE): a run's pods
+    # read shards, tokenizer files and the champion; a pod of another namespace reads nothing
+    pods = run_pods("books-1")
+    assert guard.check(pods, "storage.objects.get", storage_object(ARTIFACTS, "shards/d/x.bin")).allowed
+    assert guard.check(pods, "storage.objects.list", Resource(Kind.BUCKET, ARTIFACTS)).allowed
+    elsewhere = guard.workload_member("default", run_account_name("books-1"), {})
+    assert not guard.check(elsewhere, "storage.objects.get", storage_object(ARTIFACTS, "shards/d/x")).allowed
+    # no grant of infra/ lets them write: their run's own folder grant is the workflow's to set
+    for name in ("runs/books-1/ckpt", "runs/other/ckpt", "shards/d/x.bin"):
+        assert not guard.check(pods, "storage.objects.create", storage_object(ARTIFACTS, name)).allowed
 
 
 def test_enforcement_off_refuses_nothing_but_still_logs_what_google_would_refuse(deployed: Deployed) -> None:
@@ -170,10 +191,10 @@ def test_storage_calls_are_checked_as_the_json_api_checks_them(
     storage_front: StorageFront, guard: Guard
 ) -> None:
     run = f"gs://{ARTIFACTS}/runs/iam-{os.getpid()}"
-    with credentials.acting_as(guard.token(TRAINING)):
+    with credentials.acting_as(guard.token(OPERATOR)):
         objects.write_bytes(f"{run}/checkpoint.txt", b"weights")
-        with pytest.raises(Forbidden) as refused:
-            objects.write_bytes(f"gs://{ARTIFACTS}/shards/d/x.bin", b"no")
+    with credentials.acting_as(guard.token(NOTIFIER)), pytest.raises(Forbidden) as refused:
+        objects.write_bytes(f"gs://{ARTIFACTS}/shards/d/x.bin", b"no")
     assert "storage.objects.create" in str(refused.value) and "shards/d/x.bin" in str(refused.value)
     with credentials.acting_as(guard.token(FUNCTIONS)):
         # the results step's listing: allowed by the grant on the runs/ managed folder
@@ -393,3 +414,49 @@ def test_a_function_serves_only_its_invokers_eventarc_and_its_push_subscription(
         (events, "eventarc.events.receiveEvent"),
         (events, "run.routes.invoke"),
     }
+
+
+@pytest.mark.integration
+def test_managed_folders_are_held_as_cloud_storage_holds_them(
+    storage_front: StorageFront, guard: Guard
+) -> None:
+    """The front's managed folders (the emulator has none): created once, a policy set whole (a stale
+    etag refused), a non-empty folder deleted only with allowNonEmpty (which needs setIamPolicy too),
+    its grant gone with it; each call checked against infra/'s IAM."""
+    folders = f"{storage_front.url}/storage/v1/b/{ARTIFACTS}/managedFolders"
+    name = f"runs/mf-{os.getpid()}/"
+    one = f"{folders}/{requests.utils.quote(name, safe='')}"
+
+    def as_(member: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {guard.token(member)}"}
+
+    refused = requests.post(folders, json={"name": name}, headers=as_(NOTIFIER), timeout=30)
+    assert refused.status_code == 403 and "storage.managedFolders.create" in refused.text
+    # objectUser on runs/ (the functions) may create a folder in it, never set its policy
+    assert (
+        requests.put(one + "/iam", json={"bindings": []}, headers=as_(FUNCTIONS), timeout=30).status_code
+        == 403
+    )
+    made = requests.post(folders, json={"name": name}, headers=as_(WORKFLOW), timeout=30)
+    assert made.status_code == 200 and made.json()["name"] == name
+    assert requests.post(folders, json={"name": name}, headers=as_(WORKFLOW), timeout=30).status_code == 409
+    # the workflow's role holds create, setIamPolicy and delete, never get or getIamPolicy
+    assert requests.get(one + "/iam", headers=as_(WORKFLOW), timeout=30).status_code == 403
+    pods = run_pods(f"mf-{os.getpid()}")
+    policy = {"bindings": [{"role": "roles/storage.objectAdmin", "members": [pods]}]}
+    stale = requests.put(one + "/iam", json={**policy, "etag": "BwX"}, headers=as_(WORKFLOW), timeout=30)
+    assert stale.status_code == 409
+    assert requests.put(one + "/iam", json=policy, headers=as_(WORKFLOW), timeout=30).status_code == 200
+    read = requests.get(one + "/iam", headers=as_(OPERATOR), timeout=30).json()
+    assert read["bindings"] == policy["bindings"] and read["etag"] != "CAE="
+    with credentials.acting_as(guard.token(pods)):
+        objects.write_bytes(f"gs://{ARTIFACTS}/{name}ckpt", b"w")
+    not_empty = requests.delete(one, headers=as_(WORKFLOW), timeout=30)
+    assert not_empty.status_code == 409 and "not empty" in not_empty.text
+    gone = requests.delete(one, params={"allowNonEmpty": "true"}, headers=as_(WORKFLOW), timeout=30)
+    assert gone.status_code == 204
+    assert requests.get(one, headers=as_(OPERATOR), timeout=30).status_code == 404
+    with credentials.acting_as(guard.token(pods)), pytest.raises(Forbidden):
+        objects.write_bytes(f"gs://{ARTIFACTS}/{name}ckpt2", b"w")
+    with credentials.acting_as(guard.token(OPERATOR)):
+        assert objects.read_bytes(f"gs://{ARTIFACTS}/{name}ckpt") == b"w"  # the folder went, not its objects

@@ -61,7 +61,11 @@ def deployed_from(stack: LocalStack, infra: Path) -> Iterator[None]:
 
 
 def refusals(stack: LocalStack, member: str, since: int) -> list[Decision]:
-    return [d for d in stack.guard.refused()[since:] if d.member == member]
+    return [
+        d
+        for d in stack.guard.refused()[since:]
+        if d.member == member or (member.endswith("/") and d.member.startswith(member))
+    ]
 
 
 def wait_for_refusal(
@@ -94,8 +98,12 @@ locals {
 
 WORKFLOW = "serviceAccount:retrain-workflow@retrain-local.iam.gserviceaccount.com"
 DATAFLOW = "serviceAccount:retrain-dataflow@retrain-local.iam.gserviceaccount.com"
-TRAINER_KSA = f"serviceAccount:retrain-local.svc.id.goog[{config.Settings().namespace}/retrain-trainer]"
-TRAINING = "serviceAccount:retrain-training@retrain-local.iam.gserviceaccount.com"
+#: Every run's pods: each run's own service account's principal begins so (a member ending in "/" matches
+#: any principal it begins).
+RUN_PODS = (
+    "principal://iam.googleapis.com/projects/000000000000/locations/global/workloadIdentityPools/"
+    f"retrain-local.svc.id.goog/subject/ns/{config.Settings().namespace}/sa/"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,22 +151,24 @@ REMOVED = [
         "dataflow_shards_admin",
         (DATAFLOW, "storage.objects.delete"),
     ),
-    # the trainer's pods reach Cloud Storage as the training account through Workload Identity: without
-    # the binding they are their own principal, which may read nothing (the FUSE mount fails)
+    # a run's pods (their own service account's principal) read the shards, the tokenizer and the
+    # champion through their namespace's principal set: without it the FUSE mount lists nothing
     Removed(
-        "trainer pods: Workload Identity",
+        "trainer pods read through their namespace",
         "platform/iam.tf",
-        "google_service_account_iam_member",
-        "training_workload_identity",
-        (TRAINER_KSA, "storage.objects.list"),
+        "google_storage_bucket_iam_member",
+        "training_artifacts_viewer",
+        (RUN_PODS, "storage.objects.list"),
     ),
-    # the trainer writes its checkpoints under runs/ through Cloud Storage FUSE
+    # the workflow gives each run its own write grant (the managed folder runs/RUN/ and its policy):
+    # without the role it may not, and the run fails before it tokenizes anything
     Removed(
-        "trainer pods write runs/",
+        "workflow grants the run its folder",
         "platform/iam.tf",
-        "google_storage_managed_folder_iam_member",
-        "training_runs_admin",
-        (TRAINING, "storage.objects.create"),
+        "google_storage_bucket_iam_member",
+        "workflow_run_folders",
+        (WORKFLOW, "storage.managedFolders.create"),
+        "storage.managedFolders.create",
     ),
 ]
 

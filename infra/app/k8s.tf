@@ -1,7 +1,8 @@
 # In-cluster pieces: the JobSet controller (its upstream release manifest), the retrain namespace, the
 # RETRAIN_* ConfigMap, and the k8s/ templates rendered from this deployment's values into build/k8s by
-# `retrain deploy` (retrain.k8s.manifests: the training and notifier service accounts with their
-# Workload Identity annotations, the notifier, the reaper's and the workflow's RBAC). No Kueue: each
+# `retrain deploy` (retrain.k8s.manifests: the notifier's service account with its Workload Identity
+# annotation, the notifier, the reaper's and the workflow's RBAC; each run's own service account is the
+# workflow's to create and delete). No Kueue: each
 # run's workflow asks DWS for its capacity itself (README.md, "Capacity"). k8s/ itself is never
 # applied: it holds templates and examples. Everything is gated by var.apply_kubernetes; with it off,
 # infra/README.md ("Kubernetes step") gives the equivalent commands.

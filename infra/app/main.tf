@@ -55,7 +55,6 @@ locals {
     RETRAIN_CLUSTER                    = local.platform.cluster_name
     RETRAIN_NODE_POOL                  = local.platform.gpu_node_pool
     RETRAIN_NAMESPACE                  = local.platform.k8s_namespace
-    RETRAIN_TRAINING_KSA               = local.platform.training_ksa
     RETRAIN_MACHINE_TYPE               = local.platform.gpu_machine_type
     RETRAIN_GPUS_PER_NODE              = tostring(local.platform.gpus_per_node)
     RETRAIN_NODES                      = tostring(var.nodes_per_run)

@@ -57,13 +57,6 @@ resource "google_service_account" "notifier" {
   description  = "Workload Identity of the in-cluster notifier that publishes JobSet terminal states."
 }
 
-resource "google_service_account" "training" {
-  project      = var.project_id
-  account_id   = "${var.name_prefix}-training"
-  display_name = "retrain training workload"
-  description  = "Workload Identity of the training JobSet pods: reads shards, writes checkpoints."
-}
-
 resource "google_service_account" "builder" {
   project      = var.project_id
   account_id   = "${var.name_prefix}-builder"
@@ -273,6 +266,37 @@ resource "google_service_account_iam_member" "workflow_acts_as_dataflow" {
   member             = "serviceAccount:${google_service_account.workflow.email}"
 }
 
+# A run's own write grant (see "Training workload" below): the workflow creates the managed folder
+# runs/RUN/ ("storage.managedfolders.create"), sets its policy ("storage.managedfolders.setIamPolicy"),
+# and deletes it at release ("storage.managedfolders.delete ... To use allowNonEmpty, the user must also
+# have the storage.managedFolders.setIamPolicy permission"; cloud.google.com/storage/docs/json_api/v1/
+# managedFolder/insert, /setIamPolicy, /delete). Google's Storage Folder Admin would add get, list and
+# getIamPolicy; this role holds exactly what the calls need. On the bucket, conditioned on the folders
+# nested in runs/ and never runs/ itself, whose policy Terraform owns.
+resource "google_project_iam_custom_role" "run_folders" {
+  project     = var.project_id
+  role_id     = "retrainRunFolders"
+  title       = "retrain run folders"
+  description = "Create a run's managed folder, set its policy, delete it: nothing else of Cloud Storage."
+  permissions = [
+    "storage.managedFolders.create",
+    "storage.managedFolders.delete",
+    "storage.managedFolders.setIamPolicy",
+  ]
+}
+
+resource "google_storage_bucket_iam_member" "workflow_run_folders" {
+  bucket = google_storage_bucket.artifacts.name
+  role   = google_project_iam_custom_role.run_folders.name
+  member = "serviceAccount:${google_service_account.workflow.email}"
+
+  condition {
+    title       = "a run's folder under runs/"
+    description = "Managed folders nested in runs/, never runs/ itself."
+    expression  = "resource.name.startsWith(\"projects/_/buckets/${google_storage_bucket.artifacts.name}/managedFolders/runs/\") && resource.name != \"projects/_/buckets/${google_storage_bucket.artifacts.name}/managedFolders/runs/\""
+  }
+}
+
 resource "google_storage_bucket_iam_member" "workflow_artifacts_viewer" {
   bucket = google_storage_bucket.artifacts.name
   role   = "roles/storage.objectViewer"
@@ -356,28 +380,28 @@ resource "google_service_account_iam_member" "notifier_workload_identity" {
 # Training workload (Workload Identity)
 # ---------------------------------------------------------------------------------------------
 
-# Reads the shards, the tokenizer files and the champion checkpoint it continues from (Cloud Storage
-# FUSE lists, so bucket-level read); writes only under runs/ (its checkpoints and TensorBoard events).
+# Each run's pods run as a Kubernetes service account of their own (retrain.k8s.render.render_run_account),
+# which maps to no Google service account: Google knows them by their own principal (Workload Identity
+# Federation for GKE, "principal://.../subject/ns/NAMESPACE/sa/KSA", cloud.google.com/iam/docs/
+# principal-identifiers). Cloud Storage takes these principals ("Identity federation with all Cloud
+# Storage APIs is supported only for uniform bucket-level access buckets", cloud.google.com/iam/docs/
+# federated-identity-supported-services), and so does the Cloud Storage FUSE CSI driver ("With the new
+# Workload Identity Federation for GKE feature, these steps [GSA creation and KSA configuration] are no
+# longer required", GoogleCloudPlatform/gcs-fuse-csi-driver docs/authentication.md).
+#
+# Reads: every pod of the namespace ("All GKE Pods in a Kubernetes namespace": principalSet://...
+# /namespace/NAMESPACE) may read the artifacts bucket: the shards, the tokenizer files and the champion
+# checkpoint a run continues from (Cloud Storage FUSE lists, so bucket-level read). The namespace holds
+# retrain's pods only (the notifier's calls are its Google service account's).
 resource "google_storage_bucket_iam_member" "training_artifacts_viewer" {
   bucket = google_storage_bucket.artifacts.name
   role   = "roles/storage.objectViewer"
-  member = "serviceAccount:${google_service_account.training.email}"
+  member = "principalSet://iam.googleapis.com/projects/${data.google_project.this.number}/locations/global/workloadIdentityPools/${local.workload_pool}/namespace/${var.k8s_namespace}"
 }
 
-resource "google_storage_managed_folder_iam_member" "training_runs_admin" {
-  bucket         = google_storage_managed_folder.runs.bucket
-  managed_folder = google_storage_managed_folder.runs.name
-  role           = "roles/storage.objectAdmin"
-  member         = "serviceAccount:${google_service_account.training.email}"
-}
-
-resource "google_service_account_iam_member" "training_workload_identity" {
-  service_account_id = google_service_account.training.name
-  role               = "roles/iam.workloadIdentityUser"
-  member             = "serviceAccount:${local.workload_pool}[${var.k8s_namespace}/${var.training_ksa}]"
-
-  depends_on = [google_container_cluster.retrain]
-}
+# Writes: nothing here. The workflow grants each run's principal roles/storage.objectAdmin on the run's
+# own managed folder, runs/RUN/, and deletes that folder (its policy with it) at release, so a run's pods
+# write their checkpoints and events there and can touch no other run's files, manifest or champion.
 
 # ---------------------------------------------------------------------------------------------
 # Function builds

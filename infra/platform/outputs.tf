@@ -170,7 +170,6 @@ output "service_accounts" {
     workflow  = google_service_account.workflow.email
     dataflow  = google_service_account.dataflow.email
     notifier  = google_service_account.notifier.email
-    training  = google_service_account.training.email
     builder   = google_service_account.builder.email
   }
 }
@@ -185,7 +184,6 @@ output "service_account_ids" {
     workflow  = google_service_account.workflow.id
     dataflow  = google_service_account.dataflow.id
     notifier  = google_service_account.notifier.id
-    training  = google_service_account.training.id
     builder   = google_service_account.builder.id
   }
 }
@@ -200,7 +198,3 @@ output "notifier_ksa" {
   value       = var.notifier_ksa
 }
 
-output "training_ksa" {
-  description = "Kubernetes service account training pods must run as (bound to the training GSA)."
-  value       = var.training_ksa
-}

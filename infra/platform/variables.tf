@@ -313,12 +313,6 @@ variable "notifier_ksa" {
   default     = "jobset-notifier"
 }
 
-variable "training_ksa" {
-  type        = string
-  description = "Kubernetes service account of the training JobSet pods."
-  default     = "retrain-trainer"
-}
-
 variable "enable_gpudirect_tcpx" {
   type        = bool
   description = "Build GPUDirect-TCPX for multi-node runs: four GPU networks on the DWS pool, GKE multi-networking, and (app stage) the NCCL plugin installer, the NRI device injector and the Network objects. Off: none of it, and multi-node runs use the nodes' primary network."

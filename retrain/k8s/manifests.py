@@ -18,7 +18,7 @@ from retrain.deployment import REPO_ROOT, ManifestValues
 
 K8S_DIR = REPO_ROOT / "k8s"
 #: The templates, in the order they are applied (service accounts before what runs as them).
-TEMPLATES = ("training.yaml", "notifier.yaml", "reaper.yaml", "workflow.yaml")
+TEMPLATES = ("notifier.yaml", "reaper.yaml", "workflow.yaml")
 #: GPUDirect-TCPX's networks: rendered only when the platform builds them.
 TCPX_TEMPLATE = "tcpx.yaml"
 

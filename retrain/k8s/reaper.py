@@ -3,8 +3,9 @@
 The workflow always releases what it provisioned, but a crash of the workflow service, a deleted
 execution or a person's ``kubectl apply`` can still leave a JobSet or a ProvisioningRequest behind, and
 with it GPU nodes billed by the hour.  The reaper, run on a schedule (Cloud Scheduler -> a Job in the
-cluster, or by hand), deletes every JobSet, ProvisioningRequest and PodTemplate of the namespace that
-carries a retrain run id (label/annotation ``retrain.dev/run-id``, see :mod:`retrain.k8s.render`) and
+cluster, or by hand), deletes every JobSet, ProvisioningRequest, PodTemplate and run service account
+(the Kubernetes identity a run's write grant names) of the namespace that carries a retrain run id
+(label/annotation ``retrain.dev/run-id``, see :mod:`retrain.k8s.render`) and
 belongs to no live run:
 
 - the run has no record in the ledger (``runs/{run_id}``), or
@@ -42,12 +43,13 @@ if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 EXIT_OK, EXIT_ERRORS, EXIT_NODES_UP = 0, 1, 3
-JOBSET, PROVREQ, PODTEMPLATE = "JobSet", "ProvisioningRequest", "PodTemplate"
+JOBSET, PROVREQ, PODTEMPLATE, ACCOUNT = "JobSet", "ProvisioningRequest", "PodTemplate", "ServiceAccount"
 _CUSTOM = {
     JOBSET: (*JOBSET_API.split("/"), "jobsets"),
     PROVREQ: (*PROVREQ_API.split("/"), "provisioningrequests"),
 }
-_ORDER = (JOBSET, PROVREQ, PODTEMPLATE)  # what uses the nodes first, the request's template last
+#: What uses the nodes first, the request's template last, the run's identity once nothing runs as it.
+_ORDER = (JOBSET, PROVREQ, PODTEMPLATE, ACCOUNT)
 
 
 @dataclass
@@ -149,7 +151,8 @@ def _meta(obj: Any) -> tuple[str, dict[str, str], dict[str, str], datetime | Non
 
 
 def _list_objects(api: Any, namespace: str) -> list[_Obj]:
-    """Every JobSet, ProvisioningRequest and PodTemplate of ``namespace`` carrying a run id."""
+    """Every JobSet, ProvisioningRequest, PodTemplate and ServiceAccount of ``namespace`` carrying a run
+    id."""
     from kubernetes import client
 
     custom: Any = client.CustomObjectsApi(api)
@@ -163,10 +166,11 @@ def _list_objects(api: Any, namespace: str) -> list[_Obj]:
                 raise
             raw[kind] = []
     raw[PODTEMPLATE] = list(core.list_namespaced_pod_template(namespace).items)
+    raw[ACCOUNT] = list(core.list_namespaced_service_account(namespace).items)
 
     out: list[_Obj] = []
     by_name: dict[str, str] = {}  # PR / JobSet name -> full run id (annotations carry it unabridged)
-    for kind in (JOBSET, PROVREQ, PODTEMPLATE):
+    for kind in _ORDER:
         for obj in raw[kind]:
             name, labels, annotations, created = _meta(obj)
             run_id = annotations.get(RUN_ID_ANNOTATION)
@@ -211,6 +215,8 @@ def _delete(api: Any, namespace: str, obj: _Obj) -> None:
     try:
         if obj.kind == PODTEMPLATE:
             core.delete_namespaced_pod_template(obj.name, namespace)
+        elif obj.kind == ACCOUNT:
+            core.delete_namespaced_service_account(obj.name, namespace)
         else:
             group, version, plural = _CUSTOM[obj.kind]
             custom.delete_namespaced_custom_object(

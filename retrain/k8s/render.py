@@ -69,6 +69,38 @@ def provisioning_request_name(run_id: str) -> str:
     return jobset_name(run_id) + "-dws"
 
 
+def run_account_name(run_id: str) -> str:
+    """The Kubernetes service account a run's pods run as: one per run (its JobSet's name), so that the
+    run's own write grant (:func:`run_principal`) reaches no other run's pods."""
+    return jobset_name(run_id)
+
+
+def run_principal(project_number: str, project: str, namespace: str, ksa: str) -> str:
+    """The IAM principal of every pod that runs as Kubernetes service account ``ksa``, with no Google
+    service account between (Workload Identity Federation for GKE: "All GKE Pods that use a specific
+    Kubernetes service account", cloud.google.com/iam/docs/principal-identifiers)."""
+    pool = f"projects/{project_number}/locations/global/workloadIdentityPools/{project}.svc.id.goog"
+    return f"principal://iam.googleapis.com/{pool}/subject/ns/{namespace}/sa/{ksa}"
+
+
+def render_run_account(run_id: str, namespace: str) -> dict[str, Any]:
+    """The run's Kubernetes service account (:func:`run_account_name`), which the workflow creates before
+    training and deletes at release.  It maps to no Google service account: Google knows its pods by
+    :func:`run_principal`, which may read the artifacts bucket (the namespace's grant) and write only
+    under the run's own managed folder (the grant the workflow sets there)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": run_account_name(run_id),
+            "namespace": namespace,
+            "labels": {RUN_ID_LABEL: label_value(run_id)},
+            "annotations": {RUN_ID_ANNOTATION: run_id},
+        },
+        "automountServiceAccountToken": False,
+    }
+
+
 def label_value(value: str) -> str:
     """A valid label value for ``value`` (the full value is kept in an annotation)."""
     v = re.sub(r"[^A-Za-z0-9_.-]+", "-", value).strip("-_.")
@@ -459,7 +491,7 @@ def example_jobset(file: str = "jobset.example.yaml") -> dict[str, Any]:
         mounts=mounts,
         callback_url="https://workflowexecutions.googleapis.com/v1/projects/example-project/locations/us-central1/workflows/retrain/executions/example/callbacks/example",
         tcpx_image=Settings().tcpx_image,
-        service_account="retrain-trainer",
+        service_account=run_account_name(plan.run_id),
         provisioning_request=provisioning_request_name(plan.run_id),
     )
 

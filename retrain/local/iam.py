@@ -216,8 +216,48 @@ def condition_holds(expression: str, resource: Resource) -> bool:
 # --- the policy -----------------------------------------------------------------------------------
 
 
+#: How the address of a binding set at run time begins (``setIamPolicy`` on a managed folder).
+RUNTIME_POLICY = "setIamPolicy at run time"
+
 #: How much a binding set on each kind reaches (narrowest first).
 _BREADTH = {kind: 2 for kind in Kind} | {Kind.OBJECT: 0, Kind.MANAGED_FOLDER: 1, Kind.PROJECT: 3}
+
+
+#: GKE's Workload Identity Federation principals (cloud.google.com/iam/docs/principal-identifiers: "All
+#: GKE Pods that use a specific Kubernetes service account": ``principal://iam.googleapis.com/projects/
+#: PROJECT_NUMBER/locations/global/workloadIdentityPools/PROJECT_ID.svc.id.goog/subject/ns/NAMESPACE/sa/
+#: KUBERNETES_SERVICE_ACCOUNT``, "Legacy format: ``serviceAccount:PROJECT_ID.svc.id.goog[NAMESPACE/
+#: KUBERNETES_SERVICE_ACCOUNT]``"; "All GKE Pods in a Kubernetes namespace": ``principalSet://.../
+#: PROJECT_ID.svc.id.goog/namespace/NAMESPACE``).
+_POOL = (
+    r"iam\.googleapis\.com/projects/[^/]+/locations/global/workloadIdentityPools/"
+    r"(?P<pool>[^/]+\.svc\.id\.goog)"
+)
+_KSA_PRINCIPAL = re.compile(rf"^principal://{_POOL}/subject/ns/(?P<ns>[^/]+)/sa/(?P<ksa>[^/]+)$")
+_KSA_LEGACY = re.compile(
+    r"^serviceAccount:(?P<pool>[^\[]+\.svc\.id\.goog)\[(?P<ns>[^/\]]+)/(?P<ksa>[^\]]+)\]$"
+)
+_NAMESPACE_SET = re.compile(rf"^principalSet://{_POOL}/namespace/(?P<ns>[^/]+)$")
+
+
+def _ksa(member: str) -> tuple[str, str, str] | None:
+    """(workload pool, namespace, KSA) of a Kubernetes service account's principal, in either form."""
+    m = _KSA_PRINCIPAL.match(member) or _KSA_LEGACY.match(member)
+    return (m["pool"], m["ns"], m["ksa"]) if m else None
+
+
+def member_matches(bound: str, member: str) -> bool:
+    """Whether a binding's member names ``member``: itself, the same Kubernetes service account in the
+    other form, or a namespace's principal set that holds it."""
+    if bound == member:
+        return True
+    caller = _ksa(member)
+    if caller is None:
+        return False
+    if (named := _ksa(bound)) is not None:
+        return named == caller
+    every = _NAMESPACE_SET.match(bound)
+    return every is not None and (every["pool"], every["ns"]) == caller[:2]
 
 
 def _applies(on: Resource, to: Resource) -> bool:
@@ -254,7 +294,7 @@ class Policy:
         granting = [
             b
             for b in self.bindings
-            if b.member == member
+            if member_matches(b.member, member)
             and permission in self.permissions_of(b.role)
             and _applies(b.on, resource)
             and (b.condition is None or condition_holds(b.condition, resource))
@@ -263,10 +303,21 @@ class Policy:
             return Decision(False, member, permission, resource)
         return Decision(True, member, permission, resource, min(granting, key=lambda b: _BREADTH[b.on.kind]))
 
+    def set_policy(self, on: Resource, grants: Iterable[tuple[str, str]], address: str) -> None:
+        """The allow policy of ``on`` as a ``setIamPolicy`` call sets it while the stack runs: ``grants``
+        ((role, member) pairs) replace whatever was set on ``on`` that way before (none: the policy is
+        gone, as when its managed folder is deleted).  KeyError for a role no dataset knows.  The list is
+        replaced, never changed in place, so a check running meanwhile sees one policy or the other."""
+        added = [Binding(member, role, on, None, address) for role, member in grants]
+        for b in added:
+            self.permissions_of(b.role)
+        kept = [b for b in self.bindings if not (b.on == on and b.address.startswith(RUNTIME_POLICY))]
+        self.bindings = kept + added
+
     def granted(self, member: str) -> Iterator[tuple[Binding, str]]:
         """Each (binding, permission) ``member`` holds: what least privilege is measured against."""
         for b in self.bindings:
-            if b.member == member:
+            if member_matches(b.member, member):
                 for permission in sorted(self.permissions_of(b.role)):
                     yield b, permission
 

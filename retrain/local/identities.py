@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain.hcl import LOCAL_PROJECT_NUMBER
+from retrain.k8s.render import run_principal
 from retrain.local.iam import Binding, Decision, Kind, Policy, Resource, policy_of
 
 log = logging.getLogger("retrain.iam")
@@ -235,18 +236,20 @@ class Guard:
 
         GKE's Workload Identity: a KSA annotated ``iam.gke.io/gcp-service-account: GSA`` acts as GSA when
         its workload identity member holds ``iam.serviceAccounts.getAccessToken`` on GSA (granted by
-        ``roles/iam.workloadIdentityUser``); otherwise its calls carry its own federated principal, which
-        infra/ grants nothing (cloud.google.com/kubernetes-engine/docs/how-to/workload-identity)."""
+        ``roles/iam.workloadIdentityUser``); otherwise its calls carry its own federated principal
+        (``principal://.../subject/ns/NAMESPACE/sa/KSA``), which holds what is granted to it or to its
+        namespace's principal set (cloud.google.com/kubernetes-engine/docs/concepts/workload-identity,
+        "Reference Kubernetes resources in IAM policies")."""
         project = self.deployed.project
-        principal = f"serviceAccount:{project}.svc.id.goog[{namespace}/{ksa}]"
+        legacy = f"serviceAccount:{project}.svc.id.goog[{namespace}/{ksa}]"
         gsa = annotations.get("iam.gke.io/gcp-service-account")
         if gsa:
             decision = self.check(
-                principal, "iam.serviceAccounts.getAccessToken", Resource(Kind.SERVICE_ACCOUNT, gsa)
+                legacy, "iam.serviceAccounts.getAccessToken", Resource(Kind.SERVICE_ACCOUNT, gsa)
             )
             if decision.allowed:
                 return f"serviceAccount:{gsa}"
-        return principal
+        return run_principal(LOCAL_PROJECT_NUMBER, project, namespace, ksa)
 
     # -- the check ----------------------------------------------------------------------------
 
@@ -339,14 +342,20 @@ class Guard:
         return report
 
     def write_usage(self, path: Path) -> None:
-        """The least-privilege report and every refusal, for `retrain doctor --local` and tests."""
+        """The least-privilege report, what each workload principal used through which grant, and every
+        refusal, for `retrain doctor --local` and tests."""
         refusals = [
             {"member": d.member, "permission": d.permission, "resource": d.resource.name}
             for d in self.refused()
         ]
-        path.write_text(
-            json.dumps({"least_privilege": self.least_privilege(), "refusals": refusals}, indent=1)
-        )
+        with self._lock:
+            used = list(self.used)
+        workloads: dict[str, dict[str, list[str]]] = {}
+        for member, permission, address in sorted(used):
+            if not member.startswith("serviceAccount:"):  # a pod's own principal (a run's pods)
+                workloads.setdefault(member, {}).setdefault(permission, []).append(address)
+        report = {"least_privilege": self.least_privilege(), "workloads": workloads, "refusals": refusals}
+        path.write_text(json.dumps(report, indent=1))
 
 
 def _not_exercised(permissions: Iterable[str]) -> str | None:

@@ -51,7 +51,7 @@ from retrain.local.identities import OPERATOR, Caller, Deployed, Guard
 from retrain.local.invoker_front import InvokerFront
 from retrain.local.kube_front import KubeFront
 from retrain.local.pubsub_front import PubSubFront
-from retrain.local.storage_front import StorageFront
+from retrain.local.storage_front import STORAGE_API, StorageFront
 
 log = logging.getLogger("retrain.stack")
 
@@ -524,6 +524,7 @@ class LocalStack:
             dataflow=dataflow,
             caller=workflow_as,
         )
+        registry.origins[STORAGE_API] = ep.storage  # the workflow's managed-folder calls (http.*)
         workflow = load_workflow(WORKFLOW_FILE)
         server = ExecutionsServer(
             lambda _name: workflow,

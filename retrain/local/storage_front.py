@@ -15,9 +15,17 @@ objects.insert (any upload type)       ``storage.objects.create`` on the object,
                                        overwritten")
 objects.delete / objects.patch         ``storage.objects.delete`` / ``storage.objects.update``
 objects.rewrite / copy / compose       ``storage.objects.get`` on each source, as insert on the target
+managedFolders.insert / get / delete   ``storage.managedFolders.create`` / ``.get`` / ``.delete`` on the
+                                       folder (``allowNonEmpty`` also ``.setIamPolicy``)
+managedFolders.getIamPolicy / set      ``storage.managedFolders.getIamPolicy`` / ``.setIamPolicy``
 buckets.get / buckets.patch            ``storage.buckets.get`` / ``storage.buckets.update``
 buckets.insert / buckets.list          ``storage.buckets.create`` / ``storage.buckets.list`` on the project
 =====================================  =============================================================
+
+The storage emulator has no managed folders, so the front keeps them itself (:class:`ManagedFolders`):
+their names, and the policies ``setIamPolicy`` sets, which join the guard's policy at once (Google's take
+"typically 2 minutes, potentially 7 minutes or longer", cloud.google.com/iam/docs/access-change-propagation)
+and leave it when the folder is deleted.
 
 A refused call answers as Cloud Storage does, 403 naming the caller, the permission and the resource;
 the :class:`retrain.local.identities.Guard` logs it and counts what is used.  A call the front cannot map
@@ -26,6 +34,7 @@ is refused, never passed through.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -39,7 +48,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from retrain.local.http import LoopbackServer
-from retrain.local.iam import Decision, Kind, Resource, storage_object
+from retrain.local.iam import RUNTIME_POLICY, Decision, Kind, Resource, storage_object
 from retrain.local.identities import Guard
 
 log = logging.getLogger("retrain.iam")
@@ -50,6 +59,12 @@ _UPLOAD = re.compile(r"^/upload/storage/v1/b/(?P<bucket>[^/]+)/o/?$")
 _BUCKET = re.compile(r"^(?:/storage/v1)?/b/(?P<bucket>[^/]+)/?$")
 _COPY = re.compile(
     r"^(?:/storage/v1)?/b/(?P<bucket>[^/]+)/o/(?P<object>.+)/(?:rewriteTo|copyTo)/b/(?P<to_bucket>[^/]+)/o/(?P<to>.+)$"
+)
+#: The JSON API's origin (its discovery document's ``rootUrl``), which the workflow's ``http.*`` calls
+#: name; the local stack routes it to this front.
+STORAGE_API = "https://storage.googleapis.com"
+_MANAGED = re.compile(
+    r"^(?:/storage/v1)?/b/(?P<bucket>[^/]+)/managedFolders(?:/(?P<folder>[^/]+)(?P<iam>/iam)?)?/?$"
 )
 _COMPOSE = re.compile(r"^(?:/storage/v1)?/b/(?P<bucket>[^/]+)/o/(?P<object>.+)/compose$")
 
@@ -144,12 +159,148 @@ def denial(d: Decision) -> bytes:
     return error_body(403, message, "forbidden")
 
 
+class ManagedFolders:
+    """Cloud Storage's managed folders of the local buckets, and their IAM policies (the JSON API's
+    ``managedFolders`` resource: storage.v1 discovery document; cloud.google.com/storage/docs/json_api/v1/
+    managedFolder).  A folder's name is a path ending in ``/`` ("Managed folder names must end with /",
+    cloud.google.com/storage/docs/managed-folders); its policy reaches every object under that path."""
+
+    def __init__(self, guard: Guard, has_objects: Callable[[str, str], bool]) -> None:
+        self.guard = guard
+        self.has_objects = has_objects
+        self._lock = threading.Lock()
+        self._folders: dict[tuple[str, str], dict[str, Any]] = {}
+        self._policies: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def answer(
+        self,
+        member: str,
+        method: str,
+        bucket: str,
+        folder: str | None,
+        iam: bool,
+        query: dict[str, list[str]],
+        body: bytes,
+    ) -> tuple[int, bytes]:
+        """The status and JSON body of one managedFolders call, checked as ``member``."""
+        if folder is None:
+            if method != "POST":
+                return 400, error_body(400, f"{method} on managedFolders is not supported here", "invalid")
+            try:
+                name = str(json.loads(body or b"{}")["name"])
+            except (ValueError, KeyError, TypeError):
+                return 400, error_body(400, "a managed folder's name is required", "required")
+            return self._insert(member, bucket, name if name.endswith("/") else name + "/")
+        name = unquote(folder)
+        name = name if name.endswith("/") else name + "/"
+        need = {
+            ("GET", False): "storage.managedFolders.get",
+            ("DELETE", False): "storage.managedFolders.delete",
+            ("GET", True): "storage.managedFolders.getIamPolicy",
+            ("PUT", True): "storage.managedFolders.setIamPolicy",
+        }.get((method, iam))
+        if need is None:
+            return 400, error_body(
+                400, f"{method} {'iam ' if iam else ''}on a managed folder is not supported here", "invalid"
+            )
+        resource = Resource(Kind.MANAGED_FOLDER, f"{bucket}/{name}")
+        wanted = [need]
+        if method == "DELETE" and (query.get("allowNonEmpty") or ["false"])[0] == "true":
+            # "To use allowNonEmpty, the user must also have the storage.managedFolders.setIamPolicy
+            # permission" (cloud.google.com/storage/docs/json_api/v1/managedFolder/delete)
+            wanted.append("storage.managedFolders.setIamPolicy")
+        for permission in wanted:
+            decision = self.guard.check(member, permission, resource)
+            if not decision.allowed:
+                return 403, denial(decision)
+        with self._lock:
+            if (bucket, name) not in self._folders:
+                return 404, error_body(404, f"The managed folder {name} does not exist.", "notFound")
+            if method == "GET" and not iam:
+                return 200, json.dumps(self._folders[bucket, name]).encode()
+            if method == "GET":
+                return 200, json.dumps(
+                    self._policies.get((bucket, name), self._empty_policy(bucket, name))
+                ).encode()
+            if method == "PUT":
+                return self._set_policy(member, bucket, name, body)
+            if len(wanted) == 1 and self.has_objects(bucket, name):
+                # "A managed folder is not empty if it contains objects or other managed folders"
+                return 409, error_body(409, f"The managed folder {name} is not empty.", "conflict")
+            del self._folders[bucket, name]
+            self._policies.pop((bucket, name), None)
+            self.guard.policy.set_policy(resource, [], RUNTIME_POLICY)
+        return 204, b""
+
+    def _insert(self, member: str, bucket: str, name: str) -> tuple[int, bytes]:
+        resource = Resource(Kind.MANAGED_FOLDER, f"{bucket}/{name}")
+        decision = self.guard.check(member, "storage.managedFolders.create", resource)
+        if not decision.allowed:
+            return 403, denial(decision)
+        with self._lock:
+            if (bucket, name) in self._folders:
+                return 409, error_body(409, f"The managed folder {name} already exists.", "conflict")
+            folder = {
+                "kind": "storage#managedFolder",
+                "id": f"{bucket}/{name}",
+                "bucket": bucket,
+                "name": name,
+                "metageneration": "1",
+            }
+            self._folders[bucket, name] = folder
+        return 200, json.dumps(folder).encode()
+
+    @staticmethod
+    def _empty_policy(bucket: str, name: str) -> dict[str, Any]:
+        return {
+            "kind": "storage#policy",
+            "resourceId": f"projects/_/buckets/{bucket}/managedFolders/{name}",
+            "version": 1,
+            "bindings": [],
+            "etag": "CAE=",
+        }
+
+    def _set_policy(self, member: str, bucket: str, name: str, body: bytes) -> tuple[int, bytes]:
+        """``setIamPolicy`` (PUT ``.../managedFolders/NAME/iam``): the policy replaces the folder's, and an
+        ``etag`` that is not the current one is refused (409, as Google refuses a stale read-modify-write)."""
+        try:
+            policy = json.loads(body or b"{}")
+            grants = [(str(b["role"]), str(m)) for b in policy.get("bindings") or [] for m in b["members"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return 400, error_body(400, "a policy is {bindings: [{role, members: [...]}], etag?}", "invalid")
+        current = self._policies.get((bucket, name), self._empty_policy(bucket, name))
+        if policy.get("etag") not in (None, current["etag"]):
+            return 409, error_body(
+                409, "The policy's etag is not the managed folder's current one.", "conflict"
+            )
+        bad = [m for _, m in grants if not m.partition(":")[2]]  # allUsers, allAuthenticatedUsers: the
+        if bad:  # buckets enforce public access prevention
+            return 400, error_body(400, f"Invalid member(s): {', '.join(bad)}", "invalid")
+        resource = Resource(Kind.MANAGED_FOLDER, f"{bucket}/{name}")
+        try:
+            self.guard.policy.set_policy(resource, grants, f"{RUNTIME_POLICY} by {member}: {resource.name}")
+        except KeyError as e:
+            return 400, error_body(400, f"Role not supported: {e}", "invalid")
+        generation = int.from_bytes(base64.b64decode(current["etag"]), "big") + 1
+        answer = {
+            **current,
+            "bindings": [
+                {"role": r, "members": sorted(m for rr, m in grants if rr == r)}
+                for r in sorted({r for r, _ in grants})
+            ],
+            "etag": base64.b64encode(generation.to_bytes(4, "big")).decode(),
+        }
+        self._policies[bucket, name] = answer
+        return 200, json.dumps(answer).encode()
+
+
 class StorageFront:
     """An HTTP front of the storage emulator that checks every call as Cloud Storage would."""
 
     def __init__(self, upstream: str, guard: Guard) -> None:
         self.upstream = upstream.rstrip("/")
         self.guard = guard
+        self.folders = ManagedFolders(guard, self._has_objects)
         self._server: LoopbackServer | None = None
 
     @property
@@ -170,6 +321,27 @@ class StorageFront:
             if e.code == 404:
                 return False
             raise
+
+    def _has_objects(self, bucket: str, prefix: str) -> bool:
+        url = f"{self.upstream}/storage/v1/b/{bucket}/o?prefix={quote(prefix, safe='')}&maxResults=1"
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            return bool(json.loads(answer.read()).get("items"))
+
+    def managed_folders(
+        self, token: str | None, method: str, target: str, body: bytes
+    ) -> tuple[int, bytes] | None:
+        """The answer to a managedFolders call (None: the call is not one)."""
+        split = urlsplit(target)
+        m = _MANAGED.match(split.path)
+        if m is None:
+            return None
+        member = self.guard.member(token)
+        if member is None:
+            return 401, error_body(
+                401, "Anonymous caller does not have access (no local identity).", "required"
+            )
+        query = parse_qs(split.query)
+        return self.folders.answer(member, method, m["bucket"], m["folder"], bool(m["iam"]), query, body)
 
     def refusal(self, token: str | None, method: str, target: str, body: bytes) -> tuple[int, bytes] | None:
         """None when the call may go on; else the status and body Cloud Storage would answer."""
@@ -211,6 +383,10 @@ class StorageFront:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or None
+                folders = front.managed_folders(token, self.command, self.path, body)
+                if folders is not None:
+                    self._answer(folders[0], {"Content-Type": "application/json; charset=UTF-8"}, folders[1])
+                    return
                 refused = front.refusal(token, self.command, self.path, body)
                 if refused is not None:
                     self._answer(refused[0], {"Content-Type": "application/json; charset=UTF-8"}, refused[1])

@@ -93,6 +93,9 @@ class ConnectorRegistry:
         """The local stand-in of the workflow service account's token, which ``http.*`` calls with an
         ``auth`` argument present as a bearer token, as Workflows adds an OIDC or OAuth2 token of that
         account (cloud.google.com/workflows/docs/authenticate-from-workflow); None: no identity."""
+        self.origins: dict[str, str] = {}
+        """A Google API's origin (``https://storage.googleapis.com``) -> the local endpoint that serves
+        it: ``http.*`` calls to that API go there, path and query unchanged, as a DNS override would."""
 
     def register(self, name: str, fn: ConnectorFn) -> None:
         self._fns[name] = fn
@@ -105,6 +108,13 @@ class ConnectorRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._fns)
+
+    def route(self, url: str) -> str:
+        """``url``, sent to the local endpoint of its API when one serves it (:attr:`origins`)."""
+        for origin, local in self.origins.items():
+            if url == origin or url.startswith(origin + "/"):
+                return local.rstrip("/") + url[len(origin) :]
+        return url
 
 
 # --------------------------------------------------------------------------- control-flow signals

@@ -795,7 +795,9 @@ def http_request(
             raise value_error(f"http.request: timeout must be in (0, {limit}] seconds, got {timeout}")
     seconds = 300.0 if timeout is None else float(timeout)
     rt.check_cancel()
-    return send(method.upper(), url, headers=hdrs, params=_query(query), data=data, timeout=seconds)
+    route = getattr(rt.connectors, "route", None)
+    target = route(url) if route else url
+    return send(method.upper(), target, headers=hdrs, params=_query(query), data=data, timeout=seconds)
 
 
 def send(method: str, url: str, session: requests.Session | None = None, **kwargs: Any) -> dict[str, Any]:

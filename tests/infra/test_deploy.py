@@ -114,14 +114,12 @@ OUTPUTS: dict[str, dict[str, Any]] = {
             {
                 "functions": f"retrain-functions@{PROJECT}.iam.gserviceaccount.com",
                 "notifier": f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com",
-                "training": f"retrain-training@{PROJECT}.iam.gserviceaccount.com",
                 "workflow": f"retrain-workflow@{PROJECT}.iam.gserviceaccount.com",
                 "builder": f"retrain-builder@{PROJECT}.iam.gserviceaccount.com",
             }
         ),
         "k8s_namespace": _out("retrain"),
         "notifier_ksa": _out("jobset-notifier"),
-        "training_ksa": _out("retrain-trainer"),
         "artifact_registry": _out(f"{REGION}-docker.pkg.dev/{PROJECT}/retrain"),
         "function_sources_bucket": _out(f"{PROJECT}-retrain-fn-sources"),
         "gpu_node_pool": _out("a3-dws"),
@@ -392,7 +390,7 @@ def test_manifests_are_rendered_from_the_platform_outputs(
     assert rc == 0, err
     rendered = checkout / deploy.K8S_BUILD_DIR
     assert sorted(p.name for p in rendered.glob("*.yaml")) == sorted(
-        ["notifier.yaml", "reaper.yaml", "training.yaml", "workflow.yaml"]
+        ["notifier.yaml", "reaper.yaml", "workflow.yaml"]
     )
     notifier = (rendered / "notifier.yaml").read_text()
     assert f"retrain-notifier@{PROJECT}.iam.gserviceaccount.com" in notifier

@@ -91,6 +91,8 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
         ("roles/pubsub.publisher", "topic:scheduler_ticks"),  # a sweeper tick when a run ends
         ("roles/pubsub.publisher", "topic:run_events"),  # a run's state changes
         ("roles/run.invoker", "function:run_step"),  # its steps in Python (handover, results)
+        # conditioned: the managed folders nested in runs/ (a run's own write grant), never runs/ itself
+        ("custom:run_folders", "bucket:artifacts"),
     },
     "dataflow": {
         ("roles/dataflow.worker", "project"),
@@ -103,10 +105,6 @@ EXPECTED_SA_ROLES: dict[str, set[tuple[str, str]]] = {
     },
     "notifier": {
         ("roles/pubsub.publisher", "topic:jobset_events"),
-    },
-    "training": {
-        ("roles/storage.objectViewer", "bucket:artifacts"),
-        ("roles/storage.objectAdmin", "managed_folder:runs"),  # checkpoints, TensorBoard events
     },
     "builder": {
         ("roles/logging.logWriter", "project"),
@@ -131,8 +129,10 @@ EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
     "ksa:notifier_ksa": {
         ("roles/iam.workloadIdentityUser", "service_account:notifier"),
     },
-    "ksa:training_ksa": {
-        ("roles/iam.workloadIdentityUser", "service_account:training"),
+    # every pod of retrain's namespace (a run's own service account: its shards, tokenizer, champion);
+    # its writes are granted per run by the workflow, on runs/RUN/ alone
+    "namespace:k8s_namespace": {
+        ("roles/storage.objectViewer", "bucket:artifacts"),
     },
     "var.run_http_invokers": {
         ("roles/run.invoker", "function:run_http"),
@@ -146,6 +146,11 @@ EXPECTED_OTHER_GRANTS: dict[str, set[tuple[str, str]]] = {
 EXPECTED_CUSTOM_ROLE_PERMISSIONS: dict[str, set[str]] = {
     "cluster_connect": {"container.clusters.connect", "container.clusters.get"},
     "lineage_producer": {"datalineage.locations.processOpenLineageMessage"},
+    "run_folders": {
+        "storage.managedFolders.create",
+        "storage.managedFolders.delete",
+        "storage.managedFolders.setIamPolicy",
+    },
 }
 
 # For each IAM resource type: the attribute naming the resource the grant is made on.
@@ -315,6 +320,11 @@ def _member_key(member: str) -> str:
     m = re.search(r"workload_pool.*/\$\{var\.(\w+)\}\]", member)
     if m:
         return "ksa:" + m.group(1)
+    m = re.fullmatch(
+        r"principalSet://iam\.googleapis\.com/.*/workloadIdentityPools/.*/namespace/\$\{var\.(\w+)\}", member
+    )
+    if m:
+        return "namespace:" + m.group(1)
     if member == "${each.value}":
         return "each.value"
     return "literal:" + member
@@ -640,11 +650,12 @@ def _resource(model: Model, rtype: str, name: str) -> Block | None:
 # on resource.name never allows it (cloud.google.com/storage/docs/access-control/iam, "Since the
 # storage.objects.list permission is granted at the bucket level ...").
 LISTINGS = {
-    ("functions", "artifacts", "runs/RUN/"): "retrain/steps.py trainer_outputs (run_step's results)",
-    ("functions", "artifacts", "bigquery/"): "retrain/exports.py written_files (an export's files)",
-    ("functions", "landing", "incoming/"): "retrain/audit.py landed (the audit job)",
-    ("dataflow", "artifacts", "shards/_tmp/"): "retrain/tokenize/pipeline.py (temporary parts)",
-    ("training", "artifacts", "runs/RUN/"): "Cloud Storage FUSE (the trainer's run folder)",
+    ("sa:functions", "artifacts", "runs/RUN/"): "retrain/steps.py trainer_outputs (run_step's results)",
+    ("sa:functions", "artifacts", "bigquery/"): "retrain/exports.py written_files (an export's files)",
+    ("sa:functions", "landing", "incoming/"): "retrain/audit.py landed (the audit job)",
+    ("sa:dataflow", "artifacts", "shards/_tmp/"): "retrain/tokenize/pipeline.py (temporary parts)",
+    # a run's pods, by their namespace's principal set (their own write grant is the workflow's)
+    ("namespace:k8s_namespace", "artifacts", "runs/RUN/"): "Cloud Storage FUSE (the trainer's run folder)",
 }
 LIST_ROLES = {
     "roles/storage.objectViewer",
@@ -663,11 +674,11 @@ def check_listings(model: Model) -> list[str]:
         bucket = re.search(r"google_storage_bucket\.(\w+)\.", str(b.body.get("bucket", "")))
         folders[b.name] = (bucket.group(1) if bucket else "?", str(b.body.get("name", "")))
     problems = []
-    for (sa, bucket, prefix), lister in LISTINGS.items():
+    for (principal, bucket, prefix), lister in LISTINGS.items():
         granted = False
         for g in grants(model)[0]:
             if (
-                g.principal != "sa:" + sa
+                g.principal != principal
                 or g.role not in LIST_ROLES
                 or blocks[g.address].body.get("condition")
             ):
@@ -678,7 +689,7 @@ def check_listings(model: Model) -> list[str]:
                 granted = True
         if not granted:
             problems.append(
-                f"{sa} lists gs://{bucket}/{prefix} ({lister}) without storage.objects.list there"
+                f"{principal} lists gs://{bucket}/{prefix} ({lister}) without storage.objects.list there"
             )
     return problems
 
@@ -1083,10 +1094,10 @@ MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = 
         check_sa_roles,
         "platform",
         "iam.tf",
-        'resource "google_storage_managed_folder_iam_member" "training_runs_admin" {\n'
+        'resource "google_storage_managed_folder_iam_member" "dataflow_runs_admin" {\n'
         "  bucket         = google_storage_managed_folder.runs.bucket\n"
         "  managed_folder = google_storage_managed_folder.runs.name",
-        'resource "google_storage_bucket_iam_member" "training_runs_admin" {\n'
+        'resource "google_storage_bucket_iam_member" "dataflow_runs_admin" {\n'
         "  bucket         = google_storage_bucket.artifacts.name",
     ),
     (

@@ -187,6 +187,8 @@ def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) 
         assert may(verb, "jobsets", "jobset.x-k8s.io")
         assert may(verb, "provisioningrequests", "autoscaling.x-k8s.io")
         assert may(verb, "podtemplates", "")
+        assert may(verb, "serviceaccounts", "")  # a lost run's identity
+    assert refused("create", "serviceaccounts", "")
     assert may("list", "nodes", "", ns=None)
     assert refused("delete", "nodes", "", ns=None)
     assert refused("create", "jobsets", "jobset.x-k8s.io")
@@ -250,6 +252,9 @@ def test_workflow_rbac_allows_its_connector_calls_and_nothing_more(api: Any, nam
         ("create", "", "podtemplates", True),
         ("get", "", "podtemplates", True),
         ("delete", "", "podtemplates", True),
+        ("create", "", "serviceaccounts", True),  # the run's own identity (open_run_folder)
+        ("get", "", "serviceaccounts", True),
+        ("delete", "", "serviceaccounts", True),
         ("create", "autoscaling.x-k8s.io", "provisioningrequests", True),
         ("get", "autoscaling.x-k8s.io", "provisioningrequests", True),
         ("delete", "autoscaling.x-k8s.io", "provisioningrequests", True),

@@ -18,6 +18,8 @@ from retrain.k8s.render import (
     provisioning_request_name,
     render_jobset,
     render_provisioning_request,
+    render_run_account,
+    run_account_name,
 )
 from retrain.local.envtest import ControlPlane
 from retrain.local.gke_api import GkeApiServer
@@ -61,6 +63,7 @@ class Cluster:
             provisioning_request=pr["metadata"]["name"],
         )
         self.objects.create_namespaced_custom_object(*JS[:2], self.ns, JS[2], js)
+        self.core.create_namespaced_service_account(self.ns, render_run_account(run_id, self.ns))
 
     def inventory(self) -> set[tuple[str, str]]:
         """(kind, name) of every JobSet, ProvisioningRequest and PodTemplate of the namespace."""
@@ -68,7 +71,8 @@ class Cluster:
         out |= {("ProvisioningRequest", o["metadata"]["name"]) for o in self._items(PR)}
         templates = self.core.list_namespaced_pod_template(self.ns).items
         out |= {("PodTemplate", t.metadata.name) for t in templates}
-        return out
+        accounts = self.core.list_namespaced_service_account(self.ns).items
+        return out | {("ServiceAccount", a.metadata.name) for a in accounts if a.metadata.name != "default"}
 
     def _items(self, gvp: tuple[str, str, str]) -> list[dict[str, Any]]:
         return list(self.objects.list_namespaced_custom_object(*gvp[:2], self.ns, gvp[2])["items"])
@@ -139,7 +143,12 @@ def record(ledger: Any, run_id: str, status: RunStatus, age_s: float = 60.0, que
 
 def names(run_id: str) -> set[tuple[str, str]]:
     pr = provisioning_request_name(run_id)
-    return {("JobSet", jobset_name(run_id)), ("ProvisioningRequest", pr), ("PodTemplate", pr)}
+    return {
+        ("JobSet", jobset_name(run_id)),
+        ("ProvisioningRequest", pr),
+        ("PodTemplate", pr),
+        ("ServiceAccount", run_account_name(run_id)),  # the identity its folder grant names
+    }
 
 
 def test_reaps_orphaned_terminal_and_stale_runs_keeps_live_ones(cluster: Cluster, ledger: Any) -> None:
@@ -193,7 +202,9 @@ def test_reaps_orphaned_terminal_and_stale_runs_keeps_live_ones(cluster: Cluster
     assert why[("JobSet", "stuck-run")].startswith("run training for 30h00m, past the max age of 24h00m")
     # Deleted in the order that frees nodes first: JobSets, then requests, then their templates.
     kinds = [d.kind for d in report.deleted]
-    assert kinds == sorted(kinds, key=["JobSet", "ProvisioningRequest", "PodTemplate"].index)
+    assert kinds == sorted(
+        kinds, key=["JobSet", "ProvisioningRequest", "PodTemplate", "ServiceAccount"].index
+    )
     assert {k.why for k in report.kept} == {"run training (live)", "run provisioning (live)"}
     assert report.nodes_up == [] and report.exit_code == 0
 
@@ -259,7 +270,9 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     # The run ends but the nodes stay up: the reaper releases the objects and raises the alarm (3).
     record(ledger, "busy-run", RunStatus.SUCCEEDED)
     code, out = run_main(capsys, "--dry-run")
-    assert code == 3 and out["dry_run"] and len(out["deleted"]) == 3 and out["idle_nodes"]
+    assert (
+        code == 3 and out["dry_run"] and len(out["deleted"]) == len(names("busy-run")) and out["idle_nodes"]
+    )
     assert cluster.inventory() == names("busy-run")
     assert reap_cli.main([]) == 3
     text = capsys.readouterr().out

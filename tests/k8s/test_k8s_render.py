@@ -22,6 +22,7 @@ from retrain.k8s.render import (
     example_jobset,
     jobset_name,
     render_provisioning_request,
+    run_account_name,
 )
 from retrain.k8s.schema import load_crds, validate, validate_resource
 from retrain.local.envtest import crds_dir
@@ -124,7 +125,7 @@ def test_nemo_command_and_rendezvous() -> None:
     assert js["spec"]["network"]["enableDNSHostnames"] is True
     mounts = {m["mountPath"]: m["readOnly"] for m in c["volumeMounts"] if m["mountPath"].startswith("/gcs/")}
     assert mounts == {"/gcs/b": True, f"/gcs/{art}": False}  # written where checkpoints go
-    assert pod_spec(js)["serviceAccountName"] == "retrain-trainer"
+    assert pod_spec(js)["serviceAccountName"] == run_account_name("Run_7")  # the run's own: its write grant
 
 
 def test_every_override_is_one_nemo_accepts() -> None:

@@ -5,6 +5,8 @@ delete leaves what is not the run's, and deletes what is only at the uid it read
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +210,112 @@ def test_an_object_replaced_between_the_read_and_the_delete_is_not_deleted(
     assert load_workflow(yaml.safe_dump(source)).run(run, connectors=registry) == "absent"
     kept = gke({"method": "GET", "path": path + "/swapped"}, {})
     assert [kept["body"]["metadata"]["uid"]] == uids
+
+
+@pytest.mark.emulators
+def test_a_run_s_pods_write_only_under_their_own_folder_and_only_while_it_runs(
+    control_plane: ControlPlane, api: Any, namespace: str, gcs_host: str
+) -> None:
+    """workflows/retrain.yaml's open_run_folder and close_run_folder in the interpreter, as the workflow's
+    account: its Kubernetes calls against the API server under k8s/workflow.yaml's RBAC, its Cloud
+    Storage calls (http.* with OAuth2, to storage.googleapis.com) through the storage front under
+    infra/'s IAM.  The run's pods (its own service account's principal) may then write under
+    ``runs/RUN/`` and nowhere else, another run's pods not there; after the release, not even there."""
+    import dataclasses
+    import uuid
+
+    import kubernetes
+    from google.api_core.exceptions import Forbidden
+
+    from retrain.adapters import credentials, objects
+    from retrain.deployment import Deployment
+    from retrain.k8s.manifests import render
+    from retrain.k8s.render import render_run_account, run_account_name, run_principal
+    from retrain.local.envtest import apply_documents
+    from retrain.local.identities import OPERATOR, Caller, Deployed, Guard
+    from retrain.local.storage_front import STORAGE_API, StorageFront
+
+    deployment = Deployment()
+    settings = deployment.settings()
+    values = dataclasses.replace(deployment.manifest_values(), namespace=namespace)
+    apply_documents(api, list(yaml.safe_load_all(render(values)["workflow.yaml"])))
+    deployed = Deployed.read(deployment)
+    guard = Guard(deployed)
+    client = objects.storage_client()
+    if client.lookup_bucket(settings.artifacts_bucket) is None:
+        client.create_bucket(settings.artifacts_bucket)
+    front = StorageFront(gcs_host, guard).start()
+
+    def run_of(run_id: str) -> dict[str, Any]:
+        ksa = run_account_name(run_id)
+        return {
+            "project": "p",
+            "region": "r",
+            "cluster": "c",
+            "run_id": run_id,
+            "namespace": namespace,
+            "artifacts_bucket": settings.artifacts_bucket,
+            "run_account": render_run_account(run_id, namespace),
+            "run_principal": run_principal(settings.project_number, settings.project, namespace, ksa),
+            "run_folder": f"runs/{run_id}/",
+        }
+
+    def call(sub: str, run: dict[str, Any]) -> Any:
+        source = yaml.safe_load(WORKFLOW.read_text())
+        source["main"] = {"params": ["run"], "steps": [{"go": {"call": sub, "args": {"run": "${run}"}}}]}
+        workflow_as = Caller(guard, deployed.workflow)
+        registry = ConnectorRegistry(token=workflow_as.token)
+        kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
+        registry.register("gke.request", gke_request_binding(kube, as_user=values.workflow_user))
+        registry.origins[STORAGE_API] = front.url
+        return load_workflow(yaml.safe_dump(source)).run(run, connectors=registry)
+
+    def write(run: dict[str, Any], name: str) -> None:
+        pods = guard.workload_member(namespace, run["run_account"]["metadata"]["name"], {})
+        assert pods == run["run_principal"]  # who Google takes the pods for: the principal granted
+        with credentials.acting_as(guard.token(pods)):
+            objects.write_bytes(f"gs://{settings.artifacts_bucket}/{name}", b"weights")
+
+    tag = uuid.uuid4().hex[:6]
+    mine, other = run_of(f"mine-{tag}"), run_of(f"other-{tag}")
+    old_host = os.environ["STORAGE_EMULATOR_HOST"]
+    os.environ["STORAGE_EMULATOR_HOST"] = front.url
+    try:
+        call("open_run_folder", mine)
+        call("open_run_folder", mine)  # a retried execution finds the account and the folder: the same
+        call("open_run_folder", other)
+        core = kubernetes.client.CoreV1Api(api)
+        account = core.read_namespaced_service_account(run_account_name(mine["run_id"]), namespace)
+        assert account.metadata.annotations["retrain.dev/run-id"] == mine["run_id"]
+        write(mine, f"runs/{mine['run_id']}/checkpoints/step-10.ckpt")
+        for elsewhere in (
+            f"runs/{other['run_id']}/tokenize_report.json",
+            f"runs/{tag}-champion/x",
+            "shards/d/x.bin",
+        ):
+            with pytest.raises(Forbidden, match=r"storage\.objects\.create"):
+                write(mine, elsewhere)
+        write(other, f"runs/{other['run_id']}/events.out")
+        call("close_run_folder", mine)
+        call("close_run_folder", mine)  # a retried release: nothing left, nothing failed
+        with pytest.raises(Forbidden, match=r"storage\.objects\.create"):
+            write(mine, f"runs/{mine['run_id']}/late.ckpt")
+        write(other, f"runs/{other['run_id']}/events.out")  # the other run's grant is its own
+        # what the run wrote stays (the folder goes, its objects do not), readable as before
+        with credentials.acting_as(guard.token(OPERATOR)):
+            written = objects.read_bytes(
+                f"gs://{settings.artifacts_bucket}/runs/{mine['run_id']}/checkpoints/step-10.ckpt"
+            )
+        assert written == b"weights"
+        assert [a.metadata.name for a in core.list_namespaced_service_account(namespace).items] == [
+            "default",
+            run_account_name(other["run_id"]),
+        ]
+        # the workflow can touch only folders nested in runs/: never runs/ itself (Terraform's policy)
+        with pytest.raises(WorkflowError) as refused:
+            call("open_run_folder", {**run_of(f"x-{tag}"), "run_folder": "runs/"})
+        assert refused.value.value["code"] == 403
+        assert "storage.managedFolders.create" in json.dumps(refused.value.value["body"])
+    finally:
+        os.environ["STORAGE_EMULATOR_HOST"] = old_host
+        front.stop()
