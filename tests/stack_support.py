@@ -127,10 +127,10 @@ def assert_released(stack: LocalStack, run: Run, status: str = "failed") -> None
     assert_nothing_left(stack)
 
 
-def assert_nothing_left(stack: LocalStack, lost: tuple[str, ...] = ()) -> None:
+def assert_nothing_left(stack: LocalStack) -> None:
     """No GPU node; no JobSet, ProvisioningRequest or PodTemplate in any namespace; no run's service
-    account, nor its folder's grant but those of the ``lost`` runs (whose execution never released: the
-    reaper takes their service account, so nothing can use what the grant names)."""
+    account, nor its folder's grant but those of runs whose execution was lost (only a release deletes a
+    grant; the reaper takes their service account, so nothing can be what the grant names)."""
     assert stack.twin.node_names() == []
     custom = client.CustomObjectsApi(stack.kube_api)
     for group, version, plural in (
@@ -144,8 +144,12 @@ def assert_nothing_left(stack: LocalStack, lost: tuple[str, ...] = ()) -> None:
     # nor a run's identity: its service account, and the write grant on its folder
     accounts = client.CoreV1Api(stack.kube_api).list_service_account_for_all_namespaces().items
     assert [a.metadata.name for a in accounts if RUN_ID_ANNOTATION in (a.metadata.annotations or {})] == []
-    grants = [b for b in stack.guard.policy.bindings if b.address.startswith(RUNTIME_POLICY)]
-    assert [b.on.key for b in grants if not any(f"/runs/{run_id}/" in b.address for run_id in lost)] == []
+    ledger = FirestoreLedger(stack.settings.project)
+    left = [b.on.key for b in stack.guard.policy.bindings if b.address.startswith(RUNTIME_POLICY)]
+    runs = {key: ledger.get_run(key.rstrip("/").rsplit("/", 1)[-1]) for key in left}
+    assert [
+        k for k, run in runs.items() if not (run and (run.reason or "").startswith("execution lost"))
+    ] == []
 
 
 def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:

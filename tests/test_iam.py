@@ -152,6 +152,9 @@ def test_a_run_s_pods_read_the_artifacts_through_their_namespace_and_write_nowhe
     assert guard.check(pods, "storage.objects.list", Resource(Kind.BUCKET, ARTIFACTS)).allowed
     elsewhere = guard.workload_member("default", run_account_name("books-1"), {})
     assert not guard.check(elsewhere, "storage.objects.get", storage_object(ARTIFACTS, "shards/d/x")).allowed
+    # the same namespace and account in another project (its number) is nobody this project knows
+    stranger = run_principal("111111111111", "retrain-local", NAMESPACE, run_account_name("books-1"))
+    assert not guard.check(stranger, "storage.objects.get", storage_object(ARTIFACTS, "shards/d/x")).allowed
     # no grant of infra/ lets them write: their run's own folder grant is the workflow's to set
     for name in ("runs/books-1/ckpt", "runs/other/ckpt", "shards/d/x.bin"):
         assert not guard.check(pods, "storage.objects.create", storage_object(ARTIFACTS, name)).allowed
@@ -445,7 +448,7 @@ def test_managed_folders_are_held_as_cloud_storage_holds_them(
     pods = run_pods(f"mf-{os.getpid()}")
     policy = {"bindings": [{"role": "roles/storage.objectAdmin", "members": [pods]}]}
     stale = requests.put(one + "/iam", json={**policy, "etag": "BwX"}, headers=as_(WORKFLOW), timeout=30)
-    assert stale.status_code == 409
+    assert stale.status_code == 412 and "conditionNotMet" in stale.text
     assert requests.put(one + "/iam", json=policy, headers=as_(WORKFLOW), timeout=30).status_code == 200
     read = requests.get(one + "/iam", headers=as_(OPERATOR), timeout=30).json()
     assert read["bindings"] == policy["bindings"] and read["etag"] != "CAE="

@@ -392,7 +392,8 @@ resource "google_service_account_iam_member" "notifier_workload_identity" {
 # Reads: every pod of the namespace ("All GKE Pods in a Kubernetes namespace": principalSet://...
 # /namespace/NAMESPACE) may read the artifacts bucket: the shards, the tokenizer files and the champion
 # checkpoint a run continues from (Cloud Storage FUSE lists, so bucket-level read). The namespace holds
-# retrain's pods only (the notifier's calls are its Google service account's).
+# retrain's pods only; the notifier, which calls as its Google service account, could also read the bucket
+# as its own principal: a read of what the runs train on, nothing it could change.
 resource "google_storage_bucket_iam_member" "training_artifacts_viewer" {
   bucket = google_storage_bucket.artifacts.name
   role   = "roles/storage.objectViewer"

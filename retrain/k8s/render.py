@@ -70,9 +70,11 @@ def provisioning_request_name(run_id: str) -> str:
 
 
 def run_account_name(run_id: str) -> str:
-    """The Kubernetes service account a run's pods run as: one per run (its JobSet's name), so that the
-    run's own write grant (:func:`run_principal`) reaches no other run's pods."""
-    return jobset_name(run_id)
+    """The Kubernetes service account a run's pods run as: one per run, so that the run's own write grant
+    (:func:`run_principal`, which names the account) reaches no other run's pods.  The whole run id
+    (a DNS-1123 label of up to 63 characters: it is no pod's hostname, unlike the JobSet's shortened
+    name), so two runs never share one."""
+    return _slug("retrain-" + run_id, 63)
 
 
 def run_principal(project_number: str, project: str, namespace: str, ksa: str) -> str:
@@ -260,9 +262,10 @@ def render_jobset(
     """The JobSet of run ``run_id``: ``nodes`` pods, one per GPU node, each running ``command``.
 
     ``mounts`` are the Cloud Storage FUSE volumes the command's paths need (:class:`GcsMounts`).
-    ``service_account`` is the Kubernetes service account the pods run as: the training KSA that
-    Workload Identity binds to the training Google service account (the Cloud Storage FUSE CSI driver
-    authenticates as it; see GKE's "Access Cloud Storage buckets with the Cloud Storage FUSE CSI driver").
+    ``service_account`` is the Kubernetes service account the pods run as: the run's own
+    (:func:`run_account_name`), whose Workload Identity principal the Cloud Storage FUSE CSI driver
+    authenticates as (no Google service account between: GoogleCloudPlatform/gcs-fuse-csi-driver,
+    docs/authentication.md).
     ``provisioning_request`` names the ProvisioningRequest the run's workflow created, which the pods
     consume (GKE's ``consume-provisioning-request`` annotations).  ``tcpx_image`` is the RxDM sidecar of
     a run on GPUDirect-TCPX (``Settings.tcpx_image``); None runs on the nodes' primary network only.

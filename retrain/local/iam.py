@@ -28,6 +28,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from retrain.hcl import LOCAL_PROJECT_NUMBER
+
 ROLES_FILE = Path(__file__).with_name("iam_roles.json")
 
 
@@ -230,7 +232,7 @@ _BREADTH = {kind: 2 for kind in Kind} | {Kind.OBJECT: 0, Kind.MANAGED_FOLDER: 1,
 #: KUBERNETES_SERVICE_ACCOUNT]``"; "All GKE Pods in a Kubernetes namespace": ``principalSet://.../
 #: PROJECT_ID.svc.id.goog/namespace/NAMESPACE``).
 _POOL = (
-    r"iam\.googleapis\.com/projects/[^/]+/locations/global/workloadIdentityPools/"
+    r"iam\.googleapis\.com/projects/(?P<number>[^/]+)/locations/global/workloadIdentityPools/"
     r"(?P<pool>[^/]+\.svc\.id\.goog)"
 )
 _KSA_PRINCIPAL = re.compile(rf"^principal://{_POOL}/subject/ns/(?P<ns>[^/]+)/sa/(?P<ksa>[^/]+)$")
@@ -240,15 +242,20 @@ _KSA_LEGACY = re.compile(
 _NAMESPACE_SET = re.compile(rf"^principalSet://{_POOL}/namespace/(?P<ns>[^/]+)$")
 
 
-def _ksa(member: str) -> tuple[str, str, str] | None:
-    """(workload pool, namespace, KSA) of a Kubernetes service account's principal, in either form."""
-    m = _KSA_PRINCIPAL.match(member) or _KSA_LEGACY.match(member)
-    return (m["pool"], m["ns"], m["ksa"]) if m else None
+def _ksa(member: str) -> tuple[str, str, str, str] | None:
+    """(project number, workload pool, namespace, KSA) of a Kubernetes service account's principal, in
+    either form (the legacy one names no number: the local project's, ``retrain.hcl``'s)."""
+    if m := _KSA_PRINCIPAL.match(member):
+        return (m["number"], m["pool"], m["ns"], m["ksa"])
+    if m := _KSA_LEGACY.match(member):
+        return (LOCAL_PROJECT_NUMBER, m["pool"], m["ns"], m["ksa"])
+    return None
 
 
 def member_matches(bound: str, member: str) -> bool:
     """Whether a binding's member names ``member``: itself, the same Kubernetes service account in the
-    other form, or a namespace's principal set that holds it."""
+    other form, or a namespace's principal set that holds it (the same project number and pool: a
+    principal of another number is nobody Google knows here)."""
     if bound == member:
         return True
     caller = _ksa(member)
@@ -257,7 +264,7 @@ def member_matches(bound: str, member: str) -> bool:
     if (named := _ksa(bound)) is not None:
         return named == caller
     every = _NAMESPACE_SET.match(bound)
-    return every is not None and (every["pool"], every["ns"]) == caller[:2]
+    return every is not None and (every["number"], every["pool"], every["ns"]) == caller[:3]
 
 
 def _applies(on: Resource, to: Resource) -> bool:

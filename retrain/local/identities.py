@@ -4,7 +4,8 @@ Each part runs as the identity infra/ deploys it with (:class:`Deployed`): a fun
 ``service_account_email`` of its ``google_cloudfunctions2_function``, the workflow as the
 ``service_account`` of ``google_workflows_workflow.retrain``, a Dataflow job as the
 ``serviceAccountEmail`` its launch names, a pod as the Google account its Kubernetes service account maps
-to through Workload Identity (:meth:`Guard.workload_member`), the CLI as the operator.  The stack gives
+to through Workload Identity, or as that account's own principal where it maps to none (a run's pods;
+:meth:`Guard.workload_member`), the CLI as the operator.  The stack gives
 each part a token of its own (:meth:`Guard.token`; a process is handed only its own), and every front maps
 the token back to the member and asks :meth:`Guard.check`, which evaluates infra/'s IAM
 (``retrain.local.iam``), logs each refusal (who was refused what) and counts each permission used, from
@@ -352,7 +353,7 @@ class Guard:
             used = list(self.used)
         workloads: dict[str, dict[str, list[str]]] = {}
         for member, permission, address in sorted(used):
-            if not member.startswith("serviceAccount:"):  # a pod's own principal (a run's pods)
+            if member.startswith("principal://"):  # a pod's own principal (a run's pods)
                 workloads.setdefault(member, {}).setdefault(permission, []).append(address)
         report = {"least_privilege": self.least_privilege(), "workloads": workloads, "refusals": refusals}
         path.write_text(json.dumps(report, indent=1))

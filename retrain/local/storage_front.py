@@ -213,6 +213,10 @@ class ManagedFolders:
             decision = self.guard.check(member, permission, resource)
             if not decision.allowed:
                 return 403, denial(decision)
+        # Emptiness is read before the lock (an HTTP call to the emulator): a delete racing an upload is
+        # decided by whichever the emulator saw first, as on Cloud Storage.
+        emptiness_matters = method == "DELETE" and len(wanted) == 1
+        not_empty = emptiness_matters and self.has_objects(bucket, name)
         with self._lock:
             if (bucket, name) not in self._folders:
                 return 404, error_body(404, f"The managed folder {name} does not exist.", "notFound")
@@ -224,7 +228,7 @@ class ManagedFolders:
                 ).encode()
             if method == "PUT":
                 return self._set_policy(member, bucket, name, body)
-            if len(wanted) == 1 and self.has_objects(bucket, name):
+            if not_empty:
                 # "A managed folder is not empty if it contains objects or other managed folders"
                 return 409, error_body(409, f"The managed folder {name} is not empty.", "conflict")
             del self._folders[bucket, name]
@@ -262,19 +266,26 @@ class ManagedFolders:
 
     def _set_policy(self, member: str, bucket: str, name: str, body: bytes) -> tuple[int, bytes]:
         """``setIamPolicy`` (PUT ``.../managedFolders/NAME/iam``): the policy replaces the folder's, and an
-        ``etag`` that is not the current one is refused (409, as Google refuses a stale read-modify-write)."""
+        ``etag`` that is not the current one is refused (412 ``conditionNotMet``, as Cloud Storage refuses a
+        stale read-modify-write).  A binding with a condition is refused: this front does not hold
+        conditional grants on folders (never silently made unconditional)."""
         try:
             policy = json.loads(body or b"{}")
-            grants = [(str(b["role"]), str(m)) for b in policy.get("bindings") or [] for m in b["members"]]
+            bindings = policy.get("bindings") or []
+            if any(not isinstance(b.get("members"), list) for b in bindings):
+                raise TypeError("members is a list")
+            grants = [(str(b["role"]), str(m)) for b in bindings for m in b["members"]]
         except (ValueError, KeyError, TypeError, AttributeError):
             return 400, error_body(400, "a policy is {bindings: [{role, members: [...]}], etag?}", "invalid")
+        if any("condition" in b for b in bindings):
+            return 400, error_body(400, "conditional grants on a managed folder are not held here", "invalid")
         current = self._policies.get((bucket, name), self._empty_policy(bucket, name))
         if policy.get("etag") not in (None, current["etag"]):
-            return 409, error_body(
-                409, "The policy's etag is not the managed folder's current one.", "conflict"
+            return 412, error_body(
+                412, "The policy's etag is not the managed folder's current one.", "conditionNotMet"
             )
-        bad = [m for _, m in grants if not m.partition(":")[2]]  # allUsers, allAuthenticatedUsers: the
-        if bad:  # buckets enforce public access prevention
+        bad = [m for _, m in grants if not m.partition(":")[2]]  # allUsers, allAuthenticatedUsers: never
+        if bad:  # on buckets that enforce public access prevention, as infra's do
             return 400, error_body(400, f"Invalid member(s): {', '.join(bad)}", "invalid")
         resource = Resource(Kind.MANAGED_FOLDER, f"{bucket}/{name}")
         try:

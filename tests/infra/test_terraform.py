@@ -858,6 +858,28 @@ def test_every_prefix_an_account_lists_is_listable_by_it(model: Model) -> None:
     assert check_listings(model) == []
 
 
+def check_run_folders_scoped(model: Model) -> list[str]:
+    """The workflow's grant to make each run's folder and set its policy reaches the folders nested in
+    runs/ and never runs/ itself (whose policy Terraform owns: a setIamPolicy there would replace the
+    functions' and the Dataflow account's grants, or grant anyone anything under runs/)."""
+    found = [g for g in grants(model)[0] if g.principal == "sa:workflow" and g.role == "custom:run_folders"]
+    blocks = {b.address: b for b in model.of("resource")}
+    problems = []
+    for g in found:
+        expression = str(one(blocks[g.address].body.get("condition")).get("expression"))
+        runs = '\\"projects/_/buckets/${google_storage_bucket.artifacts.name}/managedFolders/runs/\\"'
+        nested, itself = f"resource.name.startsWith({runs})", f"resource.name != {runs}"
+        if nested not in expression or f"&& {itself}" not in expression or "||" in expression:
+            problems.append(
+                f"{g.address}: not conditioned on the folders nested in runs/ alone: {expression}"
+            )
+    return problems or ([] if found else ["the workflow holds no grant to make a run's folder"])
+
+
+def test_the_workflow_may_set_the_policy_of_run_folders_only(model: Model) -> None:
+    assert check_run_folders_scoped(model) == []
+
+
 def test_no_authoritative_iam(model: Model) -> None:
     assert check_no_authoritative_iam(model) == []
 
@@ -936,6 +958,15 @@ def test_outputs_the_cli_reads(model: Model) -> None:
 # ---------------------------------------------------------------------------------------------
 
 MUTATIONS: list[tuple[str, Callable[[Model], list[str]], str, str, str, str]] = [
+    (
+        "the workflow may set the policy of runs/ itself",
+        check_run_folders_scoped,
+        "platform",
+        "iam.tf",
+        ' && resource.name != \\"projects/_/buckets/${google_storage_bucket.artifacts.name}'
+        '/managedFolders/runs/\\""',
+        '"',
+    ),
     (
         "builder cannot read gcf-v2-sources",
         check_apply_readiness,

@@ -206,3 +206,22 @@ def test_deleting_jobset_kills_and_deletes_pods(cluster: Cluster, tmp_path: Path
         cluster.objects.delete_namespaced_custom_object(*JS[:2], cluster.ns, JS[2], js)
         wait_for(lambda: not cluster.core.list_namespaced_pod(cluster.ns).items)
         wait_for(lambda: not any(p.result is None for r in twin._runs.values() for p in r.pods.values()))
+
+
+def test_a_pod_whose_service_account_does_not_exist_is_never_created(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The API server's ServiceAccount admission refuses a pod of an account that does not exist (the
+    run's own account not created, or named otherwise than its JobSet says), as on GKE: no pod, nothing
+    of the command runs, and the JobSet waits (the run's training deadline ends it)."""
+    with make_twin(cluster, tmp_path) as twin:
+        cluster.create_pr("nosa-1", nodes=1)
+        wait_for(twin.node_names)
+        js = cluster.create_jobset("nosa-1", 1, RANK_CODE, service_account="retrain-nosa-1")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert cluster.core.list_namespaced_pod(cluster.ns).items == []
+            time.sleep(0.5)
+        assert cluster.terminal(js) is None and not list((tmp_path / "twin").rglob("out.txt"))
+        refused = [str(e) for e in twin.errors]
+        assert refused and 'serviceaccount \\"retrain-nosa-1\\" not found' in refused[0], refused[:1]

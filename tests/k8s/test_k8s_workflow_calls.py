@@ -297,7 +297,9 @@ def test_a_run_s_pods_write_only_under_their_own_folder_and_only_while_it_runs(
                 write(mine, elsewhere)
         write(other, f"runs/{other['run_id']}/events.out")
         call("close_run_folder", mine)
-        call("close_run_folder", mine)  # a retried release: nothing left, nothing failed
+        refused = len(guard.refused())
+        call("close_run_folder", mine)  # a retried release: nothing left, nothing refused
+        assert guard.refused()[refused:] == []
         with pytest.raises(Forbidden, match=r"storage\.objects\.create"):
             write(mine, f"runs/{mine['run_id']}/late.ckpt")
         write(other, f"runs/{other['run_id']}/events.out")  # the other run's grant is its own
@@ -312,10 +314,14 @@ def test_a_run_s_pods_write_only_under_their_own_folder_and_only_while_it_runs(
             run_account_name(other["run_id"]),
         ]
         # the workflow can touch only folders nested in runs/: never runs/ itself (Terraform's policy)
-        with pytest.raises(WorkflowError) as refused:
-            call("open_run_folder", {**run_of(f"x-{tag}"), "run_folder": "runs/"})
-        assert refused.value.value["code"] == 403
-        assert "storage.managedFolders.create" in json.dumps(refused.value.value["body"])
+        outside = {**run_of(f"x-{tag}"), "run_folder": "runs/"}
+        with pytest.raises(WorkflowError) as denied:
+            call("open_run_folder", outside)
+        assert denied.value.value["code"] == 403
+        assert "storage.managedFolders.create" in json.dumps(denied.value.value["body"])
+        call("close_run_folder", outside)  # its release takes the account it made before the refusal
+        call("close_run_folder", other)
+        assert [a.metadata.name for a in core.list_namespaced_service_account(namespace).items] == ["default"]
     finally:
         os.environ["STORAGE_EMULATOR_HOST"] = old_host
         front.stop()
