@@ -20,8 +20,11 @@ import functions_framework.aio
 from cloudevents.http import CloudEvent
 
 from retrain import composition, config, logs
+from retrain.caller import verified_caller
+from retrain.cancel import request_cancel
 from retrain.contracts import StepName
 from retrain.domain.errors import Rejected
+from retrain.domain.runs import RUN_ID_RE
 from retrain.ingest import Action, Ingest
 from retrain.steps import Steps
 
@@ -113,20 +116,44 @@ def on_scheduler_tick(event: CloudEvent) -> None:
 
 @functions_framework.http
 def run_http(request: flask.Request) -> flask.typing.ResponseReturnValue:
-    """Manual trigger (`retrain run`): POST {"dataset": D} seals D's pending data now.
+    """The operators' function: POST {"dataset": D} seals D's pending data now (`retrain run`); POST
+    {"cancel": RUN, "reason": WHY} stops a run, recorded as cancelled by the caller Cloud Run verified
+    (retrain.caller), so an operator needs only run.invoker here to cancel: no ledger write, no callback.
 
     Authentication is the platform's: the function is internal-only and needs run.invoker.
     """
     if request.method != "POST":
-        return {"error": 'POST a JSON object {"dataset": NAME}'}, 405
+        return {"error": 'POST a JSON object {"dataset": NAME} or {"cancel": RUN, "reason": WHY}'}, 405
     body = request.get_json(silent=True)
     if not isinstance(body, dict):
         return {"error": "body must be a JSON object"}, 400
+    if "cancel" in body:
+        return _cancel(request, body)
     try:
         outcomes = ingest().seal_pending(body.get("dataset"), "manual")
     except Rejected as e:
         return {"error": e.reason}, 400
     return {"outcomes": [o.__dict__ for o in outcomes]}, 200
+
+
+def _cancel(request: flask.Request, body: dict[str, Any]) -> flask.typing.ResponseReturnValue:
+    run_id, reason = body.get("cancel"), body.get("reason", "")
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id) or not isinstance(reason, str):
+        return {
+            "error": 'cancel takes {"cancel": RUN_ID, "reason": "why"} (a run id as `retrain runs` shows it)'
+        }, 400
+    caller = verified_caller(request.headers)
+    if caller is None:
+        return {"error": "no verified caller: call with an ID token (Authorization: Bearer)"}, 401
+    service = ingest()
+    try:
+        cancel = request_cancel(
+            service.ledger, service.orchestrator, run_id, reason[:500], requested_by=caller, reap=service.reap
+        )
+    except Rejected as e:
+        return {"error": e.reason}, 409
+    log.info("run %s: cancel by %s: %s", run_id, caller, cancel.outcome, extra={"run_id": run_id})
+    return {"outcome": cancel.outcome, "detail": cancel.detail, "requested_by": caller}, 200
 
 
 @functions_framework.http

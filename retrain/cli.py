@@ -203,53 +203,26 @@ def operator_identity(cloud: bool = False) -> str:
     return f"{getpass.getuser()} (local)"
 
 
-def request_cancel(
-    ledger: Any, executions: Any, run_id: str, reason: str, ingest: Any = None, *, cloud: bool = False
-) -> str:
-    """Ask a run to stop: the cancel (who asks, and why) is recorded in the ledger, where the workflow
-    confirms it, then the run's callback wakes the workflow, which releases every GPU itself.  The first
-    request recorded stands (a second one, by anyone, changes neither name nor reason).
-
-    A run whose execution no longer exists is recorded as failed ("execution lost") and what it left
-    in the cluster is reaped (with ``ingest``), instead of refusing: nothing else would stop it."""
-    from retrain.contracts import CallbackPayload, CompletionState
-    from retrain.domain.errors import ExecutionLost
-    from retrain.ingest import record_silent_end
-
-    run = ledger.get_run(run_id)
-    if run is None:
-        raise RuntimeError(f"no run {run_id}")
-    if run.status.terminal:
-        raise RuntimeError(f"run {run_id} already ended: {run.status}")
-    if not run.callback_url:
-        raise RuntimeError(f"run {run_id} has not started its workflow yet; try again in a moment")
-    try:
-        executions.get(run.execution)
-    except ExecutionLost:
-        record_silent_end(ledger, executions, run)
-        if ingest is not None:
-            ingest.reap()
-        return f"run {run_id}'s execution no longer exists: recorded as failed, its capacity reaped"
-    # The record first: the workflow stops the run only on a cancel the ledger holds (who asked, and why,
-    # are read there), and the callback wakes it to look.
-    if not ledger.request_cancel(run_id, operator_identity(cloud), reason):
-        raise RuntimeError(f"run {run_id} ended before the cancel was recorded")
-    payload = CallbackPayload(CompletionState.CANCELLED, run_id=run_id).to_dict()
-    code = executions.send_callback(run.callback_url, payload)
-    if code >= 300:
-        raise RuntimeError(f"the run's workflow did not take the cancel (HTTP {code})")
-    return f"cancel requested for {run_id}; the run releases its capacity and ends as cancelled"
-
-
 def cmd_cancel(args: argparse.Namespace) -> int:
     from retrain import composition, targets
+    from retrain.cancel import request_cancel
+    from retrain.domain.errors import Rejected
 
     cloud = not targets.selected(args.target).local
     with reach(args, running=True) as settings:
         ingest = composition.ingest(settings)
-        _say(
-            request_cancel(ingest.ledger, ingest.orchestrator, args.run_id, args.reason, ingest, cloud=cloud)
-        )
+        try:
+            cancel = request_cancel(
+                ingest.ledger,
+                ingest.orchestrator,
+                args.run_id,
+                args.reason,
+                requested_by=operator_identity(cloud),
+                reap=ingest.reap,
+            )
+        except Rejected as e:
+            raise RuntimeError(e.reason) from None
+        _say(cancel.detail)
     return 0
 
 

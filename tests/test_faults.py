@@ -28,7 +28,8 @@ from stack_support import (
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
-from retrain.cli import request_cancel
+from retrain.cancel import request_cancel
+from retrain.cli import operator_identity
 from retrain.domain.runs import FailureKind, Run
 from retrain.k8s.render import jobset_name
 from retrain.local.cluster_twin import Faults
@@ -111,7 +112,7 @@ def test_cancelled_in_training_its_content_is_eligible_again(stack: LocalStack, 
     stack.twin.faults = Faults(hold_training_s=120)
     run = drop_lines(stack, tmp_path / "a.jsonl", lines, dataset)
     wait_for_status(stack, run, "training")
-    request_cancel(ledger, executions, run.run_id, "wrong data")
+    request_cancel(ledger, executions, run.run_id, "wrong data", requested_by=operator_identity())
     cancelled = finish(stack, run, 120)
     assert_released(stack, cancelled, "cancelled")
     # its content goes back in the workflow's finish step, just after the record it waited for
@@ -141,7 +142,7 @@ def test_a_cancel_while_tokenizing_stops_the_tokenize_job(stack: LocalStack, tmp
     ]
     run = drop_lines(stack, tmp_path / "big.jsonl", lines * 4, new_dataset())  # long enough to cancel
     wait_for_status(stack, run, "tokenizing")
-    request_cancel(ledger, executions, run.run_id, "wrong data")
+    request_cancel(ledger, executions, run.run_id, "wrong data", requested_by=operator_identity())
     ended = finish(stack, run, 120)
     assert_released(stack, ended, "cancelled")
     assert ended.gpu_node_seconds == 0 and ended.tokens == 0  # no capacity asked for, nothing tokenized
@@ -232,6 +233,6 @@ def test_a_lost_execution_is_recorded_failed_and_its_capacity_reaped(
     assert [b.on.key for b in stack.guard.policy.bindings if f"/runs/{run.run_id}/" in b.address] == [
         f"{stack.settings.artifacts_bucket}/runs/{run.run_id}/"
     ]
-    assert_nothing_left(stack, lost=(run.run_id,))
+    assert_nothing_left(stack)
     seconds = time.monotonic() - started
     print(f"\nFAULT workflow execution lost in training: failed; no node left {seconds:.0f} s after the drop")

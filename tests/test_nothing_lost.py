@@ -29,7 +29,8 @@ from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.audit import Account, audit
-from retrain.cli import request_cancel
+from retrain.cancel import request_cancel
+from retrain.cli import operator_identity
 from retrain.contracts import RunManifest
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run, RunStatus
@@ -274,7 +275,9 @@ class Interleavings:
         (run,) = live
         if ending == "cancel":
             executions = WorkflowsExecutions(s.project, s.region, s.workflow)
-            request_cancel(ledger, executions, run.run_id, f"stress {ending}")
+            request_cancel(
+                ledger, executions, run.run_id, f"stress {ending}", requested_by=operator_identity()
+            )
         else:
             assert run.execution
             self.stack.executions.forget(run.execution)

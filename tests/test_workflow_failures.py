@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 from stack_support import (
     assert_released,
     drop_lines,
@@ -24,9 +25,12 @@ from stack_support import (
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
-from retrain.cli import format_run, request_cancel
+from retrain.cancel import request_cancel
+from retrain.cli import format_run, operator_identity
+from retrain.domain.errors import Rejected
 from retrain.domain.runs import FailureKind
 from retrain.local.cluster_twin import Faults
+from retrain.local.iam import Binding, Kind, Resource
 from retrain.local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
@@ -178,13 +182,57 @@ def test_cancel_while_waiting_for_capacity(stack: LocalStack, tmp_path: Path) ->
     lines = [json.dumps({"text": f"a run to cancel {uuid.uuid4()}"})]
     run = drop_lines(stack, tmp_path / "cancel.jsonl", lines, "cancelme")
     wait_for_status(stack, run, "provisioning", 60)
-    request_cancel(ledger, executions, run.run_id, "operator said stop")
+    request_cancel(ledger, executions, run.run_id, "operator said stop", requested_by=operator_identity())
     ended = finish(stack, run, 120)
     assert_released(stack, ended, "cancelled")
     assert ended.reason == f"cancelled by {getpass.getuser()} (local): operator said stop"  # who asked
     assert ended.failure == FailureKind.CANCELLED
-    with pytest.raises(RuntimeError, match="already ended"):
-        request_cancel(ledger, executions, run.run_id, "again")
+    with pytest.raises(Rejected, match="already ended"):
+        request_cancel(ledger, executions, run.run_id, "again", requested_by=operator_identity())
+
+
+def test_an_operator_who_may_only_invoke_run_http_cancels_a_run_in_their_own_name(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """The least operator: ``run.invoker`` on ``run_http`` (infra's ``var.run_http_invokers``), nothing
+    else. Their cancel is recorded under the name Cloud Run verified, never one the body claims, and
+    the run stops and releases every GPU; the ledger and the run's callback stay out of their reach."""
+    oncall = "user:oncall@retrain.local"
+    service = stack.guard.deployed.functions["run_http"].service
+    invoker = Binding(
+        oncall, "roles/run.invoker", Resource(Kind.SERVICE, service), None, "test: var.run_http_invokers"
+    )
+    stack.guard.policy.bindings = [*stack.guard.policy.bindings, invoker]
+    url, headers = stack.endpoints.manual_function, {"Authorization": f"Bearer {stack.guard.token(oncall)}"}
+    try:
+        stack.twin.faults = Faults(provisioning="never")
+        lines = [json.dumps({"text": f"a run the on-call stops {uuid.uuid4()}"})]
+        run = drop_lines(stack, tmp_path / "oncall.jsonl", lines, "oncall")
+        wait_for_status(stack, run, "provisioning", 60)
+        assert requests.post(url, json={"cancel": run.run_id}, timeout=30).status_code == 403  # no token
+        assert requests.post(url, json={"cancel": "../runs"}, headers=headers, timeout=30).status_code == 400
+        body = {"cancel": run.run_id, "reason": "paged: bad data", "requested_by": "the-ceo"}
+        answer = requests.post(url, json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert (
+            answer.json()["outcome"] == "requested"
+            and answer.json()["requested_by"] == "oncall@retrain.local"
+        )
+        ended = finish(stack, run, 120)
+        assert_released(stack, ended, "cancelled")
+        assert ended.reason == "cancelled by oncall@retrain.local: paged: bad data", ended.reason
+        assert ended.failure == FailureKind.CANCELLED
+        again = requests.post(url, json=body, headers=headers, timeout=60)
+        assert again.status_code == 409 and "already ended" in again.json()["error"]
+        project = Resource(Kind.PROJECT, stack.settings.project)
+        for permission in (
+            "datastore.entities.update",
+            "workflows.callbacks.send",
+            "workflows.executions.create",
+        ):
+            assert not stack.guard.check(oncall, permission, project).allowed, permission
+    finally:
+        stack.guard.policy.bindings = [b for b in stack.guard.policy.bindings if b is not invoker]
 
 
 def test_the_doctor_checks_the_local_stack_as_it_would_a_project(stack: LocalStack) -> None:

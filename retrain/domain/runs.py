@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -108,6 +109,11 @@ def parse_iso(text: str | None) -> datetime | None:
 
 def now_iso() -> str:
     return iso(datetime.now(UTC))
+
+
+#: What :func:`new_run_id` makes (a dataset's name, its time, a random suffix): the one check of a run id
+#: that comes in from outside (an operator's cancel).
+RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 def new_run_id(dataset: str) -> str:

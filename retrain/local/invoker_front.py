@@ -14,13 +14,20 @@ account is depends on who calls:
 - anything else: a direct call, as whoever the bearer token is (the workflow's ``http.post`` with
   ``auth: OIDC``).
 
-A refused request answers 403, as Cloud Run does, and is logged by the guard.
+A refused request answers 403, as Cloud Run does, and is logged by the guard.  A direct call goes on
+with its caller's ID token, as Cloud Run hands it to the container: its claims (``email``,
+``email_verified``, ``exp``) and Google's mark where a signature was ("Google removes the token
+signature", cloud.google.com/run/docs/troubleshooting#signature-removed), which is what
+:func:`retrain.caller.verified_caller` reads.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -88,6 +95,30 @@ class InvokerFront:
                 return decision
         return None
 
+    def forwarded_token(self, path: str, token: str | None) -> str | None:
+        """The ``Authorization`` the function sees for a direct call that passed (None for Eventarc's
+        and Pub/Sub's deliveries): its caller's ID token, as Cloud Run passes it on."""
+        if path.startswith(("/_eventarc", "/_push/")):
+            return None
+        member = self.guard.member(token)
+        if member is None:
+            return None
+        now = int(time.time())
+        claims = {
+            "iss": "https://accounts.google.com",
+            "aud": self.url,
+            "email": member.partition(":")[2] or member,
+            "email_verified": True,
+            "iat": now,
+            "exp": now + 3600,
+        }
+        header = {"alg": "RS256", "typ": "JWT"}
+        segments = [
+            base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
+            for part in (header, claims)
+        ]
+        return "Bearer " + ".".join([*segments, "SIGNATURE_REMOVED_BY_GOOGLE"])
+
     def start(self) -> InvokerFront:
         front = self
 
@@ -108,6 +139,8 @@ class InvokerFront:
                     return
                 skip = ("host", "authorization", "content-length", "connection")
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                if (identity := front.forwarded_token(self.path, token)) is not None:
+                    headers["Authorization"] = identity
                 try:
                     answer = requests.request(
                         self.command, front.upstream + self.path, data=body, headers=headers, timeout=3600

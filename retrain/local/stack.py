@@ -101,6 +101,8 @@ class Endpoints:
     relay_function: str = ""
     scheduler_function: str = ""
     steps_function: str = ""
+    manual_function: str = ""
+    """The operators' function (``run_http``: seal now, cancel a run), behind Cloud Run's invoker check."""
     container: str = ""
     token: str = ""
     """The operator's local token (``retrain.adapters.credentials``): what the CLI presents."""
@@ -545,7 +547,10 @@ class LocalStack:
         )
         self.executions = server
 
-        self.progress("starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event")
+        self.progress(
+            "starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event, "
+            "on_scheduler_tick, run_http"
+        )
         jobs = self._deployment.scheduler_jobs()
         ticks = sorted({job.topic for job in jobs})
         push_routes.update({s.jobset_topic: "on_jobset_event"})
@@ -553,6 +558,7 @@ class LocalStack:
         ep.ingest_function = serve("on_object_finalized") + "/_eventarc"
         ep.relay_function = serve("on_jobset_event")
         ep.scheduler_function = serve("on_scheduler_tick")
+        ep.manual_function = serve("run_http", signature="http")
         # A function that dies is started again on its port (Cloud Run starts a new instance).
         self._closers.append(periodically(1.0, self._restart_dead_functions, "function supervisor"))
 

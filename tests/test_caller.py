@@ -1,0 +1,64 @@
+"""retrain.caller: the caller of an HTTP function, as Cloud Run passes the ID token on."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from retrain.caller import verified_caller
+
+NOW = 1_800_000_000.0
+
+
+def token(claims: dict[str, Any], signature: str = "SIGNATURE_REMOVED_BY_GOOGLE") -> str:
+    parts = [{"alg": "RS256", "typ": "JWT"}, claims]
+    encoded = [base64.urlsafe_b64encode(json.dumps(p).encode()).rstrip(b"=").decode() for p in parts]
+    return "Bearer " + ".".join([*encoded, signature])
+
+
+GOOD = {"email": "oncall@example.com", "email_verified": True, "exp": NOW + 60, "aud": "https://run-http"}
+
+
+def test_a_user_token_cloud_run_let_through_names_its_email() -> None:
+    # a gcloud user's token arrives with Google's mark where its signature was
+    # (cloud.google.com/run/docs/troubleshooting#signature-removed); a service account's keeps its own
+    assert verified_caller({"Authorization": token(GOOD)}, NOW) == "oncall@example.com"
+    signed = token(GOOD, base64.urlsafe_b64encode(b"\x01" * 256).rstrip(b"=").decode())
+    assert verified_caller({"Authorization": signed}, NOW) == "oncall@example.com"
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        None,
+        "",
+        "Basic b25jYWxsOnB3",
+        "Bearer ya29.an-access-token",  # not an ID token
+        "Bearer a.b",
+        "Bearer !!!.@@@.###",
+        token({**GOOD, "email_verified": False}),
+        token({k: v for k, v in GOOD.items() if k != "email_verified"}),
+        token({**GOOD, "exp": NOW - 1}),  # expired
+        token({k: v for k, v in GOOD.items() if k != "exp"}),
+        token({**GOOD, "email": ["a@b"]}),
+    ],
+    ids=[
+        "no header",
+        "empty",
+        "basic",
+        "access token",
+        "two segments",
+        "not base64",
+        "email unverified",
+        "verification unsaid",
+        "expired",
+        "no expiry",
+        "email not a string",
+    ],
+)
+def test_no_verified_unexpired_email_is_no_caller(authorization: str | None) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    assert verified_caller(headers, NOW) is None
