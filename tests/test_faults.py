@@ -198,7 +198,7 @@ def test_a_jobset_replaced_under_the_runs_name_is_not_taken_for_the_runs(
     ended = finish(stack, run, 180)
     assert_released(stack, ended, "failed")
     assert ended.failure == FailureKind.TRAINING_FAILED and ended.reason, ended
-    assert f"JobSet {name} is no longer the one this run submitted" in ended.reason, ended.reason
+    assert f"JobSet {name} is no longer the one this run made" in ended.reason, ended.reason
     report("a JobSet replaced under the run's name", ended, started)
 
 

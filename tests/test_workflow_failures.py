@@ -18,8 +18,11 @@ from stack_support import (
     drop_lines,
     finish,
     module_stack,
+    new_dataset,
     replace_under_its_name,
     run_with,
+    unique_lines,
+    wait_for_run,
     wait_for_status,
 )
 
@@ -28,9 +31,10 @@ from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cancel import request_cancel
 from retrain.cli import format_run, operator_identity
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import FailureKind
+from retrain.domain.runs import EVAL_SET, FailureKind
 from retrain.local.cluster_twin import Faults
 from retrain.local.iam import Binding, Kind, Resource
+from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
@@ -148,18 +152,23 @@ def test_a_jobset_of_the_runs_name_that_is_not_its_own_is_never_adopted(
     assert ended.failure == FailureKind.STEP_FAILED
 
 
+@pytest.mark.parametrize("stage", ["provisioning", "training"])
 def test_a_capacity_request_made_again_by_someone_else_is_not_the_runs(
-    stack: LocalStack, tmp_path: Path
+    stack: LocalStack, tmp_path: Path, stage: str
 ) -> None:
-    """The provisioning wait reads the run's ProvisioningRequest by name and confirms it by the uid its
-    create answered: one deleted and made again under the name, label and all, is not the request this
-    run asked with, and its Provisioned would not be this run's capacity; the run fails saying so."""
+    """The provisioning wait, and the training wait's look at the capacity under its JobSet, read the
+    run's ProvisioningRequest by name and confirm it by the uid its create answered: one deleted and
+    made again under the name, label and all, is not the request this run asked with, and neither its
+    Provisioned nor its conditions are this run's capacity; the run fails saying so."""
     from retrain.k8s.render import provisioning_request_name
 
-    stack.twin.faults = Faults(provisioning="never")  # the run's request stays Accepted
+    # provisioning: the run's request stays Accepted; training: the JobSet trains on for a while
+    stack.twin.faults = (
+        Faults(provisioning="never") if stage == "provisioning" else Faults(hold_training_s=120)
+    )
     lines = [json.dumps({"text": f"a run whose request is replaced {uuid.uuid4()}"})]
     run = drop_lines(stack, tmp_path / "replaced.jsonl", lines, "replaced")
-    wait_for_status(stack, run, "provisioning", 60)
+    wait_for_status(stack, run, stage, 90)
     name = provisioning_request_name(run.run_id)
     group = ("autoscaling.x-k8s.io", "v1", stack.settings.namespace, "provisioningrequests")
     replace_under_its_name(stack, group, name)
@@ -167,6 +176,28 @@ def test_a_capacity_request_made_again_by_someone_else_is_not_the_runs(
     assert_released(stack, ended)
     assert ended.failure == FailureKind.CAPACITY_ERROR, ended
     assert ended.reason and f"capacity request {name} is no longer the one this run made" in ended.reason
+
+
+def test_a_dataset_s_second_run_is_judged_on_its_held_out_eval_set(stack: LocalStack, tmp_path: Path) -> None:
+    """The eval gate always has held-out data: a dataset's first run carves its eval set out of its own
+    objects (never trained on), validates on it and becomes the champion with that loss; the next run
+    is compared with the champion on that same eval set, not on data of its own choosing."""
+    stack.twin.faults = Faults()
+    dataset = new_dataset()
+    books = []
+    for i in range(4):  # retrain.plan.HOLD_OUT_MIN_OBJECTS: one of them is held out
+        books.append(tmp_path / f"book{i}.jsonl")
+        books[-1].write_text("\n".join(unique_lines(12)) + "\n")
+    drop(stack.settings, stack.endpoints.ingest_function, books, dataset=dataset)
+    first = finish(stack, wait_for_run(stack, dataset))
+    assert first.status == "succeeded" and first.eval_set and first.eval is not None, first
+    assert first.eval.promoted and first.eval.val_loss is not None and first.eval.val_loss > 0, first.eval
+    second = finish(stack, drop_lines(stack, tmp_path / "more.jsonl", unique_lines(12), dataset, after=first))
+    assert second.status == "succeeded" and second.base_checkpoint == first.checkpoint, second
+    assert second.eval_set == first.eval_set and second.eval is not None, second
+    assert second.eval.compared_on == EVAL_SET, second.eval
+    assert second.eval.champion_run == first.run_id and second.eval.champion_val_loss is not None
+    assert second.eval.val_loss is not None and second.eval.val_loss > 0, second.eval
 
 
 def test_success_on_the_same_stack(stack: LocalStack, tmp_path: Path) -> None:

@@ -200,12 +200,13 @@ def workflow_calls() -> set[tuple[str, str, str, bool]]:
     """(verb, API group, resource, namespaced) of every Kubernetes call workflows/retrain.yaml makes
     (its steps calling kube, kube_create or kube_delete), read from the file.  A kube_create also reads
     the object it meets on 409 (to adopt it only when it is the run's): a get of what it creates."""
-    methods = {"kube_create": "POST", "kube_delete": "DELETE"}
+    methods = {"kube_create": "POST", "kube_delete": "DELETE", "kube_get_own": "GET"}
     found = set()
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
-            if node.get("call") in ("kube", "kube_create", "kube_delete") and "path" in node.get("args", {}):
+            helpers = ("kube", "kube_create", "kube_delete", "kube_get_own")
+            if node.get("call") in helpers and "path" in node.get("args", {}):
                 args = node["args"]
                 method = methods.get(node["call"]) or args["method"]
                 path = str(args["path"])
