@@ -21,7 +21,7 @@ from cloudevents.http import CloudEvent
 
 from retrain import composition, config, logs
 from retrain.caller import verified_caller
-from retrain.cancel import request_cancel
+from retrain.cancel import CancelRefused, Refusal, request_cancel
 from retrain.contracts import StepName
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import RUN_ID_RE
@@ -136,6 +136,11 @@ def run_http(request: flask.Request) -> flask.typing.ResponseReturnValue:
     return {"outcomes": [o.__dict__ for o in outcomes]}, 200
 
 
+#: How each refused cancel answers: a run unknown 404, one that ended 409, one whose workflow has not
+#: opened its callback yet 503 (ask again), a bad request 400.
+CANCEL_REFUSED = {Refusal.NO_RUN: 404, Refusal.ENDED: 409, Refusal.NOT_STARTED: 503, Refusal.BAD_REQUEST: 400}
+
+
 def _cancel(request: flask.Request, body: dict[str, Any]) -> flask.typing.ResponseReturnValue:
     run_id, reason = body.get("cancel"), body.get("reason", "")
     if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id) or not isinstance(reason, str):
@@ -144,14 +149,17 @@ def _cancel(request: flask.Request, body: dict[str, Any]) -> flask.typing.Respon
         }, 400
     caller = verified_caller(request.headers)
     if caller is None:
-        return {"error": "no verified caller: call with an ID token (Authorization: Bearer)"}, 401
+        return {"error": "no verified caller: call with a Google ID token (Authorization: Bearer)"}, 401
     service = ingest()
     try:
         cancel = request_cancel(
-            service.ledger, service.orchestrator, run_id, reason[:500], requested_by=caller, reap=service.reap
+            service.ledger, service.orchestrator, run_id, reason, requested_by=caller, reap=service.reap
         )
-    except Rejected as e:
-        return {"error": e.reason}, 409
+    except CancelRefused as e:
+        return {"error": e.reason, "refusal": e.refusal}, CANCEL_REFUSED[e.refusal]
+    except RuntimeError as e:  # the run's workflow did not take the callback: it is recorded, retry
+        log.exception("run %s: cancel by %s not delivered", run_id, caller)
+        return {"error": str(e)}, 502
     log.info("run %s: cancel by %s: %s", run_id, caller, cancel.outcome, extra={"run_id": run_id})
     return {"outcome": cancel.outcome, "detail": cancel.detail, "requested_by": caller}, 200
 

@@ -369,6 +369,7 @@ class Ingest:
             claim.token,
             {
                 "plan": argument.to_dict(),
+                "service_account": argument.run_account["metadata"]["name"],
                 "profile": argument.training["profile"],
                 "base_checkpoint": champion.checkpoint if champion else None,
                 "base_step": champion.step if champion else 0,

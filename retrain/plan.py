@@ -109,10 +109,15 @@ def training_plan(
 
 
 def render_training(
-    settings: Settings, plan: TrainingPlan, callback_url: str | None = None
+    settings: Settings,
+    plan: TrainingPlan,
+    callback_url: str | None = None,
+    service_account: str | None = None,
 ) -> tuple[dict[str, Any], Command]:
     """The JobSet that trains ``plan`` (its data handed over) and the command it runs, checked against
-    the trainer's own configuration; PlanError naming what the trainer would refuse."""
+    the trainer's own configuration; PlanError naming what the trainer would refuse.  Its pods run as
+    ``service_account``: the account the run's plan names (``WorkflowArgument.run_account``), which its
+    workflow creates (by default the one :func:`workflow_argument` names)."""
     trainer = profile(plan.profile)
     mounts = GcsMounts()
     command = trainer.render(plan, mounts.path)
@@ -128,7 +133,7 @@ def render_training(
         namespace=settings.namespace,
         callback_url=callback_url,
         tcpx_image=settings.tcpx_image if settings.gpudirect_tcpx and plan.shape.nodes > 1 else None,
-        service_account=run_account_name(plan.run_id),
+        service_account=service_account or run_account_name(plan.run_id),
         provisioning_request=provisioning_request_name(plan.run_id),
     )
     return jobset, command

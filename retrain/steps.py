@@ -348,7 +348,14 @@ class Steps:
         if run is None:
             raise PlanError(f"no run {plan.run_id} in the ledger")
         _check_base(self.store, self.ledger.champion(run.dataset), plan)
-        jobset, command = render_training(self.settings, plan, callback_url or None)
+        if not run.service_account:  # its workflow opened no account for its pods: they could never start
+            raise PlanError(
+                f"run {plan.run_id} was planned before runs had service accounts of their own; "
+                f"`retrain run --retry {plan.run_id}` plans it again"
+            )
+        jobset, command = render_training(
+            self.settings, plan, callback_url or None, service_account=run.service_account
+        )
         self.ledger.update_run(
             plan.run_id,
             {

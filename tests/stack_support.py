@@ -18,7 +18,7 @@ from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cli import follow
 from retrain.deployment import local_settings
-from retrain.domain.runs import Run
+from retrain.domain.runs import FailureKind, Run
 from retrain.k8s.render import RUN_ID_ANNOTATION
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
@@ -147,9 +147,7 @@ def assert_nothing_left(stack: LocalStack) -> None:
     ledger = FirestoreLedger(stack.settings.project)
     left = [b.on.key for b in stack.guard.policy.bindings if b.address.startswith(RUNTIME_POLICY)]
     runs = {key: ledger.get_run(key.rstrip("/").rsplit("/", 1)[-1]) for key in left}
-    assert [
-        k for k, run in runs.items() if not (run and (run.reason or "").startswith("execution lost"))
-    ] == []
+    assert [k for k, run in runs.items() if not (run and run.failure == FailureKind.EXECUTION_LOST)] == []
 
 
 def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:

@@ -19,7 +19,13 @@ def token(claims: dict[str, Any], signature: str = "SIGNATURE_REMOVED_BY_GOOGLE"
     return "Bearer " + ".".join([*encoded, signature])
 
 
-GOOD = {"email": "oncall@example.com", "email_verified": True, "exp": NOW + 60, "aud": "https://run-http"}
+GOOD = {
+    "iss": "https://accounts.google.com",
+    "email": "oncall@example.com",
+    "email_verified": True,
+    "exp": NOW + 60,
+    "aud": "https://run-http",
+}
 
 
 def test_a_user_token_cloud_run_let_through_names_its_email() -> None:
@@ -44,6 +50,7 @@ def test_a_user_token_cloud_run_let_through_names_its_email() -> None:
         token({**GOOD, "exp": NOW - 1}),  # expired
         token({k: v for k, v in GOOD.items() if k != "exp"}),
         token({**GOOD, "email": ["a@b"]}),
+        token({**GOOD, "iss": "https://evil.example"}),  # not Google's
     ],
     ids=[
         "no header",
@@ -57,8 +64,26 @@ def test_a_user_token_cloud_run_let_through_names_its_email() -> None:
         "expired",
         "no expiry",
         "email not a string",
+        "another issuer",
     ],
 )
 def test_no_verified_unexpired_email_is_no_caller(authorization: str | None) -> None:
     headers = {} if authorization is None else {"Authorization": authorization}
     assert verified_caller(headers, NOW) is None
+
+
+def test_the_caller_is_read_from_the_header_cloud_run_checked() -> None:
+    """With X-Serverless-Authorization, Cloud Run checks that header alone and hands Authorization on
+    unchecked: a token written there by the caller names nobody."""
+    forged = token({**GOOD, "email": "the-ceo@example.com"})
+    headers = {"X-Serverless-Authorization": token(GOOD), "Authorization": forged}
+    assert verified_caller(headers, NOW) == "oncall@example.com"
+    assert verified_caller({"X-Serverless-Authorization": "Basic x", "Authorization": forged}, NOW) is None
+
+
+def test_a_header_given_twice_names_nobody() -> None:
+    from werkzeug.datastructures import Headers
+
+    twice = Headers([("Authorization", token(GOOD)), ("Authorization", token({**GOOD, "email": "x@y"}))])
+    assert verified_caller(twice, NOW) is None
+    assert verified_caller(Headers([("Authorization", token(GOOD))]), NOW) == "oncall@example.com"

@@ -21,6 +21,7 @@ from retrain.contracts import StepName, StepRequest, tokenize_detail_uri
 from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run
+from retrain.k8s.render import run_account_name
 from retrain.plan import run_root, tokenize_report_uri, training_plan
 from retrain.steps import Steps, checkpoint_fingerprint
 from retrain.tensorboard import EventWriter
@@ -41,7 +42,8 @@ def steps(firestore_host: str, gcs_host: str, project: str) -> Steps:
 
 def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = None) -> dict[str, Any]:
     """A run record in the ledger, and its training plan as the workflow argument carries it."""
-    run = Run(run_id=f"{dataset}-{uuid.uuid4().hex[:8]}", dataset=dataset, trigger="manual")
+    run_id = f"{dataset}-{uuid.uuid4().hex[:8]}"
+    run = Run(run_id=run_id, dataset=dataset, trigger="manual", service_account=run_account_name(run_id))
     steps.ledger.db.collection("runs").document(run.run_id).set(run.to_dict())  # type: ignore[attr-defined]
     return training_plan(steps.settings, run.run_id, champion, dataset).to_dict()
 
@@ -97,6 +99,16 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
     objects.write_bytes(f"{plan['output_dir']}/tokenize_report.json", json.dumps(report).encode())
 
 
+def test_a_run_planned_before_runs_had_accounts_of_their_own_is_refused_at_handover(steps: Steps) -> None:
+    """Its workflow opened no account for its pods (the plan named none): a JobSet would ask for an
+    account that does not exist, whose pods Kubernetes refuses, while its GPUs wait. Refused first."""
+    plan = new_run(steps)
+    steps.ledger.update_run(plan["run_id"], {"service_account": None})
+    write_report(plan)
+    with pytest.raises(Rejected, match="planned before runs had service accounts of their own"):
+        steps.handle(request(StepName.HANDOVER, plan, callback_url="https://cb/1"))
+
+
 def test_handover_renders_the_command_from_the_report_and_records_it(steps: Steps) -> None:
     plan = new_run(steps)
     write_report(plan)
@@ -120,6 +132,8 @@ def test_handover_renders_the_command_from_the_report_and_records_it(steps: Step
         f"gs://{art}/shards/{B}/data_text_document",
     ]
     assert record.profile == "nemo-24.12"
+    pods = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pods["serviceAccountName"] == record.service_account  # the account its workflow made
 
 
 @pytest.mark.parametrize(

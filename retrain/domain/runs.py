@@ -113,7 +113,7 @@ def now_iso() -> str:
 
 #: What :func:`new_run_id` makes (a dataset's name, its time, a random suffix): the one check of a run id
 #: that comes in from outside (an operator's cancel).
-RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 
 def new_run_id(dataset: str) -> str:
@@ -424,6 +424,10 @@ class Run:
     """Objects of a run that trained the rest, set aside whole by its tokenize job (gone, unreadable, too
     large), whose content it gave back: it never trained, so identical bytes are new again (and a copy
     of a gone object's bytes under another name arrives again by itself)."""
+    service_account: str | None = None
+    """The Kubernetes service account its pods run as (its plan's ``run_account``, which its workflow
+    creates and deletes): the one identity its folder's write grant names.  None: planned before runs had
+    accounts of their own (its handover refuses it)."""
     manifest_generation: int | None = None
     """The generation of its manifest (``runs/RUN/objects.json``) as its start wrote it: the version its
     tokenize job reads."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import requests
 
+from retrain.caller import SERVERLESS_AUTHORIZATION
 from retrain.local.http import LoopbackServer
 from retrain.local.iam import Decision, Kind, Resource
 from retrain.local.identities import Guard
@@ -96,8 +97,8 @@ class InvokerFront:
         return None
 
     def forwarded_token(self, path: str, token: str | None) -> str | None:
-        """The ``Authorization`` the function sees for a direct call that passed (None for Eventarc's
-        and Pub/Sub's deliveries): its caller's ID token, as Cloud Run passes it on."""
+        """What the function sees in the header Cloud Run checked, for a direct call that passed (None for
+        Eventarc's and Pub/Sub's deliveries): its caller's ID token, as Cloud Run passes it on."""
         if path.startswith(("/_eventarc", "/_push/")):
             return None
         member = self.guard.member(token)
@@ -128,7 +129,14 @@ class InvokerFront:
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or None
+                # Cloud Run checks X-Serverless-Authorization when present, else Authorization
+                # (cloud.google.com/run/docs/authenticating/service-to-service); the other goes on as sent
+                checked = (
+                    SERVERLESS_AUTHORIZATION
+                    if self.headers.get(SERVERLESS_AUTHORIZATION)
+                    else "Authorization"
+                )
+                token = (self.headers.get(checked) or "").removeprefix("Bearer ").strip() or None
                 refused = front.refusal(self.path, token)
                 if refused is not None:
                     why = refused.reason if isinstance(refused, Decision) else refused
@@ -137,10 +145,10 @@ class InvokerFront:
                     text = f"Your client does not have permission to get URL {self.path} from this server."
                     self._answer(403, "text/plain; charset=utf-8", f"{text} ({why})".encode())
                     return
-                skip = ("host", "authorization", "content-length", "connection")
+                skip = ("host", checked.lower(), "content-length", "connection")
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
                 if (identity := front.forwarded_token(self.path, token)) is not None:
-                    headers["Authorization"] = identity
+                    headers[checked] = identity
                 try:
                     answer = requests.request(
                         self.command, front.upstream + self.path, data=body, headers=headers, timeout=3600

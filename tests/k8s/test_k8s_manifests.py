@@ -198,8 +198,9 @@ def test_reaper_rbac_allows_its_work_and_nothing_more(api: Any, namespace: str) 
 
 def workflow_calls() -> set[tuple[str, str, str, bool]]:
     """(verb, API group, resource, namespaced) of every Kubernetes call workflows/retrain.yaml makes
-    (its steps calling kube, kube_create or kube_delete), read from the file.  A kube_create also reads
-    the object it meets on 409 (to adopt it only when it is the run's): a get of what it creates."""
+    (its steps calling kube, kube_create, kube_delete or kube_get_own), read from the file.  A
+    kube_create also reads the object it meets on 409 (to adopt it only when it is the run's): a get of
+    what it creates."""
     methods = {"kube_create": "POST", "kube_delete": "DELETE", "kube_get_own": "GET"}
     found = set()
 
