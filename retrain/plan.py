@@ -34,8 +34,14 @@ from retrain.ports import ObjectStore
 from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan, profile
 
 
+def run_folder(run_id: str) -> str:
+    """The run's folder in the artifacts bucket (its manifest, tokenize report, checkpoints, events): the
+    managed folder whose policy is the run's own write grant (``WorkflowArgument.run_folder``)."""
+    return f"runs/{run_id}/"
+
+
 def run_root(settings: Settings, run_id: str) -> str:
-    return f"{settings.artifacts_uri}/runs/{run_id}"
+    return f"{settings.artifacts_uri}/{run_folder(run_id)}".rstrip("/")
 
 
 def tokenize_report_uri(run_root: str) -> str:
@@ -59,7 +65,7 @@ def manifest_object(run_id: str) -> str:
     Never part of the workflow argument: the Executions API caps an argument at 32 KB, about 450
     object URIs, and one storm of files makes one run.
     """
-    return f"runs/{run_id}/objects.json"
+    return f"{run_folder(run_id)}objects.json"
 
 
 def shard_root(settings: Settings) -> str:
@@ -296,6 +302,7 @@ def workflow_argument(
     plan = training_plan(settings, run.run_id, champion, run.dataset)
     deadline, deadline_reason = training_deadline(settings)
     check_before_capacity(settings, plan)
+    account = render_run_account(run.run_id, settings.namespace)
     podtemplate, provreq = render_provisioning_request(
         run.run_id,
         nodes=settings.nodes,
@@ -317,7 +324,7 @@ def workflow_argument(
         artifacts_bucket=settings.artifacts_bucket,
         manifest_object=manifest_object(run.run_id),
         manifest_generation=None,  # Ingest.start writes the manifest, then gives its generation
-        report_object=f"runs/{run.run_id}/tokenize_report.json",
+        report_object=f"{run_folder(run.run_id)}tokenize_report.json",
         objects=run.objects,
         shard_root=shard_root(settings),
         run_root=root,
@@ -329,11 +336,11 @@ def workflow_argument(
         hold_out_objects=hold_out_objects(settings, plan, run.objects),
         training=plan.to_dict(),
         jobset_name=jobset_name(run.run_id),
-        run_account=render_run_account(run.run_id, settings.namespace),
+        run_account=account,
         run_principal=run_principal(
-            settings.project_number, settings.project, settings.namespace, run_account_name(run.run_id)
+            settings.project_number, settings.project, settings.namespace, account["metadata"]["name"]
         ),
-        run_folder=f"runs/{run.run_id}/",
+        run_folder=run_folder(run.run_id),
         podtemplate=podtemplate,
         provisioning_request=provreq,
         tokenize_timeout_s=tokenize_deadline_s(settings, batch_bytes, run.objects),

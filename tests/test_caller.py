@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import base64
-import json
 from typing import Any
 
 import pytest
 
-from retrain.caller import verified_caller
+from retrain.caller import SIGNATURE_REMOVED, forwarded_id_token, verified_caller
 
 NOW = 1_800_000_000.0
 
 
-def token(claims: dict[str, Any], signature: str = "SIGNATURE_REMOVED_BY_GOOGLE") -> str:
-    parts = [{"alg": "RS256", "typ": "JWT"}, claims]
-    encoded = [base64.urlsafe_b64encode(json.dumps(p).encode()).rstrip(b"=").decode() for p in parts]
-    return "Bearer " + ".".join([*encoded, signature])
+def token(claims: dict[str, Any], signature: str = SIGNATURE_REMOVED) -> str:
+    unsigned = forwarded_id_token(claims).rsplit(".", 1)[0]
+    return f"Bearer {unsigned}.{signature}"
 
 
 GOOD = {

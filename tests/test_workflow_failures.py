@@ -3,7 +3,6 @@ ends with a reason, no JobSet, no ProvisioningRequest and zero GPU nodes."""
 
 from __future__ import annotations
 
-import base64
 import getpass
 import json
 import re
@@ -29,6 +28,7 @@ from stack_support import (
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
+from retrain.caller import forwarded_id_token
 from retrain.cancel import request_cancel
 from retrain.cli import format_run, operator_identity
 from retrain.domain.errors import Rejected
@@ -247,13 +247,9 @@ def test_an_operator_who_may_only_invoke_run_http_cancels_a_run_in_their_own_nam
         # Cloud Run checks X-Serverless-Authorization when it is there and hands Authorization on as sent:
         # an ID token the caller wrote there themselves names nobody
         claims = {"iss": "https://accounts.google.com", "email": "ceo@retrain.local", "email_verified": True}
-        forged = ".".join(
-            base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
-            for part in ({"alg": "RS256"}, {**claims, "exp": time.time() + 600})
-        )
         checked = {
             "X-Serverless-Authorization": headers["Authorization"],
-            "Authorization": f"Bearer {forged}.SIGNATURE_REMOVED_BY_GOOGLE",
+            "Authorization": f"Bearer {forwarded_id_token({**claims, 'exp': time.time() + 600})}",
         }
         answer = requests.post(url, json=body, headers=checked, timeout=120)
         assert answer.status_code == 200, answer.text

@@ -308,17 +308,22 @@ class Guard:
 
     # -- least privilege ----------------------------------------------------------------------
 
+    def _used_through(self) -> dict[str, dict[str, set[str]]]:
+        """Member -> each permission it used -> the addresses of the grants it used it through."""
+        with self._lock:
+            used = list(self.used)
+        through: dict[str, dict[str, set[str]]] = {}
+        for member, permission, address in used:
+            through.setdefault(member, {}).setdefault(permission, set()).add(address)
+        return through
+
     def least_privilege(self) -> dict[str, Any]:
         """Per service account infra/ grants anything: each permission it used and the grants it used it
         through, each grant it never used (a role whose permissions were unused, or used only through a
         narrower grant), and apart, the grants the local stack cannot exercise
         (:data:`NOT_EXERCISED_LOCALLY`, :data:`ROLES_NOT_EXERCISED_LOCALLY`, an identity that never runs
         locally)."""
-        with self._lock:
-            used = list(self.used)
-        through: dict[str, dict[str, set[str]]] = {}
-        for member, permission, address in used:
-            through.setdefault(member, {}).setdefault(permission, set()).add(address)
+        through = self._used_through()
         report: dict[str, Any] = {}
         for b in self.policy.bindings:
             if not b.member.startswith("serviceAccount:"):
@@ -349,12 +354,11 @@ class Guard:
             {"member": d.member, "permission": d.permission, "resource": d.resource.name}
             for d in self.refused()
         ]
-        with self._lock:
-            used = list(self.used)
-        workloads: dict[str, dict[str, list[str]]] = {}
-        for member, permission, address in sorted(used):
-            if member.startswith("principal://"):  # a pod's own principal (a run's pods)
-                workloads.setdefault(member, {}).setdefault(permission, []).append(address)
+        workloads = {  # a pod's own principal (a run's pods)
+            member: {p: sorted(a) for p, a in sorted(used.items())}
+            for member, used in self._used_through().items()
+            if member.startswith("principal://")
+        }
         report = {"least_privilege": self.least_privilege(), "workloads": workloads, "refusals": refusals}
         path.write_text(json.dumps(report, indent=1))
 

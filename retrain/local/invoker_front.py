@@ -23,8 +23,6 @@ signature", cloud.google.com/run/docs/troubleshooting#signature-removed), which 
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
 import time
@@ -34,7 +32,7 @@ from typing import Any
 
 import requests
 
-from retrain.caller import SERVERLESS_AUTHORIZATION
+from retrain.caller import SERVERLESS_AUTHORIZATION, forwarded_id_token
 from retrain.local.http import LoopbackServer
 from retrain.local.iam import Decision, Kind, Resource
 from retrain.local.identities import Guard
@@ -113,12 +111,7 @@ class InvokerFront:
             "iat": now,
             "exp": now + 3600,
         }
-        header = {"alg": "RS256", "typ": "JWT"}
-        segments = [
-            base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
-            for part in (header, claims)
-        ]
-        return "Bearer " + ".".join([*segments, "SIGNATURE_REMOVED_BY_GOOGLE"])
+        return "Bearer " + forwarded_id_token(claims)
 
     def start(self) -> InvokerFront:
         front = self
