@@ -243,6 +243,10 @@ class Settings:
     # --- local stack only (LOCAL_ONLY below): the cloud deployment never sets these ---
     provision_delay_s: float = 2.0
     """Local DWS twin: seconds before a ProvisioningRequest is answered."""
+    scale_down_delay_s: float = 600.0
+    """Local cluster twin: how long a node stays once unneeded, what a released run's nodes still cost:
+    the cluster autoscaler's ``--scale-down-unneeded-time``, 10 minutes by default (kubernetes/
+    autoscaler's FAQ); a period of waiting, so locally 10 s (``retrain.deployment.SCALED_PERIODS``)."""
     twin_faults: str = ""
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"
@@ -373,7 +377,7 @@ class Settings:
 
 
 #: Settings only the local stack uses; every other field is set by Terraform (tests/test_contracts.py).
-LOCAL_ONLY = frozenset({"provision_delay_s", "twin_faults", "state_dir", "local_iam"})
+LOCAL_ONLY = frozenset({"provision_delay_s", "scale_down_delay_s", "twin_faults", "state_dir", "local_iam"})
 
 
 def _coerce(value: str, like: object) -> object:

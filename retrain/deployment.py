@@ -34,10 +34,6 @@ LOCAL_PROJECT = "retrain-local"
 #: Local time runs this many times faster than the deployment's: a Scheduler job every 15 minutes
 #: ticks every 15 s, a 300 s quiet period lasts 5 s.
 LOCAL_TIME_FACTOR = 60.0
-#: The cluster autoscaler removes a node only after it has been unneeded for this long
-#: (``--scale-down-unneeded-time``, 10 minutes by default; kubernetes/autoscaler's FAQ): what a released
-#: run's nodes cost after its capacity request is deleted.
-AUTOSCALER_SCALE_DOWN_S = 600.0
 #: Provisioned DWS nodes wait this long for their pods: "You have 10 minutes to start the Pods to consume
 #: provisioned resources. After this time, the cluster autoscaler considers the nodes as not needed and
 #: removes them" (cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest).
@@ -60,6 +56,7 @@ SCALED_PERIODS = (
     "completion_check_s",
     "alert_capacity_wait_s",
     "alert_idle_nodes_s",
+    "scale_down_delay_s",
 )
 #: The local stand-in of the NeMo 24.12 image (``nvcr.io/nvidia/nemo:24.12`` in the deployment), which
 #: ``retrain.local.images`` resolves to the cluster twin's local command.

@@ -28,8 +28,9 @@ from retrain.local.stack import LocalStack
 
 
 def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Iterator[LocalStack]:
-    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps (and
-    any other settings in ``overrides``)."""
+    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps, a
+    released run's nodes gone a second after they are unneeded (the demo's test keeps the autoscaler's
+    10 minutes / 60; each of these runs would wait them out), and any other settings in ``overrides``."""
     for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
         if reason:
             pytest.skip(reason)
@@ -40,6 +41,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> 
         provision_timeout_s=8,
         provision_reask_s=3,
         provision_delay_s=0.5,
+        scale_down_delay_s=1.0,
         state_dir=str(tmp_path_factory.mktemp("stack")),
         **overrides,
     )

@@ -14,11 +14,12 @@ import errno
 import http.client
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from retrain.adapters import objects
+from retrain.local.http import LoopbackServer
 from retrain.local.processes import ManagedProcess, PortTaken, free_port
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class ExportsProxy:
         self.upstream = urlsplit(upstream)
         self.mirror = _Mirror(export_root)
         self.port = free_port()
-        self.server: ThreadingHTTPServer | None = None
+        self.server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
@@ -70,13 +71,12 @@ class ExportsProxy:
     def start(self, timeout_s: float = 60.0) -> None:
         self.emulator.start(timeout_s)
         try:
-            self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+            self.server = LoopbackServer(self._handler(), self.port)
         except OSError as e:
             self.emulator.stop()
             if e.errno == errno.EADDRINUSE:
                 raise PortTaken(f"the exports proxy could not bind {self.port}") from e
             raise
-        self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="bigquery-exports-proxy", daemon=True).start()
 
     def stop(self, grace_s: float = 10.0) -> None:

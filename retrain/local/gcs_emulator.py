@@ -13,9 +13,11 @@ with the current one, so a reader pinned to a generation that is gone silently g
 - **A write costs the same in a bucket of 20 objects or 20,000.**  The emulator rewrote its whole
   metadata file (every object's resource, indented) on every write: a run of 2,000 small objects, whose
   tokenizing writes some 20,000 objects, spent minutes serializing.  Here the metadata is written behind
-  the requests, at most every ``FLUSH_S``, and on SIGTERM/SIGINT before the emulator exits (how the stack
-  stops it); only a SIGKILL of the emulator itself can lose the last ``FLUSH_S`` of metadata.  Requests
-  and the flush take one lock, so the flush always writes a state some request left.
+  the requests, at most every ``FLUSH_S`` (or, once it has grown so large that writing it takes longer
+  than a tenth of that, every ten times as long as the last write took: serializing holds the
+  interpreter, and requests wait for it), and on SIGTERM/SIGINT before the emulator exits (how the
+  stack stops it); only a SIGKILL of the emulator itself can lose the last interval's metadata.
+  Requests and the flush take one lock, so the flush always writes a state some request left.
 - **A generation that does not exist is a 404** (objects.get, cloud.google.com/storage/docs/json_api/v1/
   objects/get: ``generation`` "If present, selects a specific revision of this object"), never the
   current version's bytes.
@@ -48,6 +50,8 @@ NONCURRENT_DIR = ".noncurrent"
 NONCURRENT_META = ".noncurrent-meta"
 FLUSH_S = 0.5
 """How long metadata may wait in memory before it is written (see the module docstring)."""
+FLUSH_SHARE = 0.1
+"""The share of the emulator's time the flush may take (see the module docstring)."""
 _STATE = threading.RLock()
 """Held by every request and by the flush."""
 _dirty: dict[Any, set[str]] = {}  # storage -> the metadata files to write
@@ -310,10 +314,18 @@ def _snapshot(storage: Any, files: set[str]) -> dict[str, Any]:
     return out
 
 
+def flush_pause(last_flush_s: float) -> float:
+    """How long to wait before the next flush, given how long the last one took."""
+    return max(FLUSH_S, last_flush_s * (1 - FLUSH_SHARE) / FLUSH_SHARE)
+
+
 def _flushing() -> None:
+    pause = FLUSH_S
     while True:
-        time.sleep(FLUSH_S)
+        time.sleep(pause)
+        began = time.monotonic()
         _flush()
+        pause = flush_pause(time.monotonic() - began)
 
 
 def _locked(handle: Any) -> Any:

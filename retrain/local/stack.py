@@ -36,7 +36,6 @@ from retrain.adapters import objects
 from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, pool_size
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.deployment import (
-    AUTOSCALER_SCALE_DOWN_S,
     DWS_BOOKING_WINDOW_S,
     LOCAL_TIME_FACTOR,
     Deployment,
@@ -433,7 +432,7 @@ class LocalStack:
         child_env = {**ep.env(), **self.pod_env}
         twin = ClusterTwin(
             api,  # GKE's own controllers (DWS, the JobSet controller, the kubelet) act as the cluster's admin
-            scale_down_delay_s=AUTOSCALER_SCALE_DOWN_S / LOCAL_TIME_FACTOR,
+            scale_down_delay_s=s.scale_down_delay_s,
             booking_window_s=DWS_BOOKING_WINDOW_S / LOCAL_TIME_FACTOR,
             namespace=s.namespace,
             node_pool=s.node_pool,

@@ -365,6 +365,9 @@ class ExecutionsServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # An answer leaves in two writes (headers, body): on a kept-alive connection Nagle's algorithm
+            # would hold the body until the client's delayed ack (40 ms on Linux).
+            disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("%s - %s", self.address_string(), format % args)
