@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from .clock import Clock, RealClock
 from .errors import ExecutionCancelled, error
 
 
@@ -43,8 +43,10 @@ def _decode(body: bytes, headers: dict[str, str]) -> Any:
 class CallbackHub:
     """Creates callback URLs under ``base_url`` and hands delivered requests to awaiting steps."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, clock: Clock | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.clock: Clock = clock or RealClock()
+        """The time awaits count their timeouts in, and deliveries are stamped with: the executions'."""
         self._cond = threading.Condition()
         self._endpoints: dict[str, _Endpoint] = {}
 
@@ -84,7 +86,7 @@ class CallbackHub:
                         "query": qmap,
                         "url": clean,
                     },
-                    "received_time": datetime.now(UTC)
+                    "received_time": datetime.fromtimestamp(self.clock.now(), UTC)
                     .isoformat(timespec="microseconds")
                     .replace("+00:00", "Z"),
                     "type": "HTTP",
@@ -98,7 +100,7 @@ class CallbackHub:
     ) -> dict[str, Any]:
         """Block until a request for ``callback['url']`` arrives; TimeoutError after ``timeout`` s."""
         path = urlparse(str(callback.get("url", ""))).path.rstrip("/")
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.now() + timeout
         with self._cond:
             ep = self._endpoints.get(path)
             if ep is None:
@@ -106,11 +108,10 @@ class CallbackHub:
             while not ep.queue:
                 if cancel is not None and cancel.is_set():
                     raise ExecutionCancelled()
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.now()
                 if remaining <= 0:
                     raise error("TimeoutError", f"timed out after {timeout:g}s waiting for a callback")
-                # Short waits so a cancel (an Event, not this condition) is noticed promptly.
-                self._cond.wait(min(remaining, 0.05))
+                self.clock.pause(self._cond, remaining)
             return ep.queue.popleft()
 
     def release(self, execution_name: str) -> None:

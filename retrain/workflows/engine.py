@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .callbacks import CallbackHub
+from .clock import Clock, RealClock
 from .discovery import ConnectorCallError, check_call, check_gke_request
 from .errors import (
     ExecutionCancelled,
@@ -288,6 +289,7 @@ class _Execution:
         execution_name: str,
         cancel: threading.Event,
         executions: ChildExecutions | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.workflow = workflow
         self.definition = workflow.definition
@@ -297,6 +299,7 @@ class _Execution:
         self.executions = executions
         self.execution_name = execution_name
         self.cancel = _Stop(cancel)
+        self.clock: Clock = clock or RealClock()
         self.lock = threading.RLock()
         self.steps_run = 0
         self.memory = 0  # memory_of every variable of every live scope (frames, iterations, branches)
@@ -352,8 +355,11 @@ class _Execution:
     # -- Runtime interface for stdlib ------------------------------------------------------
 
     def sleep(self, seconds: float) -> None:
-        if self.cancel.wait(max(0.0, seconds)):
+        if self.clock.sleep(seconds, self.cancel):
             raise ExecutionCancelled()
+
+    def now(self) -> float:
+        return self.clock.now()
 
     def check_cancel(self) -> None:
         if self.cancel.is_set():
@@ -789,8 +795,10 @@ class Workflow:
         execution_name: str | None = None,
         cancel: threading.Event | None = None,
         executions: ChildExecutions | None = None,
+        clock: Clock | None = None,
     ) -> Any:
-        """Run to completion; returns the result or raises WorkflowError / ExecutionCancelled."""
+        """Run to completion; returns the result or raises WorkflowError / ExecutionCancelled.  On
+        ``clock`` (the wall clock when None), which must be ``hub``'s too."""
         given_env = dict(env or {})
         if execution_name is None:
             project = given_env.get("GOOGLE_CLOUD_PROJECT_ID", "local-project")
@@ -808,6 +816,7 @@ class Workflow:
             execution_name,
             cancel or threading.Event(),
             executions,
+            clock,
         )
         main = self.definition.main
         call_args: dict[str, Any] = {}

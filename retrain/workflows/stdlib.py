@@ -15,7 +15,6 @@ import json as _json
 import logging
 import math as _math
 import re
-import time as _time
 import uuid as _uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +42,8 @@ class Runtime(Protocol):
     connectors: Any
 
     def sleep(self, seconds: float) -> None: ...
+
+    def now(self) -> float: ...
 
     def check_cancel(self) -> None: ...
 
@@ -557,7 +558,7 @@ def _time_parse(rt: Runtime, value: Any) -> Any:
 
 @_register("sys.now")
 def _sys_now(rt: Runtime) -> Any:
-    return _time.time()
+    return rt.now()
 
 
 @_register("sys.get_env", "name,default", required=1)
@@ -587,9 +588,9 @@ def _sys_sleep_until(rt: Runtime, time: Any) -> Any:
     """TypeError "If time is not a string", ValueError "If time is not ISO 8601-compatible"; a time
     already past returns at once (.../stdlib/sys/sleep_until)."""
     target = _time_parse(rt, time)
-    if target - _time.time() > MAX_SLEEP_S:
+    if target - rt.now() > MAX_SLEEP_S:
         raise value_error(f"sys.sleep_until: {time} is more than a year from now")
-    rt.sleep(max(0.0, target - _time.time()))
+    rt.sleep(max(0.0, target - rt.now()))
     return None
 
 

@@ -1,0 +1,177 @@
+"""workflows/retrain.yaml's paths on virtual time (tests/workflows/run_world.py): each way a run ends,
+with the deployment's own periods and deadlines (infra/'s values), in milliseconds, timed and accounted
+exactly.  Every path releases everything it made: the JobSet, the capacity request, its PodTemplate, the
+run's service account and folder, and the nodes go back to zero."""
+
+from __future__ import annotations
+
+import pytest
+
+from retrain.workflows import WorkflowError
+
+from .run_world import RUN_ID, Scenario, World
+
+TOKENIZED = 300.0  # the scenario's default tokenize time: provisioning starts then
+PROVISIONED = TOKENIZED + 120.0  # and DWS answers two minutes later: training starts then
+TRAINED = PROVISIONED + 3600.0  # the JobSet ends an hour later
+
+
+def ended(world: World) -> WorkflowError:
+    """The execution's error (a run that did not succeed ends its execution with one)."""
+    result = world.run()
+    assert isinstance(result, WorkflowError), result
+    return result
+
+
+def assert_released(world: World) -> None:
+    """Nothing the run made is left, its folder is gone, its nodes are back to zero."""
+    assert world.kube.objects == {} and world.kube.nodes == []
+    assert world.record["nodes_at_end"] == 0
+    folder = f"/storage/v1/b/{world.argument['artifacts_bucket']}/managedFolders/runs/{RUN_ID}/"
+    assert world.folders[-1] == ("DELETE", folder)
+    assert world.steps[-1] == "finish"  # the content of a run that did not succeed is given back
+
+
+def statuses(world: World) -> list[tuple[float, str]]:
+    return [(t, w["status"]) for t, w in world.writes if "status" in w]
+
+
+def test_a_run_that_trains_is_billed_from_its_capacity_to_the_autoscaler_s_removal() -> None:
+    world = World(Scenario())
+    assert world.run() == {"run_id": RUN_ID, "status": "succeeded", "nodes_at_end": 0}
+    zero = TRAINED + world.scenario.scale_down_s  # released at once, gone after the scale-down delay
+    assert statuses(world) == [
+        (0.0, "tokenizing"),
+        (TOKENIZED, "provisioning"),
+        (PROVISIONED, "training"),
+        (zero, "succeeded"),
+    ]
+    nodes, price = world.argument["nodes"], world.argument["price_per_node_hour"]
+    record = world.record
+    assert record["gpu_node_seconds"] == (zero - PROVISIONED) * nodes
+    assert record["idle_node_seconds"] == world.scenario.scale_down_s * nodes
+    assert record["cost_usd"] == pytest.approx((zero - PROVISIONED) * nodes / 3600 * price)
+    assert record["tokens"] == world.scenario.tokens and "failure" not in record
+    assert [t for t, _ in world.kube.deleted] == [TRAINED] * 4  # JobSet, request, PodTemplate, account
+    assert world.steps == ["begin", "handover", "results", "finish"]
+    types = [e["type"] for e in world.events if "type" in e]
+    assert types == ["tokenizing", "provisioning", "training", "releasing", "succeeded"]
+    assert_released(world)
+
+
+def test_a_lost_completion_message_costs_at_most_one_completion_check() -> None:
+    world = World(Scenario(notify=False))
+    assert world.run()["status"] == "succeeded"
+    check = world.argument["completion_check_s"]
+    noticed = [t for t, path in world.kube.deleted if "/jobsets/" in path]
+    assert noticed == [PROVISIONED + check * -(-3600 // check)]  # the first check after its end
+    assert_released(world)
+
+
+def test_capacity_dws_never_provides_fails_the_run_at_its_deadline_asking_again_meanwhile() -> None:
+    world = World(Scenario(provision_s=None))
+    error = ended(world)
+    timeout, reask = world.argument["provision_timeout_s"], world.argument["provision_reask_s"]
+    requests = [t for t, path in world.kube.created if "/provisioningrequests/" in path]
+    assert len(requests) == timeout // reask  # made again every reask period, until the deadline
+    assert requests[0] == TOKENIZED and requests[1] - requests[0] >= reask
+    assert world.record["failure"] == "CapacityTimeout" and world.record["status"] == "failed"
+    assert error.value["message"] == (
+        f"DWS did not provision 1 node(s) within {timeout} s ({len(requests)} request(s))"
+    )
+    failed_at = statuses(world)[-1][0]
+    poll = world.argument["poll_interval_s"]
+    assert TOKENIZED + timeout < failed_at <= TOKENIZED + timeout + poll
+    assert not [p for _, p in world.kube.created if "/jobsets/" in p]
+    assert world.record["gpu_node_seconds"] == 0.0 and world.record["cost_usd"] == 0.0
+    assert_released(world)
+
+
+def test_capacity_dws_refuses_fails_the_run_with_its_condition() -> None:
+    world = World(Scenario(provision_condition="Failed"))
+    error = ended(world)
+    assert world.record["failure"] == "CapacityError"
+    assert error.value["message"].startswith("DWS did not provide capacity (Failed)")
+    assert statuses(world)[-1] == (PROVISIONED, "failed")  # seen at the poll it happened on
+    assert_released(world)
+
+
+def test_training_that_fails_releases_its_nodes_and_bills_them_to_their_removal() -> None:
+    world = World(Scenario(train_condition="Failed"))
+    error = ended(world)
+    assert world.record["failure"] == "TrainingFailed" and error.value["tags"] == ["failed"]
+    assert error.value["message"].startswith("training failed: Failed")
+    zero = TRAINED + world.scenario.scale_down_s
+    assert world.record["gpu_node_seconds"] == (zero - PROVISIONED) * world.argument["nodes"]
+    assert world.steps == ["begin", "handover", "finish"]  # no results to read
+    assert_released(world)
+
+
+def test_capacity_taken_back_in_training_is_seen_at_the_next_check_and_ends_the_run() -> None:
+    world = World(Scenario(revoke_s=1000.0))
+    error = ended(world)
+    assert world.record["failure"] == "CapacityError"
+    assert error.value["message"] == "DWS took the capacity back (CapacityRevoked): preempted"
+    check = world.argument["completion_check_s"]
+    stopped = [t for t, path in world.kube.deleted if "/jobsets/" in path]
+    assert stopped == [PROVISIONED + check * -(-1000 // check)]  # the first check after it
+    assert_released(world)
+
+
+def test_training_that_never_ends_is_stopped_at_its_deadline() -> None:
+    world = World(Scenario(train_s=None))
+    error = ended(world)
+    deadline = world.argument["train_timeout_s"]
+    assert world.record["failure"] == "TrainingTimeout"
+    assert error.value["message"].startswith(f"training did not finish within {deadline} s")
+    stopped = [t for t, path in world.kube.deleted if "/jobsets/" in path]
+    check = world.argument["completion_check_s"]
+    assert PROVISIONED + deadline < stopped[0] <= PROVISIONED + deadline + check
+    assert_released(world)
+
+
+def test_a_cancel_while_waiting_for_capacity_stops_the_run_at_once_in_the_operator_s_name() -> None:
+    world = World(Scenario(provision_s=None, cancel_at_s=TOKENIZED + 50))
+    error = ended(world)
+    assert world.record["status"] == "cancelled" and world.record["failure"] == "Cancelled"
+    assert error.value["message"] == "cancelled by oncall@example.com: wrong data"
+    assert [t for t, _ in world.kube.deleted] == [TOKENIZED + 50] * 3  # request, PodTemplate, account
+    assert "cancel" in world.steps  # the name is the ledger's, not the callback's
+    assert_released(world)
+
+
+def test_a_cancelled_callback_the_ledger_does_not_hold_stops_nothing() -> None:
+    world = World(Scenario(provision_s=None, cancel_at_s=TOKENIZED + 50))
+    world._cancel = lambda: world.deliver(b'{"state": "Cancelled"}')  # type: ignore[method-assign]
+    ended(world)
+    assert world.record["failure"] == "CapacityTimeout"  # it waited on to its deadline
+    assert_released(world)
+
+
+def test_tokenizing_that_never_ends_stops_the_job_at_its_deadline() -> None:
+    world = World(Scenario(tokenize_s=None))
+    error = ended(world)
+    deadline = world.argument["tokenize_timeout_s"]
+    assert world.record["failure"] == "TokenizeTimeout"
+    assert error.value["message"] == f"tokenization did not finish within {deadline} s"
+    poll = world.argument["poll_interval_s"]
+    assert world.dataflow.cancelled_at is not None
+    assert deadline < world.dataflow.cancelled_at <= deadline + poll
+    assert [p for _, p in world.kube.created] == [p for _, p in world.kube.created if "serviceaccounts" in p]
+    assert_released(world)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        (Scenario(tokenize_state="JOB_STATE_FAILED"), "ended in JOB_STATE_FAILED"),
+        (Scenario(tokens=0), "tokenization produced no tokens"),
+    ],
+    ids=["job failed", "no tokens"],
+)
+def test_tokenizing_that_fails_ends_the_run_before_any_capacity(scenario: Scenario, message: str) -> None:
+    world = World(scenario)
+    error = ended(world)
+    assert world.record["failure"] == "TokenizeFailed" and message in error.value["message"]
+    assert [p for _, p in world.kube.created if "serviceaccounts" not in p] == []
+    assert_released(world)
