@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from retrain.local.gcs_emulator import FLUSH_S, FLUSH_SHARE, flush_pause
+from retrain.local.gcs_emulator import FLUSH_S, FLUSH_SHARE, MAX_FLUSH_PAUSE_S, flush_pause
 from retrain.local.http import LoopbackServer
 from retrain.workflows import ExecutionsServer
 
@@ -66,3 +66,4 @@ def test_the_storage_emulator_s_metadata_flush_takes_at_most_a_tenth_of_its_time
     assert flush_pause(0.002) == FLUSH_S == 0.5
     assert flush_pause(0.2) == pytest.approx(1.8)
     assert 0.2 / (flush_pause(0.2) + 0.2) == pytest.approx(FLUSH_SHARE)
+    assert flush_pause(60.0) == MAX_FLUSH_PAUSE_S == 5.0  # however large: metadata waits 5 s at most

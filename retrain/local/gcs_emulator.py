@@ -14,10 +14,11 @@ with the current one, so a reader pinned to a generation that is gone silently g
   metadata file (every object's resource, indented) on every write: a run of 2,000 small objects, whose
   tokenizing writes some 20,000 objects, spent minutes serializing.  Here the metadata is written behind
   the requests, at most every ``FLUSH_S`` (or, once it has grown so large that writing it takes longer
-  than a tenth of that, every ten times as long as the last write took: serializing holds the
-  interpreter, and requests wait for it), and on SIGTERM/SIGINT before the emulator exits (how the
-  stack stops it); only a SIGKILL of the emulator itself can lose the last interval's metadata.
-  Requests and the flush take one lock, so the flush always writes a state some request left.
+  than a tenth of that, every ten times as long as the last write took, at most every
+  ``MAX_FLUSH_PAUSE_S``: serializing holds the interpreter, and requests wait for it), and on
+  SIGTERM/SIGINT before the emulator exits (how the stack stops it; after any flush under way); only a
+  SIGKILL of the emulator itself can lose the last interval's metadata.  Requests and the flush's
+  snapshot take one lock, so the flush always writes a state some request left.
 - **A generation that does not exist is a 404** (objects.get, cloud.google.com/storage/docs/json_api/v1/
   objects/get: ``generation`` "If present, selects a specific revision of this object"), never the
   current version's bytes.
@@ -52,6 +53,10 @@ FLUSH_S = 0.5
 """How long metadata may wait in memory before it is written (see the module docstring)."""
 FLUSH_SHARE = 0.1
 """The share of the emulator's time the flush may take (see the module docstring)."""
+MAX_FLUSH_PAUSE_S = 5.0
+"""The longest metadata may wait in memory, however large it is."""
+_FLUSHING = threading.Lock()
+"""Held by a flush from its snapshot to its last write: an exit's flush waits for one under way."""
 _STATE = threading.RLock()
 """Held by every request and by the flush."""
 _dirty: dict[Any, set[str]] = {}  # storage -> the metadata files to write
@@ -281,19 +286,23 @@ def _write_later(storage: Any) -> None:
     _dirty.setdefault(storage, set()).add(".meta")
 
 
-def _flush() -> None:
+def _flush() -> float:
     """Write the metadata files requests left dirty: the state is copied under the lock (two dict levels,
-    milliseconds), serialized outside it, so requests wait for the copy only."""
-    with _STATE:
-        todo = [(storage, files, _snapshot(storage, files)) for storage, files in _dirty.items()]
-        _dirty.clear()
-    for storage, files, snapshot in todo:
-        try:
-            for name, data in snapshot.items():
-                storage._store.write_bytes(name, json.dumps(data).encode("utf-8"))
-        except RuntimeError:  # a resource changed under the serializer: write it again next time
-            with _STATE:
-                _dirty.setdefault(storage, set()).update(files)
+    milliseconds), serialized outside it, so requests wait for the copy only.  How long serializing and
+    writing took (not waiting for the lock: a request holds it while it answers)."""
+    with _FLUSHING:
+        with _STATE:
+            todo = [(storage, files, _snapshot(storage, files)) for storage, files in _dirty.items()]
+            _dirty.clear()
+        began = time.monotonic()
+        for storage, files, snapshot in todo:
+            try:
+                for name, data in snapshot.items():
+                    storage._store.write_bytes(name, json.dumps(data).encode("utf-8"))
+            except RuntimeError:  # a resource changed under the serializer: write it again next time
+                with _STATE:
+                    _dirty.setdefault(storage, set()).update(files)
+        return time.monotonic() - began
 
 
 def _snapshot(storage: Any, files: set[str]) -> dict[str, Any]:
@@ -315,17 +324,15 @@ def _snapshot(storage: Any, files: set[str]) -> dict[str, Any]:
 
 
 def flush_pause(last_flush_s: float) -> float:
-    """How long to wait before the next flush, given how long the last one took."""
-    return max(FLUSH_S, last_flush_s * (1 - FLUSH_SHARE) / FLUSH_SHARE)
+    """How long to wait before the next flush, given how long the last one took to write."""
+    return min(MAX_FLUSH_PAUSE_S, max(FLUSH_S, last_flush_s * (1 - FLUSH_SHARE) / FLUSH_SHARE))
 
 
 def _flushing() -> None:
     pause = FLUSH_S
     while True:
         time.sleep(pause)
-        began = time.monotonic()
-        _flush()
-        pause = flush_pause(time.monotonic() - began)
+        pause = flush_pause(_flush())
 
 
 def _locked(handle: Any) -> Any:

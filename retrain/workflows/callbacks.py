@@ -100,7 +100,7 @@ class CallbackHub:
     ) -> dict[str, Any]:
         """Block until a request for ``callback['url']`` arrives; TimeoutError after ``timeout`` s."""
         path = urlparse(str(callback.get("url", ""))).path.rstrip("/")
-        deadline = self.clock.now() + timeout
+        deadline = self.clock.monotonic() + timeout
         with self._cond:
             ep = self._endpoints.get(path)
             if ep is None:
@@ -108,7 +108,7 @@ class CallbackHub:
             while not ep.queue:
                 if cancel is not None and cancel.is_set():
                     raise ExecutionCancelled()
-                remaining = deadline - self.clock.now()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     raise error("TimeoutError", f"timed out after {timeout:g}s waiting for a callback")
                 self.clock.pause(self._cond, remaining)

@@ -4,8 +4,9 @@
 test's: time stands still while steps run and jumps when the execution waits, to the end of the wait or
 to the first thing scheduled before it (:meth:`VirtualClock.at`: a capacity request provisioned, a
 callback delivered), which runs on the waiting thread.  A workflow that sleeps six hours in polls of a
-minute runs in milliseconds, and what happens during the wait happens at the virtual time it was given.
-Only single-threaded executions may run on it: ``parallel`` branches would wait on one another's time.
+minute runs in a fraction of a second, and what happens during the wait happens at the virtual time it
+was given.  Only single-threaded executions may run on it (``parallel`` branches would wait on one
+another's time): a wait from a second thread raises.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class Clock(Protocol):
         """Seconds since the epoch (``sys.now``)."""
         ...
 
+    def monotonic(self) -> float:
+        """Seconds on a clock no one sets, for deadlines (a step of the wall clock moves none)."""
+        ...
+
     def sleep(self, seconds: float, cancel: threading.Event) -> bool:
         """Wait ``seconds``, or less if ``cancel`` is set: whether it was."""
         ...
@@ -41,6 +46,9 @@ class RealClock:
     def now(self) -> float:
         return time.time()
 
+    def monotonic(self) -> float:
+        return time.monotonic()
+
     def sleep(self, seconds: float, cancel: threading.Event) -> bool:
         return cancel.wait(max(0.0, seconds))
 
@@ -55,8 +63,12 @@ class VirtualClock:
         self._now = start
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
+        self._owner: threading.Thread | None = None
 
     def now(self) -> float:
+        return self._now
+
+    def monotonic(self) -> float:
         return self._now
 
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -87,6 +99,9 @@ class VirtualClock:
 
     def _step_to(self, end: float) -> None:
         """To the first action due by ``end`` (and run it), or to ``end``."""
+        self._owner = self._owner or threading.current_thread()
+        if self._owner is not threading.current_thread():
+            raise RuntimeError("a VirtualClock serves one thread: its time jumps when that thread waits")
         if self._due and self._due[0][0] <= end:
             when, _, action = heapq.heappop(self._due)
             self._now = max(self._now, when)

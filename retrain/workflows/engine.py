@@ -429,6 +429,7 @@ class _Execution:
         log.debug(
             "%s: step %s (%s, line %d) in %s", self.execution_name, step.name, step.kind, step.line, routine
         )
+        self.workflow.steps_taken.add((routine, step.name, step.line))
         try:
             return self._dispatch(step, scope, depth, routine)
         except WorkflowError as exc:
@@ -464,6 +465,7 @@ class _Execution:
                 if not ok:
                     continue
                 if cond.inline is not None:
+                    self.workflow.steps_taken.add((routine, cond.inline.name, cond.inline.line))
                     inner = self._dispatch(cond.inline, scope, depth, routine)
                     return cond.next if cond.next is not None else inner
                 if cond.steps is not None:
@@ -771,6 +773,33 @@ class Workflow:
         """Each execution's peak memory of variables (as MAX_VARIABLE_MEMORY counts it): how far a run
         stays from the limit, which no Google API reports."""
         self._result_targets: dict[int, Target] = {}
+        self.steps_taken: set[tuple[str, str, int]] = set()
+        """Every step any execution of this workflow ran: (routine, step, line).  With :meth:`steps`,
+        which steps its tests never take."""
+
+    def steps(self) -> dict[tuple[str, str, int], Step]:
+        """Every step of the definition, nested ones included, by (routine, step, line)."""
+        out: dict[tuple[str, str, int], Step] = {}
+
+        def visit(routine: str, steps: list[Step] | None) -> None:
+            for step in steps or []:
+                out[(routine, step.name, step.line)] = step
+                visit(routine, step.steps)
+                visit(routine, step.try_)
+                visit(routine, step.except_.steps if step.except_ else None)
+                visit(routine, step.for_.steps if step.for_ else None)
+                for condition in step.switch or []:
+                    visit(routine, condition.steps)
+                    visit(routine, [condition.inline] if condition.inline else None)
+                parallel = step.parallel
+                if parallel is not None:
+                    visit(routine, parallel.for_.steps if parallel.for_ else None)
+                    for branch in parallel.branches or []:
+                        visit(routine, branch.steps)
+
+        for name, sub in self.definition.subworkflows.items():
+            visit(name, sub.steps)
+        return out
 
     def result_target(self, step: Step) -> Target:
         target = self._result_targets.get(id(step))
@@ -798,7 +827,10 @@ class Workflow:
         clock: Clock | None = None,
     ) -> Any:
         """Run to completion; returns the result or raises WorkflowError / ExecutionCancelled.  On
-        ``clock`` (the wall clock when None), which must be ``hub``'s too."""
+        ``clock`` (by default ``hub``'s, else the wall clock), which must be ``hub``'s too."""
+        if hub is not None and clock is not None and clock is not hub.clock:
+            raise ValueError("the execution's clock must be its callback hub's: awaits count time on it")
+        clock = clock or (hub.clock if hub is not None else None)
         given_env = dict(env or {})
         if execution_name is None:
             project = given_env.get("GOOGLE_CLOUD_PROJECT_ID", "local-project")

@@ -167,7 +167,7 @@ def test_what_the_emulator_took_survives_its_stop_and_restart(tmp_path, monkeypa
     for i in range(300):
         objects.write_bytes(f"gs://kept-across-restarts/o/{i:03d}", b"%d" % i)
     objects.write_bytes("gs://kept-across-restarts/o/000", b"overwritten")
-    proc.stop()  # at once: the last writes are at most FLUSH_S old
+    proc.stop()  # at once: the last writes are at most one flush pause old (FLUSH_S, this small)
     proc, host = start_on_a_free_port(lambda port: emulators.gcs(tmp_path, port))
     try:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)

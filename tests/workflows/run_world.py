@@ -16,19 +16,34 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import functools
 import json
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from retrain.contracts import CompletionState, JobSetCompletion, JobSetRef
+from retrain.config import Settings
+from retrain.contracts import (
+    Begun,
+    CancelRequest,
+    CompletionState,
+    Finished,
+    Handover,
+    JobSetCompletion,
+    JobSetRef,
+    Results,
+    StepName,
+    StepRequest,
+)
 from retrain.deployment import Deployment
+from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run
+from retrain.local.dataflow import check_parameters
 from retrain.local.http import LoopbackServer
 from retrain.plan import workflow_argument
 from retrain.workflows import (
@@ -43,6 +58,8 @@ from retrain.workflows import (
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
 RUN_ID = "books-20261128-040000-abc123"
+JOB_ID = "2026-11-28_04_00_00-1"
+NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 EXECUTION_ID = "0f0e0d0c-0000-4000-8000-000000000001"
 
 
@@ -70,8 +87,13 @@ class Scenario:
     """Whether the notifier's message reaches the run's callback (False: lost)."""
     cancel_at_s: float | None = None
     """An operator cancels the run this long after the execution starts (None: never)."""
+    forged_at_s: float | None = None
+    """Someone who may send callbacks POSTs a ``Failed`` completion to the run's channel, and a body
+    that is not a JSON object, this long after the execution starts (None: never)."""
     scale_down_s: float = 600.0
     """The autoscaler removes nodes this long after their capacity request is deleted."""
+    nodes: int | None = None
+    """Nodes per run (None: infra/'s ``nodes``)."""
 
 
 class _Kube:
@@ -92,8 +114,16 @@ class _Kube:
             return self._create(path, copy.deepcopy(args["body"]))
         if method == "DELETE":
             return self._delete(path, args.get("body") or {})
+        if method != "GET":
+            raise self._status(405, "MethodNotAllowed", f"{method} is not played here")
         if path == "/api/v1/nodes":
-            items = [{"metadata": {"name": n}} for n in self.nodes]
+            selector = (args.get("query") or {}).get("labelSelector")
+            pool = f"{NODE_POOL_LABEL}={self.world.argument['node_pool']}"
+            items = [
+                {"metadata": {"name": n, "labels": {NODE_POOL_LABEL: self.world.argument["node_pool"]}}}
+                for n in self.nodes
+                if selector in (None, pool)
+            ]
             return self._answer({"kind": "NodeList", "items": items})
         if path not in self.objects:
             raise self._status(404, "NotFound", f"{path} not found")
@@ -103,8 +133,9 @@ class _Kube:
         return {"body": body, "code": code, "headers": {"Content-Type": "application/json"}}
 
     def _status(self, code: int, reason: str, message: str) -> WorkflowError:
-        body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code}
-        return WorkflowError(http_error(code, message, body={**body, "message": message}))
+        """The API server's Status, raised as ``send`` raises any answer from 400 up."""
+        status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message}
+        return WorkflowError(http_error(code, body={**status, "reason": reason, "code": code}))
 
     def _create(self, collection: str, body: dict[str, Any]) -> Any:
         path = f"{collection}/{body['metadata']['name']}"
@@ -150,6 +181,7 @@ class _Kube:
         if request is not None and request["metadata"]["uid"] == uid:
             revoked = {"type": "CapacityRevoked", "status": "True", "reason": "Revoked"}
             request["status"]["conditions"].append({**revoked, "message": "preempted"})
+            self.nodes = []  # preempted: the nodes go with it (retrain.local.cluster_twin, revoke)
 
     def _end_training(self, path: str, jobset: dict[str, Any]) -> None:
         if self.objects.get(path) is not jobset:
@@ -184,21 +216,39 @@ class _Dataflow:
         self.cancelled_at: float | None = None
 
     def launch(self, args: dict[str, Any], _: dict[str, Any]) -> Any:
+        """Refused as the local launcher refuses (retrain.local.dataflow): a spec that is not the
+        deployed template's, parameters its metadata does not declare, an environment left out."""
+        launch = args["body"]["launchParameter"]
+        uri, spec = _deployment().template_spec()
+        if launch.get("containerSpecGcsPath") != uri:
+            raise WorkflowError(
+                http_error(400, f"no template spec at {launch.get('containerSpecGcsPath')!r}")
+            )
+        check_parameters(dict(launch.get("parameters") or {}), json.loads(spec).get("metadata") or {})
+        for required in ("serviceAccountEmail", "subnetwork", "tempLocation"):
+            if not (launch.get("environment") or {}).get(required):
+                raise WorkflowError(http_error(400, f"launchParameter.environment.{required} is required"))
         self.state = "JOB_STATE_RUNNING"
         scenario = self.world.scenario
         if scenario.tokenize_s is not None:
             self.world.clock.after(scenario.tokenize_s, self._end)
-        return {"job": {"id": "2026-11-28_04_00_00-1", "name": args["body"]["launchParameter"]["jobName"]}}
+        return {"job": {"id": JOB_ID, "name": launch["jobName"]}}
 
     def _end(self) -> None:
         if self.state == "JOB_STATE_RUNNING":
             self.state = self.world.scenario.tokenize_state
 
     def get(self, args: dict[str, Any], _: dict[str, Any]) -> Any:
+        if args["jobId"] != JOB_ID or self.state == "JOB_STATE_PENDING":
+            raise WorkflowError(http_error(404, f"job {args['jobId']} not found"))
         return {"id": args["jobId"], "currentState": self.state}
 
     def update(self, args: dict[str, Any], _: dict[str, Any]) -> Any:
-        if args["body"].get("requestedState") == "JOB_STATE_CANCELLED" and self.state == "JOB_STATE_RUNNING":
+        requested = (args.get("body") or {}).get("requestedState")
+        if requested != "JOB_STATE_CANCELLED":
+            raise WorkflowError(http_error(400, f"requestedState {requested!r} is not supported locally"))
+        self.get(args, {})
+        if self.state == "JOB_STATE_RUNNING":
             self.state, self.cancelled_at = "JOB_STATE_CANCELLED", self.world.elapsed()
         return {"id": args["jobId"], "currentState": self.state}
 
@@ -207,6 +257,11 @@ class _Dataflow:
 def _deployment() -> Deployment:
     """infra/'s values, read once (every world runs on the deployment's own)."""
     return Deployment()
+
+
+def deployed_settings() -> Settings:
+    """The settings infra/ deploys (its periods and deadlines, in the cloud's seconds)."""
+    return _deployment().settings()
 
 
 @functools.cache
@@ -233,6 +288,8 @@ class World:
     """One run's execution of workflows/retrain.yaml and everything it calls (see the module docstring)."""
 
     scenario: Scenario = field(default_factory=Scenario)
+    workflow: Workflow | None = None
+    """The definition to run (by default workflows/retrain.yaml, loaded once for all worlds)."""
     clock: VirtualClock = field(default_factory=VirtualClock)
     record: dict[str, Any] = field(default_factory=dict)
     """The run record as the workflow's patches left it."""
@@ -248,10 +305,17 @@ class World:
     """The run's channel, as the workflow recorded it (where the notifier's message goes)."""
     cancel: tuple[str, str] | None = None
     """The operator's cancel as the ledger holds it (who, why), once made."""
+    folder_open: bool = False
+    """Whether the run's managed folder exists."""
 
     def __post_init__(self) -> None:
         deployment = _deployment()
         self.settings = deployment.settings()
+        if self.scenario.nodes is not None:  # the global batch grows with them (a multiple of DP)
+            batch = self.settings.global_batch_size * self.scenario.nodes
+            self.settings = dataclasses.replace(
+                self.settings, nodes=self.scenario.nodes, global_batch_size=batch
+            )
         self.started = self.clock.now()
         self.kube, self.dataflow = _Kube(self), _Dataflow(self)
         self.server = LoopbackServer(self._handler())
@@ -285,10 +349,12 @@ class World:
             connectors.register(name, fn)
         if self.scenario.cancel_at_s is not None:
             self.clock.after(self.scenario.cancel_at_s, self._cancel)
+        if self.scenario.forged_at_s is not None:
+            self.clock.after(self.scenario.forged_at_s, self._forge)
         name = f"projects/{self.settings.project}/locations/{self.settings.region}/workflows/retrain"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         try:
-            return _workflow().run(
+            return (self.workflow or _workflow()).run(
                 {"run_id": RUN_ID, "claim": "claim-1"},
                 connectors=connectors,
                 env=self.env,
@@ -301,6 +367,10 @@ class World:
         finally:
             self.server.shutdown()
             self.server.server_close()
+
+    def _forge(self) -> None:
+        self.deliver(json.dumps({"state": "Failed", "reason": "forged"}).encode())
+        self.deliver(b'["not", "a", "map"]')
 
     def _cancel(self) -> None:
         self.cancel = ("oncall@example.com", "wrong data")
@@ -336,27 +406,56 @@ class World:
 
     # -- the run_step function and Cloud Storage's managed folders, over HTTP ----------------------
 
-    def _steps(self, body: dict[str, Any]) -> dict[str, Any]:
-        """run_step's answers, in its contracts' shapes (``Begun``, ``Handover``, ``CancelRequest``): the
-        plan is the one ``retrain.plan.workflow_argument`` makes from infra/'s settings; the JobSet holds
-        only what the workflow reads of it (its name and run id: tests/k8s/ test the rendered one)."""
-        step = body["step"]
-        self.steps.append(step)
-        if step == "begin":
-            assert body["run_id"] == RUN_ID and body["execution"] == EXECUTION_ID
-            return {"plan": self.argument, "reason": ""}
-        if step == "handover":
+    def _steps(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """run_step's answers (``retrain.steps``), in its contracts' shapes, to a body it would take
+        (``StepRequest.parse``; a 400 as the function answers ``Rejected`` otherwise): the plan is the one
+        ``retrain.plan.workflow_argument`` makes from infra/'s settings; the JobSet holds only what the
+        workflow reads of it (its name and run id: tests/k8s/ test the rendered one); results promote
+        the checkpoint; a run that did not succeed gives its objects back."""
+        try:
+            request = StepRequest.parse(body)
+        except Rejected as e:
+            return 400, {"error": e.reason}
+        assert request.run_id == RUN_ID
+        self.steps.append(str(request.step))
+        if request.step == StepName.BEGIN:
+            assert request.execution == EXECUTION_ID
+            return 200, asdict(Begun(self.argument, ""))
+        if request.step == StepName.HANDOVER:
             meta = {
                 "name": self.argument["jobset_name"],
                 "namespace": self.argument["namespace"],
                 "annotations": {"retrain.dev/run-id": RUN_ID},
             }
             jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta}
-            return {"jobset": jobset, "command": ["python", "megatron_gpt_pretraining.py"]}
-        if step == "cancel":
+            return 200, asdict(Handover(jobset, ["python", "megatron_gpt_pretraining.py"]))
+        if request.step == StepName.CANCEL:
             by, reason = self.cancel or (None, "")
-            return {"requested_by": by, "reason": reason}
-        return {}  # results, finish: what they write is Python's (tests/test_steps.py)
+            return 200, asdict(CancelRequest(by, reason))
+        if request.step == StepName.RESULTS:
+            checkpoint = f"gs://{self.argument['artifacts_bucket']}/runs/{RUN_ID}/checkpoints/last"
+            return 200, asdict(Results(checkpoint, {"steps": 100}, True, ""))
+        return 200, asdict(Finished(0 if self.record.get("status") == "succeeded" else 40))
+
+    def _folder(self, method: str, path: str, query: str) -> tuple[int, dict[str, Any]]:
+        """Cloud Storage's managed folders of the artifacts bucket (``retrain.local.storage_front``): a
+        second create is a 409, a policy set on or a delete of a folder that is not there a 404."""
+        self.folders.append((method, path))
+        bucket = f"/storage/v1/b/{self.argument['artifacts_bucket']}/managedFolders"
+        if method == "POST" and path == bucket:
+            if self.folder_open:
+                return 409, {"error": {"code": 409, "message": "the managed folder exists"}}
+            self.folder_open = True
+            return 200, {}
+        name = path.removeprefix(bucket + "/").removesuffix("/iam")
+        if not path.startswith(bucket + "/") or name != self.argument["run_folder"]:
+            return 400, {"error": f"not the run's folder: {path}"}
+        if not self.folder_open and (method, path) != ("POST", bucket):
+            return 404, {"error": {"code": 404, "message": f"no managed folder {name}"}}
+        if method == "DELETE":
+            assert query.lower() == "allownonempty=true", query  # the objects stay; the folder goes
+            self.folder_open = False
+        return 200, {}
 
     def _handler(self) -> Any:
         world = self
@@ -368,11 +467,11 @@ class World:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
                 assert self.headers.get("Authorization") == "Bearer ya29.workflow"
-                if self.path == "/steps":
-                    answer, code = world._steps(body), 200
+                path, _, query = self.path.partition("?")
+                if path == "/steps":
+                    code, answer = world._steps(body)
                 else:
-                    world.folders.append((self.command, unquote(self.path.split("?")[0])))
-                    answer, code = {}, 200
+                    code, answer = world._folder(self.command, unquote(path), query)
                 payload = json.dumps(answer).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")

@@ -168,3 +168,32 @@ def test_actions_run_in_time_order_each_at_its_own_time() -> None:
     assert seen == [("a", 10)] and clock.now() == 20
     clock.advance(100)
     assert seen == [("a", 10), ("b", 30), ("c", 30)] and clock.now() == 120
+
+
+def test_an_execution_and_its_hub_keep_one_time() -> None:
+    """A callback hub on the wall clock would make a virtual execution's awaits wait in real time."""
+    hub = CallbackHub("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="callback hub"):
+        load_workflow(CALLBACK).run(60, hub=hub, clock=VirtualClock(), execution_name=EXECUTION)
+    clock = VirtualClock()
+    on_its_clock = CallbackHub("http://127.0.0.1:1", clock=clock)
+    with pytest.raises(WorkflowError):  # its hub's virtual clock by default: times out at once
+        load_workflow(CALLBACK).run(3600, hub=on_its_clock, execution_name=EXECUTION)
+    assert clock.now() == VirtualClock().now() + 3600
+
+
+def test_a_virtual_clock_serves_one_thread() -> None:
+    clock, cancel = VirtualClock(), threading.Event()
+    clock.sleep(10, cancel)
+    failed: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            clock.sleep(10, cancel)
+        except RuntimeError as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert len(failed) == 1 and "one thread" in str(failed[0])

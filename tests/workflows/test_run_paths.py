@@ -1,19 +1,33 @@
 """workflows/retrain.yaml's paths on virtual time (tests/workflows/run_world.py): each way a run ends,
-with the deployment's own periods and deadlines (infra/'s values), in milliseconds, timed and accounted
-exactly.  Every path releases everything it made: the JobSet, the capacity request, its PodTemplate, the
-run's service account and folder, and the nodes go back to zero."""
+with the deployment's own periods and deadlines (infra/'s values; hours of them in a fraction of a
+second each), timed and accounted exactly.  Every path releases everything it made: the JobSet, the
+capacity request, its PodTemplate, the run's service account and folder; the nodes go back to zero."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from retrain.workflows import WorkflowError
+from retrain.workflows import WorkflowError, load_workflow
+from retrain.workflows.syntax import Step
 
-from .run_world import RUN_ID, Scenario, World
+from .run_world import RUN_ID, WORKFLOW, Scenario, World, deployed_settings
 
-TOKENIZED = 300.0  # the scenario's default tokenize time: provisioning starts then
-PROVISIONED = TOKENIZED + 120.0  # and DWS answers two minutes later: training starts then
-TRAINED = PROVISIONED + 3600.0  # the JobSet ends an hour later
+DEFAULT = Scenario()
+POLL = deployed_settings().poll_interval_s  # the workflow's polls of Dataflow, DWS and the nodes
+
+
+def polled(event: float, since: float, period: float = POLL) -> float:
+    """When a wait that looks every ``period`` from ``since`` first sees what happened at ``event``."""
+    return since + period * math.ceil((event - since) / period)
+
+
+assert DEFAULT.tokenize_s is not None and DEFAULT.provision_s is not None and DEFAULT.train_s is not None
+TOKENIZED = polled(DEFAULT.tokenize_s, 0.0)  # provisioning starts then
+PROVISIONED = polled(TOKENIZED + DEFAULT.provision_s, TOKENIZED)  # training starts then
+TRAINED = PROVISIONED + DEFAULT.train_s  # the completion's callback wakes the wait at once
+ZERO = polled(TRAINED + DEFAULT.scale_down_s, TRAINED)  # the release sees the nodes gone
 
 
 def ended(world: World) -> WorkflowError:
@@ -37,20 +51,20 @@ def statuses(world: World) -> list[tuple[float, str]]:
 
 
 def test_a_run_that_trains_is_billed_from_its_capacity_to_the_autoscaler_s_removal() -> None:
-    world = World(Scenario())
+    world = World(Scenario(nodes=2))
     assert world.run() == {"run_id": RUN_ID, "status": "succeeded", "nodes_at_end": 0}
-    zero = TRAINED + world.scenario.scale_down_s  # released at once, gone after the scale-down delay
     assert statuses(world) == [
         (0.0, "tokenizing"),
         (TOKENIZED, "provisioning"),
         (PROVISIONED, "training"),
-        (zero, "succeeded"),
+        (ZERO, "succeeded"),
     ]
     nodes, price = world.argument["nodes"], world.argument["price_per_node_hour"]
     record = world.record
-    assert record["gpu_node_seconds"] == (zero - PROVISIONED) * nodes
-    assert record["idle_node_seconds"] == world.scenario.scale_down_s * nodes
-    assert record["cost_usd"] == pytest.approx((zero - PROVISIONED) * nodes / 3600 * price)
+    assert nodes == 2 and record["nodes"] == 2
+    assert record["gpu_node_seconds"] == (ZERO - PROVISIONED) * nodes
+    assert record["idle_node_seconds"] == (ZERO - TRAINED) * nodes  # the scale-down delay, as seen
+    assert record["cost_usd"] == pytest.approx((ZERO - PROVISIONED) * nodes / 3600 * price)
     assert record["tokens"] == world.scenario.tokens and "failure" not in record
     assert [t for t, _ in world.kube.deleted] == [TRAINED] * 4  # JobSet, request, PodTemplate, account
     assert world.steps == ["begin", "handover", "results", "finish"]
@@ -60,11 +74,11 @@ def test_a_run_that_trains_is_billed_from_its_capacity_to_the_autoscaler_s_remov
 
 
 def test_a_lost_completion_message_costs_at_most_one_completion_check() -> None:
-    world = World(Scenario(notify=False))
+    world = World(Scenario(notify=False, train_s=3650.0))  # ends between two checks
     assert world.run()["status"] == "succeeded"
-    check = world.argument["completion_check_s"]
+    check, ended_at = world.argument["completion_check_s"], PROVISIONED + 3650.0
     noticed = [t for t, path in world.kube.deleted if "/jobsets/" in path]
-    assert noticed == [PROVISIONED + check * -(-3600 // check)]  # the first check after its end
+    assert noticed == [polled(ended_at, PROVISIONED, check)] and 0 < noticed[0] - ended_at <= check
     assert_released(world)
 
 
@@ -101,8 +115,7 @@ def test_training_that_fails_releases_its_nodes_and_bills_them_to_their_removal(
     error = ended(world)
     assert world.record["failure"] == "TrainingFailed" and error.value["tags"] == ["failed"]
     assert error.value["message"].startswith("training failed: Failed")
-    zero = TRAINED + world.scenario.scale_down_s
-    assert world.record["gpu_node_seconds"] == (zero - PROVISIONED) * world.argument["nodes"]
+    assert world.record["gpu_node_seconds"] == (ZERO - PROVISIONED) * world.argument["nodes"]
     assert world.steps == ["begin", "handover", "finish"]  # no results to read
     assert_released(world)
 
@@ -114,7 +127,10 @@ def test_capacity_taken_back_in_training_is_seen_at_the_next_check_and_ends_the_
     assert error.value["message"] == "DWS took the capacity back (CapacityRevoked): preempted"
     check = world.argument["completion_check_s"]
     stopped = [t for t, path in world.kube.deleted if "/jobsets/" in path]
-    assert stopped == [PROVISIONED + check * -(-1000 // check)]  # the first check after it
+    assert stopped == [polled(PROVISIONED + 1000, PROVISIONED, check)]  # the first check after it
+    # the nodes went with the capacity: billed to when the release saw them gone (at once), none idle
+    assert world.record["gpu_node_seconds"] == (stopped[0] - PROVISIONED) * world.argument["nodes"]
+    assert world.record["idle_node_seconds"] == 0.0
     assert_released(world)
 
 
@@ -140,10 +156,30 @@ def test_a_cancel_while_waiting_for_capacity_stops_the_run_at_once_in_the_operat
     assert_released(world)
 
 
+def test_a_cancel_in_training_releases_at_once_and_bills_to_the_nodes_removal() -> None:
+    world = World(Scenario(cancel_at_s=PROVISIONED + 600))
+    error = ended(world)
+    assert world.record["failure"] == "Cancelled" and error.value["tags"] == ["cancelled"]
+    assert error.value["message"] == "cancelled by oncall@example.com: wrong data"
+    assert [t for t, p in world.kube.deleted if "/jobsets/" in p] == [PROVISIONED + 600]
+    zero = polled(PROVISIONED + 600 + world.scenario.scale_down_s, PROVISIONED + 600)
+    assert world.record["gpu_node_seconds"] == (zero - PROVISIONED) * world.argument["nodes"]
+    assert_released(world)
+
+
+def test_a_forged_completion_is_read_against_the_jobset_and_ignored() -> None:
+    """A ``Failed`` the JobSet does not confirm, and a body that is no JSON object, change nothing."""
+    world = World(Scenario(forged_at_s=PROVISIONED + 600))
+    assert world.run()["status"] == "succeeded"
+    assert [t for t, p in world.kube.deleted if "/jobsets/" in p] == [TRAINED]
+    assert_released(world)
+
+
 def test_a_cancelled_callback_the_ledger_does_not_hold_stops_nothing() -> None:
     world = World(Scenario(provision_s=None, cancel_at_s=TOKENIZED + 50))
     world._cancel = lambda: world.deliver(b'{"state": "Cancelled"}')  # type: ignore[method-assign]
     ended(world)
+    assert "cancel" in world.steps  # the ledger was asked, and holds none
     assert world.record["failure"] == "CapacityTimeout"  # it waited on to its deadline
     assert_released(world)
 
@@ -175,3 +211,44 @@ def test_tokenizing_that_fails_ends_the_run_before_any_capacity(scenario: Scenar
     assert world.record["failure"] == "TokenizeFailed" and message in error.value["message"]
     assert [p for _, p in world.kube.created if "serviceaccounts" not in p] == []
     assert_released(world)
+
+
+#: Every path above, for the census below.
+PATHS = [
+    Scenario(),
+    Scenario(notify=False),
+    Scenario(provision_s=None),
+    Scenario(provision_condition="Failed"),
+    Scenario(revoke_s=1000.0),
+    Scenario(train_condition="Failed"),
+    Scenario(train_s=None),
+    Scenario(cancel_at_s=PROVISIONED + 600),
+    Scenario(forged_at_s=PROVISIONED + 600),
+    Scenario(provision_s=None, cancel_at_s=TOKENIZED + 50),
+    Scenario(tokenize_s=None),
+    Scenario(tokenize_state="JOB_STATE_FAILED"),
+    Scenario(tokens=0),
+]
+
+#: The steps that raise a new error (ending the run, unless caught) which no path above takes, and where
+#: each is tested instead.
+RAISED_ELSEWHERE = {
+    ("provision", "still_going"): "a withdrawn request that never goes: a cluster fault, not played here",
+    ("kube_create", "not_ours"): "tests/k8s/test_k8s_workflow_calls.py (against envtest)",
+    ("kube_get_own", "same"): "tests/test_faults.py and tests/test_workflow_failures.py (objects replaced)",
+}
+
+
+def test_every_error_the_workflow_raises_is_raised_by_a_path_here_or_listed() -> None:
+    """The census of retrain.yaml's raising steps: a new one needs a path here, or a line above."""
+    workflow = load_workflow(WORKFLOW)
+    for scenario in PATHS:
+        World(scenario, workflow=workflow).run()
+    raising = {where for where, step in workflow.steps().items() if _raises_a_new_error(step)}
+    assert {(r, n) for r, n, _ in raising - workflow.steps_taken} == set(RAISED_ELSEWHERE)
+    print(f"\n{len(workflow.steps_taken)} of {len(workflow.steps())} steps of retrain.yaml taken")
+
+
+def _raises_a_new_error(step: Step) -> bool:
+    """A ``raise`` of an error it makes (a map), not one it caught (``${e}``)."""
+    return step.kind == "raise" and isinstance(step.value, dict)
