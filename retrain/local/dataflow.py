@@ -6,8 +6,8 @@ and runs the template's program (``dataflow/main.py``, the file the image's FLEX
 names) with the parameters as ``--name=value``.  The program must run a pipeline: the launcher submits
 the job graph the pipeline leaves behind, and a program that exits without one leaves it nothing to
 submit ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894), so the job fails.
-Locally the same program runs with :class:`LaunchedJobRunner`, which runs the pipeline on the FnApiRunner
-and leaves the job file; no job file, no job, a failed launch, as in the cloud.
+Locally the same program runs with ``LaunchedJobRunner`` (:data:`RUNNER`), which runs the pipeline on
+the FnApiRunner and leaves the job file; no job file, no job, a failed launch, as in the cloud.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from google.api_core.exceptions import NotFound
 
 from retrain.adapters import credentials, objects
@@ -42,19 +41,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PROGRAM = REPO_ROOT / "dataflow" / "main.py"
 #: Where LaunchedJobRunner leaves the job file (what the launcher would submit).
 JOB_FILE_VAR = "RETRAIN_LOCAL_DATAFLOW_JOB_FILE"
-
-
-class LaunchedJobRunner(FnApiRunner):
-    """The runner a launched program's pipeline meets locally: it runs the pipeline (as the submitted job
-    would run it on workers) and leaves the job file the launcher looks for."""
-
-    def run_pipeline(self, pipeline: Any, options: Any) -> Any:
-        result = super().run_pipeline(pipeline, options)
-        result.wait_until_finish()
-        job_file = os.environ.get(JOB_FILE_VAR)
-        if job_file:
-            Path(job_file).write_text(json.dumps({"state": str(result.state)}))
-        return result
+#: The runner a launched program's pipeline meets locally (``--runner``), by name: importing Beam costs a
+#: second, which every `retrain` command that reaches the stack would pay.
+RUNNER = "retrain.local.dataflow_runner.LaunchedJobRunner"
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -151,7 +140,7 @@ class LocalDataflow:
             f"--region={args.get('location')}",
             f"--job_name={launch.get('jobName', 'job')}",
             f"--temp_location={environment['tempLocation']}",
-            f"--runner={LaunchedJobRunner.__module__}.{LaunchedJobRunner.__name__}",
+            f"--runner={RUNNER}",
             "--direct_num_workers=2",
             "--direct_running_mode=multi_threading",
         ]
