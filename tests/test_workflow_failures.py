@@ -168,7 +168,8 @@ def test_a_capacity_request_made_again_by_someone_else_is_not_the_runs(
         Faults(provisioning="never") if stage == "provisioning" else Faults(hold_training_s=120)
     )
     lines = [json.dumps({"text": f"a run whose request is replaced {uuid.uuid4()}"})]
-    run = drop_lines(stack, tmp_path / "replaced.jsonl", lines, "replaced")
+    # a dataset of its own: the other stage's run, in a dataset of the same name, would be taken for it
+    run = drop_lines(stack, tmp_path / "replaced.jsonl", lines, new_dataset())
     wait_for_status(stack, run, stage, 90)
     name = provisioning_request_name(run.run_id)
     group = ("autoscaling.x-k8s.io", "v1", stack.settings.namespace, "provisioningrequests")
