@@ -51,9 +51,9 @@ def wait_for_run(state: Path, dataset: str, after: str = "") -> dict[str, Any]:
     """The dataset's one run (created after run ``after``), once it ended, as `retrain runs --json` shows
     it; it must have succeeded.  A run takes about a minute alone and went past three on two cores shared
     with two other test workers: the deadline is for a run that never ends, not a slow one."""
-    deadline = time.monotonic() + 600
+    deadline, ledger = time.monotonic() + 600, stack_ledger(state)
     while True:
-        runs = [r for r in ledger_runs(state, dataset) if r.run_id > after]
+        runs = [r for r in ledger.list_runs() if r.dataset == dataset and r.run_id > after]
         if runs and runs[0].status.terminal and runs[0].nodes_at_end is not None:
             break
         assert time.monotonic() < deadline, runs
@@ -63,13 +63,17 @@ def wait_for_run(state: Path, dataset: str, after: str = "") -> dict[str, Any]:
     return run
 
 
-def ledger_runs(state: Path, dataset: str) -> list[Run]:
-    """The dataset's runs, newest first, read from the ledger of the stack `retrain up` started, in this
-    process: polling with `retrain runs` costs two to three seconds of CPU a call, which a test polling
-    every second took from every other test sharing the machine's two cores."""
+def stack_ledger(state: Path) -> FirestoreLedger:
+    """The ledger of the stack `retrain up` started, read in this process (one client for a whole wait):
+    polling with `retrain runs` costs two to three seconds of CPU a call, which a test polling every
+    second took from every other test sharing the machine's two cores."""
     endpoints = Endpoints.load(state / "stack.json")
-    with mock.patch.dict(os.environ, endpoints.env()):
-        return [r for r in FirestoreLedger(LOCAL_PROJECT).list_runs() if r.dataset == dataset]
+    with mock.patch.dict(os.environ, endpoints.env()):  # the client finds its emulator when it is made
+        return FirestoreLedger(LOCAL_PROJECT)
+
+
+def training(ledger: FirestoreLedger, dataset: str) -> list[Run]:
+    return [r for r in ledger.list_runs() if r.dataset == dataset and r.status == RunStatus.TRAINING]
 
 
 @pytest.mark.long
@@ -243,8 +247,8 @@ def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(
         data = tmp_path / "long.jsonl"
         data.write_text("\n".join(json.dumps({"text": f"a long run {i}"}) for i in range(10)))
         assert retrain(["drop", str(data), "--dataset", "long"], state).returncode == 0
-        deadline = time.monotonic() + 180
-        while not [r for r in ledger_runs(state, "long") if r.status == RunStatus.TRAINING]:
+        deadline, ledger = time.monotonic() + 180, stack_ledger(state)
+        while not training(ledger, "long"):
             assert time.monotonic() < deadline, runs_of(state, "long")
             time.sleep(1)
         time.sleep(6)  # one ledger export after training began (it is exported every 5 s)
@@ -258,8 +262,8 @@ def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(
 
         up = retrain(["up"], state)
         assert up.returncode == 0, up.stderr
-        deadline = time.monotonic() + 180
-        while ledger_runs(state, "long")[0].status == RunStatus.TRAINING:
+        deadline, ledger = time.monotonic() + 180, stack_ledger(state)  # the new stack's emulator
+        while training(ledger, "long"):
             assert time.monotonic() < deadline, runs_of(state, "long")
             time.sleep(1)
         run = runs_of(state, "long")[0]
