@@ -46,6 +46,11 @@ def assert_released(world: World) -> None:
     assert world.steps[-1] == "finish"  # the content of a run that did not succeed is given back
 
 
+def jobset_deleted_at(world: World) -> list[float]:
+    """When the run's JobSet was deleted (seconds after the start): when its wait ended."""
+    return [t for t, path in world.kube.deleted if "/jobsets/" in path]
+
+
 def statuses(world: World) -> list[tuple[float, str]]:
     return [(t, w["status"]) for t, w in world.writes if "status" in w]
 
@@ -77,7 +82,7 @@ def test_a_lost_completion_message_costs_at_most_one_completion_check() -> None:
     world = World(Scenario(notify=False, train_s=3650.0))  # ends between two checks
     assert world.run()["status"] == "succeeded"
     check, ended_at = world.argument["completion_check_s"], PROVISIONED + 3650.0
-    noticed = [t for t, path in world.kube.deleted if "/jobsets/" in path]
+    noticed = jobset_deleted_at(world)
     assert noticed == [polled(ended_at, PROVISIONED, check)] and 0 < noticed[0] - ended_at <= check
     assert_released(world)
 
@@ -126,7 +131,7 @@ def test_capacity_taken_back_in_training_is_seen_at_the_next_check_and_ends_the_
     assert world.record["failure"] == "CapacityError"
     assert error.value["message"] == "DWS took the capacity back (CapacityRevoked): preempted"
     check = world.argument["completion_check_s"]
-    stopped = [t for t, path in world.kube.deleted if "/jobsets/" in path]
+    stopped = jobset_deleted_at(world)
     assert stopped == [polled(PROVISIONED + 1000, PROVISIONED, check)]  # the first check after it
     # the nodes went with the capacity: billed to when the release saw them gone (at once), none idle
     assert world.record["gpu_node_seconds"] == (stopped[0] - PROVISIONED) * world.argument["nodes"]
@@ -140,7 +145,7 @@ def test_training_that_never_ends_is_stopped_at_its_deadline() -> None:
     deadline = world.argument["train_timeout_s"]
     assert world.record["failure"] == "TrainingTimeout"
     assert error.value["message"].startswith(f"training did not finish within {deadline} s")
-    stopped = [t for t, path in world.kube.deleted if "/jobsets/" in path]
+    stopped = jobset_deleted_at(world)
     check = world.argument["completion_check_s"]
     assert PROVISIONED + deadline < stopped[0] <= PROVISIONED + deadline + check
     assert_released(world)
@@ -161,7 +166,7 @@ def test_a_cancel_in_training_releases_at_once_and_bills_to_the_nodes_removal() 
     error = ended(world)
     assert world.record["failure"] == "Cancelled" and error.value["tags"] == ["cancelled"]
     assert error.value["message"] == "cancelled by oncall@example.com: wrong data"
-    assert [t for t, p in world.kube.deleted if "/jobsets/" in p] == [PROVISIONED + 600]
+    assert jobset_deleted_at(world) == [PROVISIONED + 600]
     zero = polled(PROVISIONED + 600 + world.scenario.scale_down_s, PROVISIONED + 600)
     assert world.record["gpu_node_seconds"] == (zero - PROVISIONED) * world.argument["nodes"]
     assert_released(world)
@@ -171,7 +176,7 @@ def test_a_forged_completion_is_read_against_the_jobset_and_ignored() -> None:
     """A ``Failed`` the JobSet does not confirm, and a body that is no JSON object, change nothing."""
     world = World(Scenario(forged_at_s=PROVISIONED + 600))
     assert world.run()["status"] == "succeeded"
-    assert [t for t, p in world.kube.deleted if "/jobsets/" in p] == [TRAINED]
+    assert jobset_deleted_at(world) == [TRAINED]
     assert_released(world)
 
 
@@ -193,7 +198,7 @@ def test_tokenizing_that_never_ends_stops_the_job_at_its_deadline() -> None:
     poll = world.argument["poll_interval_s"]
     assert world.dataflow.cancelled_at is not None
     assert deadline < world.dataflow.cancelled_at <= deadline + poll
-    assert [p for _, p in world.kube.created] == [p for _, p in world.kube.created if "serviceaccounts" in p]
+    assert [p for _, p in world.kube.created if "serviceaccounts" not in p] == []  # the account only
     assert_released(world)
 
 
