@@ -12,7 +12,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -103,6 +103,55 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         _UNIT_TEST["running"] = None
+
+
+def resident_mb() -> float:
+    """This process's resident set now (not its peak: a test that frees what it used is not a leak)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@dataclass
+class MemoryGuard:
+    """A worker past ``limit_mb`` resident is leaking (a whole test run peaks at a few hundred MB per
+    worker): the test that took it there fails, naming the tests that grew it most, and the worker's
+    other tests skip, instead of the worker growing until the kernel's OOM killer ends it, which xdist
+    may not notice (the run then hangs until CI's time limit)."""
+
+    limit_mb: float
+    resident: Callable[[], float] = resident_mb
+    growth: list[tuple[float, str]] = field(default_factory=list)  # (MB added, node id), largest first
+    past_limit_at: str | None = None
+    _before: float = 0.0
+
+    def before(self) -> str | None:
+        """Why this test must not run (the worker already went past its limit), or None."""
+        self._before = self.resident()
+        if self.past_limit_at is None:
+            return None
+        return f"this worker's memory went past {self.limit_mb:.0f} MB in {self.past_limit_at}"
+
+    def after(self, nodeid: str) -> str | None:
+        """Why the test that just ran fails (it took the worker past its limit), or None."""
+        now = self.resident()
+        self.growth = sorted([*self.growth, (now - self._before, nodeid)], reverse=True)[:5]
+        if now <= self.limit_mb:
+            return None
+        self.past_limit_at = nodeid
+        grew = "; ".join(f"{n} +{mb:.0f} MB" for mb, n in self.growth)
+        return f"this worker holds {now:.0f} MB (limit {self.limit_mb:.0f} MB); the largest growths: {grew}"
+
+
+_MEMORY = MemoryGuard(float(os.environ.get("RETRAIN_TEST_RSS_LIMIT_MB", "4096")))
+
+
+@pytest.fixture(autouse=True)
+def _memory_bounded(request: pytest.FixtureRequest) -> Iterator[None]:
+    if (why := _MEMORY.before()) is not None:
+        pytest.skip(why)
+    yield
+    if (why := _MEMORY.after(request.node.nodeid)) is not None:
+        pytest.fail(why)
 
 
 @pytest.fixture(autouse=True)

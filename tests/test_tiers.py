@@ -75,3 +75,24 @@ def test_a_test_marked_into_two_tiers_is_refused(pytester: pytest.Pytester) -> N
     result = pytester.runpytest_inprocess("-q")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "test_x is marked ['unit'] but needs the integration tier" in "\n".join(result.errlines)
+
+
+def test_a_test_that_takes_its_worker_past_the_memory_limit_fails_and_the_workers_other_tests_skip(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leak stops the run with its growers named instead of growing into the OOM killer."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini(MARKERS)
+    pytester.makepyfile(
+        test_memory="HELD = []\n\n"
+        "def test_holds():\n    HELD.append(b'x' * 400 * 2**20)\n\n"
+        "def test_after():\n    pass\n"
+    )
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    here_mb = pages * 4096 / 2**20  # runpytest_inprocess runs the inner suite in this process
+    monkeypatch.setenv("RETRAIN_TEST_RSS_LIMIT_MB", str(int(here_mb + 200)))
+    result = pytester.runpytest_inprocess("-q", "-p", "no:randomly", "-rs")
+    result.assert_outcomes(passed=1, errors=1, skipped=1)
+    out = "\n".join(result.outlines)
+    assert "the largest growths: test_memory.py::test_holds +40" in out  # 400-odd MB
+    assert "this worker's memory went past" in out and "MB in test_memory.py::test_holds" in out
