@@ -31,7 +31,7 @@ from stack_support import (
 from retrain import config
 from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-from retrain.local.cluster_twin import Faults
+from retrain.local.cluster import Faults
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 

@@ -485,7 +485,7 @@ def test_manifests_are_rendered_from_the_deployment() -> None:
     }
     # each run's pods run as a service account of their own, the workflow's to create (k8s/workflow.yaml)
     assert [name for kind, name in by if kind == "ServiceAccount"] == ["jobset-notifier"]
-    assert not [d for d in docs if d["apiVersion"].startswith("kueue.x-k8s.io/")]  # no Kueue: see README
+    assert not [d for d in docs if d["apiVersion"].startswith("kueue.x-k8s.io/")]  # no Kueue (docs/runs.md)
     assert by[("RoleBinding", "retrain-reaper")]["subjects"][0]["name"] == "f@acme-ml.iam.gserviceaccount.com"
     workflow = by[("RoleBinding", "retrain-workflow")]
     assert workflow["subjects"][0]["name"] == "w@acme-ml.iam.gserviceaccount.com"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from stack_support import assert_released, module_stack, run_with
 
-from retrain.local.cluster_twin import Faults
+from retrain.local.cluster import Faults
 from retrain.local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]

@@ -1,6 +1,6 @@
 """The whole loop on one machine, through the real CLI: drop data, get a trained run, GPUs back to zero.
 
-Everything is real but the GKE data plane and Cloud Workflows (twins); see README.md.
+Everything is real but the GKE data plane and Cloud Workflows (twins); see docs/local-stack.md.
 """
 
 from __future__ import annotations

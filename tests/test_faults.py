@@ -2,7 +2,7 @@
 local stack.  Whatever happens, the run ends in a state that tells the truth, the pool is at zero nodes,
 no JobSet or ProvisioningRequest is left, and every object is trained once or eligible again.
 
-``pytest -m faults -s`` prints one line per fault (what happened, how long GPUs were held): README's table.
+``pytest -m faults -s`` prints one line per fault (what happened, how long GPUs were held): docs/faults.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from retrain.cancel import request_cancel
 from retrain.cli import operator_identity
 from retrain.domain.runs import FailureKind, Run
 from retrain.k8s.render import jobset_name
-from retrain.local.cluster_twin import Faults
+from retrain.local.cluster import Faults
 from retrain.local.stack import LocalStack
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]

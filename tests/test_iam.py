@@ -164,7 +164,7 @@ def test_enforcement_off_refuses_nothing_but_still_logs_what_google_would_refuse
     lax = Guard(deployed, enforce=False)
     assert lax.check(FUNCTIONS, "storage.objects.delete", storage_object(LANDING, "d/a.txt")).allowed
     assert [d.permission for d in lax.refused(FUNCTIONS)] == ["storage.objects.delete"]
-    assert config.load({"RETRAIN_LOCAL_IAM": "off"}).local_iam is False  # as README spells it
+    assert config.load({"RETRAIN_LOCAL_IAM": "off"}).local_iam is False  # as docs/local-stack.md spells it
     assert config.load({}).local_iam is True
     with pytest.raises(ValueError, match="RETRAIN_LOCAL_IAM"):
         config.load({"RETRAIN_LOCAL_IAM": "maybe"})

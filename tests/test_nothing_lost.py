@@ -35,7 +35,7 @@ from retrain.contracts import RunManifest
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run, RunStatus
 from retrain.ingest import Ingest
-from retrain.local.cluster_twin import Faults
+from retrain.local.cluster import Faults
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack
 

@@ -33,7 +33,7 @@ from retrain.cancel import request_cancel
 from retrain.cli import format_run, operator_identity
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import EVAL_SET, FailureKind
-from retrain.local.cluster_twin import Faults
+from retrain.local.cluster import Faults
 from retrain.local.iam import Binding, Kind, Resource
 from retrain.local.landing import drop
 from retrain.local.stack import LocalStack

@@ -14,7 +14,7 @@ resource the permission is checked on: ``storage.objects.list`` is checked on th
 (``projects/_/buckets/B``), so a condition on object names never grants it, Google's rule.
 
 What is not modelled: organisation policies, deny policies, IAM's own eventual consistency, and the
-permissions Google-managed agents hold; README says where each is enforced.
+permissions Google-managed agents hold; docs/local-stack.md says where each is enforced.
 """
 
 from __future__ import annotations

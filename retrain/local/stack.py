@@ -39,6 +39,7 @@ from retrain.deployment import (
     DWS_BOOKING_WINDOW_S,
     LOCAL_TIME_FACTOR,
     Deployment,
+    ManifestValues,
     ScheduledJob,
 )
 from retrain.local import delivery, emulators, processes
@@ -210,7 +211,7 @@ def function_server(
 
 def parse_faults(spec: str) -> Any:
     """``provisioning=fail,crash_pod_once=true`` -> the cluster twin's Faults (fields typed from it)."""
-    from retrain.local.cluster_twin import Faults
+    from retrain.local.cluster import Faults
 
     values: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -255,6 +256,37 @@ def scheduler_twin(
 
     threading.Thread(target=loop, name="scheduler-twin", daemon=True).start()
     return stop.set
+
+
+class _Functions:
+    """The stack's Cloud Functions: each served as its own identity (infra/'s service account for it), behind
+    Cloud Run's invoker check, reached by the push subscriptions routed to it."""
+
+    def __init__(self, stack: LocalStack, deployed: Deployed) -> None:
+        self.stack, self.deployed = stack, deployed
+        self.env = {**config.to_env(stack.settings), "PYTHONUNBUFFERED": "1"}
+        """What every function starts with (the executions service's endpoints join once it serves)."""
+        self.fronts: dict[str, str] = {}  # function -> its invoker front's URL
+        self.push_routes: dict[str, str] = {}  # topic id -> the function its push subscription reaches
+
+    def serve(self, target: str, signature: str = "cloudevent") -> str:
+        """Start ``target`` and its invoker front; the front's URL."""
+        stack, function = self.stack, self.deployed.functions[target]
+        env = {**self.env, **stack.identity_env(function.member)}
+        log = stack.state_dir / f"function-{target}.log"
+        _, url = stack._spawn_on_a_free_port(lambda port: function_server(target, log, env, signature, port))
+        pushed = {t: p.member for t, p in self.deployed.pushes.items() if self.push_routes.get(t) == target}
+        front = InvokerFront(
+            url,
+            function.service,
+            stack.guard,
+            trigger_member=function.trigger_member,
+            storage_agent=self.deployed.storage_agent if target == "on_object_finalized" else None,
+            push_members=pushed,
+        ).start()
+        stack._closers.append(front.stop)
+        self.fronts[target] = front.url
+        return front.url
 
 
 @dataclass
@@ -336,34 +368,60 @@ class LocalStack:
         return processes.start_on_a_free_port(make, self._spawn)
 
     def _start(self) -> None:
-        s, ep = self.settings, self.endpoints
+        """The phases, in dependency order: each names what it starts."""
+        self._preflight()
+        gcs_host = self._start_emulators()
+        deployed = self._start_iam_fronts(gcs_host)
+        control_plane, kube, kube_front, gke_api = self._start_control_plane()
+        self._create_buckets()
+        child_env = {**self.endpoints.env(), **self.pod_env}  # a pod's or a Dataflow job's processes'
+        values = self._start_cluster(control_plane.api_client(), gke_api, child_env)
+        publisher, jobset_events = self._start_notifier(kube, values)
+        functions = _Functions(self, deployed)
+        self._start_executions(deployed, kube, kube_front, functions, child_env)
+        jobs = self._deployment.scheduler_jobs()
+        ticks = self._start_functions(functions, jobs)
+        self._wire_subscriptions(deployed, functions, publisher, [jobset_events, *ticks], jobs)
+        ep, s = self.endpoints, self.settings
+        ep.save(stack_file(s))
+        self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
+        self.progress("local stack is up")
+
+    def _preflight(self) -> None:
+        """The state folder taken (one stack per folder), every child recorded as it starts, and what the
+        stack needs (Java, the Cloud SDK's emulators, envtest) present."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
-        processes.use(self.state_dir / PROCESS_REGISTRY)  # every child recorded as it starts
+        processes.use(self.state_dir / PROCESS_REGISTRY)
         self._closers.append(lambda: processes.use(None))
-        ep.pid = os.getpid()
-        reason = emulators.java_emulators_unavailable_reason()
+        self.endpoints.pid = os.getpid()
+        from retrain.local.envtest import envtest_unavailable_reason
+
+        reason = emulators.java_emulators_unavailable_reason() or envtest_unavailable_reason()
         if reason:
             raise RuntimeError(f"cannot start the local stack: {reason}")
-        from retrain.local.envtest import ControlPlane, envtest_unavailable_reason
-
-        reason = envtest_unavailable_reason()
-        if reason:
-            raise RuntimeError(f"cannot start the local stack: {reason}")
-
         if self.fresh:
             for kept in (self.state_dir / "gcs", self.firestore_data):
                 shutil.rmtree(kept, ignore_errors=True)
+
+    def _start_emulators(self) -> str:
+        """Cloud Storage, Firestore (its ledger kept across stops) and Pub/Sub; the storage emulator's
+        host."""
         self.progress("starting emulators: GCS, Firestore, Pub/Sub")
         _, gcs_host = self._spawn_on_a_free_port(lambda port: emulators.gcs(self.state_dir, port))
         _, self._firestore_host = self._spawn_on_a_free_port(
             lambda port: emulators.firestore(self.state_dir, port, import_from=self.firestore_data)
         )
-        _, ep.pubsub = self._spawn_on_a_free_port(lambda port: emulators.pubsub(self.state_dir, port))
+        _, self.endpoints.pubsub = self._spawn_on_a_free_port(
+            lambda port: emulators.pubsub(self.state_dir, port)
+        )
         self._closers.append(self._keep_ledger)
         self._closers.append(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
+        return gcs_host
 
-        # Who runs what (infra/), and the fronts that check every call against infra/'s IAM.
+    def _start_iam_fronts(self, gcs_host: str) -> Deployed:
+        """Who runs what (infra/), and the fronts that check every call against infra/'s IAM."""
+        s, ep = self.settings, self.endpoints
         deployed = Deployed.read(self._deployment)
         guard = self.guard = Guard(deployed, enforce=s.local_iam)
         self._closers.append(lambda: guard.write_usage(self.state_dir / IAM_REPORT))
@@ -375,13 +433,18 @@ class LocalStack:
         self._closers.append(self.pubsub_front.stop)
         ep.storage, ep.token = storage.url, guard.token(OPERATOR)
         ep.firestore = self.firestore_front.endpoint(OPERATOR)
+        return deployed
+
+    def _start_control_plane(self) -> tuple[Any, KubeEndpoint, KubeFront, GkeApiServer]:
+        """kube-apiserver and etcd with the CRDs, GKE's front of it, and the GKE API that finds the cluster
+        (retrain.adapters.cluster): that front as its endpoint, node pools as infra/platform declares them."""
+        from retrain.local.envtest import ControlPlane
 
         self.progress("starting the Kubernetes control plane (kube-apiserver + etcd, CRDs)")
+        s, guard = self.settings, self.guard
         control_plane = ControlPlane(self.state_dir / "kube")
         control_plane.start()
         self._closers.append(control_plane.stop)
-        # The GKE API finds the cluster (retrain.adapters.cluster): GKE's front of the control plane as
-        # its endpoint, node pools as infra/platform declares them.
         kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
         kube_front = KubeFront(
             kube.server, kube.token, kube.ca_file, guard, control_plane.run_dir / "pki"
@@ -395,31 +458,35 @@ class LocalStack:
             authorize=lambda token, permission: guard.authorize(token, permission, project),
         ).start()
         self._closers.append(gke_api.stop)
-        ep.container = gke_api.base_url
-        self._setenv({**ep.env(), **config.to_env(s)})
+        self.endpoints.container = gke_api.base_url
+        self._setenv({**self.endpoints.env(), **config.to_env(s)})
+        return control_plane, kube, kube_front, gke_api
 
+    def _create_buckets(self) -> None:
+        """The buckets as infra/platform creates them, and the template spec infra/app/dataflow.tf writes."""
+        s = self.settings
         client = objects.storage_client()  # as the operator, who applies Terraform
         versioned = self._deployment.versioned_buckets()
         for name in (s.landing_bucket, s.artifacts_bucket):
             bucket = client.lookup_bucket(name) or client.create_bucket(name)
             if bucket.versioning_enabled != versioned.get(name, False):
-                bucket.versioning_enabled = versioned.get(name, False)  # as infra/platform creates it
+                bucket.versioning_enabled = versioned.get(name, False)
                 bucket.patch()
-        spec_uri, spec = self._deployment.template_spec()  # what infra/app/dataflow.tf writes
+        spec_uri, spec = self._deployment.template_spec()
         objects.write_bytes(spec_uri, spec, "application/json")
 
-        self.progress("starting the cluster twin (DWS provisioner, JobSet controller) and the notifier")
-        from retrain.k8s.notifier import Notifier
-        from retrain.local.cluster_twin import ClusterTwin
-
-        api = control_plane.api_client()
-        self.kube_api = api
-        # What Terraform applies in the cluster, rendered by the same code from infra/'s values: the
-        # service accounts, the notifier's, the reaper's and the workflow's RBAC, and
-        # the settings ConfigMap (Terraform writes it from local.retrain_env).
+    def _start_cluster(self, api: Any, gke_api: GkeApiServer, child_env: dict[str, str]) -> ManifestValues:
+        """What Terraform applies in the cluster, and the cluster twin, within the pool's bounds."""
         from retrain.k8s.manifests import documents
+        from retrain.local.cluster import ClusterTwin
         from retrain.local.envtest import apply_documents
 
+        self.progress("starting the cluster twin (DWS provisioner, JobSet controller, kubelet)")
+        s = self.settings
+        self.kube_api = api
+        # Rendered by the same code from infra/'s values: the service accounts, the notifier's, the
+        # reaper's and the workflow's RBAC, and the settings ConfigMap (Terraform writes it from
+        # local.retrain_env); GKE's multi-networking objects (GPUDirect-TCPX) too.
         values = self._deployment.manifest_values()
         settings_map = {
             "apiVersion": "v1",
@@ -427,9 +494,7 @@ class LocalStack:
             "metadata": {"name": values.settings_config_map, "namespace": values.namespace},
             "data": self._deployment.env,
         }
-        # GKE's multi-networking objects (GPUDirect-TCPX) too: the control plane serves GKE's own CRDs.
         apply_documents(api, [settings_map, *documents(values)])
-        child_env = {**ep.env(), **self.pod_env}
         twin = ClusterTwin(
             api,  # GKE's own controllers (DWS, the JobSet controller, the kubelet) act as the cluster's admin
             scale_down_delay_s=s.scale_down_delay_s,
@@ -455,24 +520,33 @@ class LocalStack:
         twin.start()
         self._closers.append(twin.stop)
         self.twin = twin
+        return values
 
+    def _start_notifier(self, kube: KubeEndpoint, values: ManifestValues) -> tuple[Any, str]:
+        """The topics, and the notifier: a pod, with its Kubernetes service account's own token for the API
+        server and the Google account Workload Identity maps that account to for Pub/Sub.  The publisher
+        and the JobSet events topic's path (every terminal state, failures too)."""
         from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
+        from retrain.k8s.notifier import Notifier
+
+        self.progress("starting the notifier (JobSet terminal states to Pub/Sub)")
+        s = self.settings
         publisher = pubsub_v1.PublisherClient()
         topic = publisher.topic_path(s.project, s.jobset_topic)
         delivery.ensure_topic(publisher, topic)
         # retained as infra/platform declares it: `retrain events` replays what the topic retains
         delivery.ensure_topic(publisher, s.events_topic, self._deployment.topic_retention_s("run_events"))
-        # The notifier is a pod: its Kubernetes service account's own token for the API server, and the
-        # Google account Workload Identity maps that account to for Pub/Sub.
-        notifier_as = Caller(guard, self.workload_member(values.namespace, values.notifier_ksa))
+        notifier_as = Caller(self.guard, self.workload_member(values.namespace, values.notifier_ksa))
 
         def publish(data: bytes, attributes: dict[str, str]) -> None:
             notifier_as.require("pubsub.topics.publish", Resource(Kind.TOPIC, s.jobset_topic))
             publisher.publish(topic, data, **attributes).result(timeout=30)
 
         notifier_api = (
-            self._service_account_client(kube, values.namespace, values.notifier_ksa) if s.local_iam else api
+            self._service_account_client(kube, values.namespace, values.notifier_ksa)
+            if s.local_iam
+            else self.kube_api
         )
         notifier = Notifier(
             notifier_api, publish, namespace=s.namespace, state_path=self.state_dir / "notifier.json"
@@ -480,38 +554,25 @@ class LocalStack:
         notifier.start()
         self._closers.append(notifier.stop)
         self.notifier = notifier
+        return publisher, topic
 
-        # Each function: its own identity, behind Cloud Run's invoker check.
-        fn_env = {**config.to_env(s), "PYTHONUNBUFFERED": "1"}
-        fronts: dict[str, str] = {}
-        push_routes: dict[str, str] = {}
-
-        def serve(target: str, signature: str = "cloudevent") -> str:
-            function = deployed.functions[target]
-            env = {**fn_env, **self.identity_env(function.member)}
-            log = self.state_dir / f"function-{target}.log"
-            _, url = self._spawn_on_a_free_port(
-                lambda port: function_server(target, log, env, signature, port)
-            )
-            pushed = {t: p.member for t, p in deployed.pushes.items() if push_routes.get(t) == target}
-            front = InvokerFront(
-                url,
-                function.service,
-                guard,
-                trigger_member=function.trigger_member,
-                storage_agent=deployed.storage_agent if target == "on_object_finalized" else None,
-                push_members=pushed,
-            ).start()
-            self._closers.append(front.stop)
-            fronts[target] = front.url
-            return front.url
-
-        self.progress("starting the run_step function (the workflow's steps in Python)")
-        ep.steps_function = serve("run_step", signature="http")
-
-        self.progress("starting the workflow executions service")
+    def _start_executions(
+        self,
+        deployed: Deployed,
+        kube: KubeEndpoint,
+        kube_front: KubeFront,
+        functions: _Functions,
+        child_env: dict[str, str],
+    ) -> None:
+        """run_step (the workflow's steps in Python), the local Dataflow, and the executions service that
+        runs workflows/retrain.yaml as the workflow's account, its connectors bound to the stack."""
         from retrain.workflows import ExecutionsServer, load_workflow
 
+        ep = self.endpoints
+        self.progress("starting the run_step function (the workflow's steps in Python)")
+        ep.steps_function = functions.serve("run_step", signature="http")
+        self.progress("starting the workflow executions service")
+        guard = self.guard
         workflow_as = Caller(guard, deployed.workflow)
         dataflow = LocalDataflow(
             self.state_dir / "dataflow", child_env, caller=workflow_as, identity_env=self.identity_env
@@ -538,35 +599,52 @@ class LocalStack:
         server.start()
         self._closers.append(server.stop)
         ep.workflows, ep.workflows_grpc = server.base_url, server.grpc_target
-        self._setenv(
-            {"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows, "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc}
-        )
-        fn_env.update(
-            {"RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows, "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc}
-        )
+        workflows_env = {
+            "RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows,
+            "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc,
+        }
+        self._setenv(workflows_env)
+        functions.env.update(workflows_env)
         self.executions = server
 
+    def _start_functions(self, functions: _Functions, jobs: list[ScheduledJob]) -> list[str]:
+        """The event functions, each behind Cloud Run's invoker check and started again when it dies (Cloud
+        Run starts a new instance); the Scheduler's topics they are pushed from."""
+        s, ep = self.settings, self.endpoints
         self.progress(
             "starting Cloud Functions (functions-framework): on_object_finalized, on_jobset_event, "
             "on_scheduler_tick, run_http"
         )
-        jobs = self._deployment.scheduler_jobs()
         ticks = sorted({job.topic for job in jobs})
-        push_routes.update({s.jobset_topic: "on_jobset_event"})
-        push_routes.update({t.rsplit("/", 1)[-1]: "on_scheduler_tick" for t in ticks})
-        ep.ingest_function = serve("on_object_finalized") + "/_eventarc"
-        ep.relay_function = serve("on_jobset_event")
-        ep.scheduler_function = serve("on_scheduler_tick")
-        ep.manual_function = serve("run_http", signature="http")
-        # A function that dies is started again on its port (Cloud Run starts a new instance).
+        functions.push_routes.update({s.jobset_topic: "on_jobset_event"})
+        functions.push_routes.update({t.rsplit("/", 1)[-1]: "on_scheduler_tick" for t in ticks})
+        ep.ingest_function = functions.serve("on_object_finalized") + "/_eventarc"
+        ep.relay_function = functions.serve("on_jobset_event")
+        ep.scheduler_function = functions.serve("on_scheduler_tick")
+        ep.manual_function = functions.serve("run_http", signature="http")
         self._closers.append(periodically(1.0, self._restart_dead_functions, "function supervisor"))
+        return ticks
 
+    def _wire_subscriptions(
+        self,
+        deployed: Deployed,
+        functions: _Functions,
+        publisher: Any,
+        sources: list[str],
+        jobs: list[ScheduledJob],
+    ) -> None:
+        """The push subscriptions as infra/app/events.tf declares them (their names, who pushes, where dead
+        letters go), the Scheduler twin, and Eventarc's redelivery."""
+        from google.cloud import pubsub_v1  # type: ignore[attr-defined]
+
+        from retrain.local.eventarc import Redelivery
+
+        s, guard = self.settings, self.guard
         subscriber = pubsub_v1.SubscriberClient()
         dead_letters = self._deployment.topic("dead_letter_topic_id")
-        for source in [topic, *ticks]:
-            # as infra/app/events.tf declares it: its name, who pushes, where dead letters go (whose
-            # forwarding Pub/Sub's agent makes: publish on the dead-letter topic, consume on the
-            # subscription, cloud.google.com/pubsub/docs/handling-failures#grant_forwarding_permissions)
+        for source in sources:
+            # dead-letter forwarding is Pub/Sub's agent's: publish on the dead-letter topic, consume on the
+            # subscription (cloud.google.com/pubsub/docs/handling-failures#grant_forwarding_permissions)
             topic_id = source.rsplit("/", 1)[-1]
             push = deployed.pushes[topic_id]
             name = f"projects/{s.project}/subscriptions/{push.name}"
@@ -576,7 +654,7 @@ class LocalStack:
             guard.check(
                 deployed.pubsub_agent, "pubsub.subscriptions.consume", Resource(Kind.SUBSCRIPTION, push.name)
             )
-            endpoint = f"{fronts[push_routes[topic_id]]}/_push/{topic_id}"
+            endpoint = f"{functions.fronts[functions.push_routes[topic_id]]}/_push/{topic_id}"
             delivery.push_subscription(subscriber, publisher, source, endpoint, dead_letters, name=name)
         delivery.dead_letter_subscription(subscriber, publisher, dead_letters)
 
@@ -584,14 +662,9 @@ class LocalStack:
             publisher.publish(job.topic, job.data, **job.attributes).result(timeout=30)
 
         self._closers.append(scheduler_twin(jobs, publish_tick, self.paused_jobs))
-        from retrain.local.eventarc import Redelivery
-
-        redelivery = Redelivery(s.project, ep.ingest_function, dead_letters).start()
+        redelivery = Redelivery(s.project, self.endpoints.ingest_function, dead_letters).start()
         self._closers.append(redelivery.stop)
         self.redelivery = redelivery
-        ep.save(stack_file(s))
-        self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
-        self.progress("local stack is up")
 
     def identity_env(self, member: str) -> dict[str, str]:
         """The environment of a process that runs as ``member``: the stack's endpoints, its own Firestore

@@ -12,7 +12,7 @@ import pytest
 
 from retrain.k8s.notifier import NOTIFIED_ANNOTATION, Notifier
 from retrain.k8s.render import render_jobset, render_provisioning_request
-from retrain.local.cluster_twin import ClusterTwin
+from retrain.local.cluster import ClusterTwin
 from retrain.trainers import Command
 
 from .waiting import wait_for
@@ -76,7 +76,7 @@ def test_exactly_once_across_notifier_restarts(api: Any, namespace: str, tmp_pat
             callback_url="https://cb.example/run/notify-1",
         )
         name = js["metadata"]["name"]
-        wait_for(lambda: twin._runs and any(r.pods for r in twin._runs.values()))
+        wait_for(lambda: twin.pods())
         first.stop()  # restarted mid-run
         assert rec.messages == []
         second = Notifier(api, rec, namespace=namespace, state_path=state, watch_timeout_s=1).start()

@@ -23,7 +23,7 @@ from training_support import REPO, child_env, nemo_args, pattern_documents, tiny
 from retrain.adapters import objects
 from retrain.deployment import NEMO_STANDIN
 from retrain.k8s.render import GcsMounts, render_jobset, render_provisioning_request
-from retrain.local.cluster_twin import ClusterTwin, Faults
+from retrain.local.cluster import ClusterTwin, Faults
 from retrain.local.processes import free_port
 from retrain.tensorboard import read_scalars
 from retrain.trainers import BatchShape, TokenizerFiles, TrainingPlan

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from retrain.k8s.render import render_jobset, render_provisioning_request
-from retrain.local.cluster_twin import ClusterTwin, Faults
+from retrain.local.cluster import ClusterTwin, Faults
 from retrain.trainers import Command
 
 from .waiting import wait_for
@@ -205,7 +205,7 @@ def test_deleting_jobset_kills_and_deletes_pods(cluster: Cluster, tmp_path: Path
         wait_for(lambda: cluster.core.list_namespaced_pod(cluster.ns).items)
         cluster.objects.delete_namespaced_custom_object(*JS[:2], cluster.ns, JS[2], js)
         wait_for(lambda: not cluster.core.list_namespaced_pod(cluster.ns).items)
-        wait_for(lambda: not any(p.result is None for r in twin._runs.values() for p in r.pods.values()))
+        wait_for(lambda: not any(p.result is None for p in twin.pods()))
 
 
 def test_a_pod_whose_service_account_does_not_exist_is_never_created(

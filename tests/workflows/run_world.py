@@ -181,7 +181,7 @@ class _Kube:
         if request is not None and request["metadata"]["uid"] == uid:
             revoked = {"type": "CapacityRevoked", "status": "True", "reason": "Revoked"}
             request["status"]["conditions"].append({**revoked, "message": "preempted"})
-            self.nodes = []  # preempted: the nodes go with it (retrain.local.cluster_twin, revoke)
+            self.nodes = []  # preempted: the nodes go with it (retrain.local.cluster, revoke)
 
     def _end_training(self, path: str, jobset: dict[str, Any]) -> None:
         if self.objects.get(path) is not jobset:
