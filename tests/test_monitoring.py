@@ -108,7 +108,7 @@ def test_the_capacity_wait_alert_matches_what_the_sweeper_logs(caplog: pytest.Lo
     training = provisioning("ds-r3", now - waited, RunStatus.TRAINING)
     with caplog.at_level(logging.INFO):
         for r in (run, fresh, training):
-            ingest._note_capacity_wait(r, now)
+            ingest.sweeper.note_capacity_wait(r, now)
     (entry,) = entries(caplog)
     assert matches(log_alerts()["capacity_wait"]["filter"], entry)
     assert entry["severity"] == "WARNING" and entry["run_id"] == "ds-r1" and entry["dataset"] == "ds"
@@ -133,12 +133,12 @@ def test_the_idle_nodes_alert_matches_what_the_reaper_logs_and_only_past_the_lim
     old_nodes = [{"name": "gke-a3-1", "up_s": limit * 3}, {"name": "gke-a3-2", "up_s": limit * 2}]
     young_nodes = [{"name": "gke-a3-3", "up_s": limit / 2}]
     with caplog.at_level(logging.INFO):
-        Ingest(settings(), _RecentRuns(ended_just_now, ended_long_ago), None, None)._note_idle_nodes(
+        Ingest(settings(), _RecentRuns(ended_just_now, ended_long_ago), None, None).sweeper.note_idle_nodes(
             old_nodes
         )  # type: ignore[arg-type]
-        Ingest(settings(), _RecentRuns(ended_long_ago), None, None)._note_idle_nodes(young_nodes)  # type: ignore[arg-type]
+        Ingest(settings(), _RecentRuns(ended_long_ago), None, None).sweeper.note_idle_nodes(young_nodes)  # type: ignore[arg-type]
         assert entries(caplog) == []  # a run just ended; the nodes just came up: neither idle that long
-        Ingest(settings(), _RecentRuns(ended_long_ago), None, None)._note_idle_nodes(old_nodes)  # type: ignore[arg-type]
+        Ingest(settings(), _RecentRuns(ended_long_ago), None, None).sweeper.note_idle_nodes(old_nodes)  # type: ignore[arg-type]
     (entry,) = entries(caplog)
     assert matches(log_alerts()["idle_nodes"]["filter"], entry)
     assert "gke-a3-1, gke-a3-2" in entry["message"] and entry["severity"] == "WARNING"

@@ -258,7 +258,7 @@ def test_a_slow_starter_never_rewrites_the_manifest_its_successor_recorded(
     assert manifest_versions(ingest, run.run_id) == [run.manifest_generation]
 
     other = RunManifest(run.run_id, run.dataset, run.batch_id, "another-snapshot", [])
-    assert ingest._write_manifest(run, "a-claim-taken-over", other) is None
+    assert ingest.starts.write_manifest(run, "a-claim-taken-over", other) is None
     assert manifest_versions(ingest, run.run_id) == [run.manifest_generation]
 
 
@@ -270,10 +270,10 @@ def test_the_claims_holder_rewrites_a_manifest_whose_content_changed_at_the_gene
     assert sealed.run is not None
     claim = ingest.ledger.claim_start(sealed.run, ingest.settings.stuck_after_s)
     first = RunManifest(sealed.run.run_id, "changed", sealed.run.batch_id, "s1", list(claim.objects))
-    written = ingest._write_manifest(sealed.run, claim.token, first)
-    assert ingest._write_manifest(sealed.run, claim.token, first) == written  # the same bytes: as is
+    written = ingest.starts.write_manifest(sealed.run, claim.token, first)
+    assert ingest.starts.write_manifest(sealed.run, claim.token, first) == written  # the same bytes: as is
     second = dataclasses.replace(first, snapshot="s2")
-    rewritten = ingest._write_manifest(sealed.run, claim.token, second)
+    rewritten = ingest.starts.write_manifest(sealed.run, claim.token, second)
     assert rewritten is not None and written is not None and rewritten > written
     assert manifest_versions(ingest, sealed.run.run_id) == [written, rewritten]
     uri = f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json"
