@@ -28,11 +28,11 @@ from retrain.domain.errors import Retry
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import iso, now_iso
 from retrain.ports import (
+    ExportBook,
     ExportJob,
     ExportRefused,
     ExportState,
     ExportStatus,
-    Ledger,
     ObjectInfo,
     ObjectStore,
     Warehouse,
@@ -120,7 +120,9 @@ def retry_after(failures: int, now: datetime) -> str:
 class TableExports:
     """The export jobs of the watched tables, over the ports alone."""
 
-    def __init__(self, settings: Settings, ledger: Ledger, warehouse: Warehouse, store: ObjectStore) -> None:
+    def __init__(
+        self, settings: Settings, ledger: ExportBook, warehouse: Warehouse, store: ObjectStore
+    ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.warehouse = warehouse

@@ -244,8 +244,8 @@ class DatasetRecords:
     """Run id -> the object versions whose content it gave back (``runs/{run}/objects``)."""
 
 
-class Ledger(Protocol):
-    """Durable, transactional record of arrivals, batches and runs (Firestore)."""
+class ArrivalLog(Protocol):
+    """What landed: each object version's arrival or rejection, by dataset."""
 
     def record_arrival(self, arrival: ObjectArrival, dataset: str, content_hash: str) -> ArrivalOutcome: ...
 
@@ -257,6 +257,10 @@ class Ledger(Protocol):
 
     def dataset_records(self, dataset: str) -> DatasetRecords: ...
 
+
+class Batches(Protocol):
+    """Seals and coalescing: a dataset's pending arrivals, cut by a seal into a batch that joins one run."""
+
     def pending(self, dataset: str | None = None) -> list[Pending]: ...
 
     def seal(self, dataset: str, trigger: str) -> SealOutcome: ...
@@ -264,6 +268,12 @@ class Ledger(Protocol):
     def preview(self, dataset: str) -> SealPreview: ...
 
     def materialize(self, batch_id: str) -> SealOutcome: ...
+
+    def batches_in(self, state: BatchState) -> list[dict[str, Any]]: ...
+
+
+class Holdings(Protocol):
+    """Content identity: what each run holds, given back when it does not train it, arriving again."""
 
     def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]: ...
 
@@ -275,7 +285,9 @@ class Ledger(Protocol):
 
     def requeue(self, run: Run) -> int: ...
 
-    def batches_in(self, state: BatchState) -> list[dict[str, Any]]: ...
+
+class ExportBook(Protocol):
+    """A watched BigQuery table's exports: its watermark, backlog and the job in flight."""
 
     def export_mark(self, table: str) -> Watermark: ...
 
@@ -294,6 +306,10 @@ class Ledger(Protocol):
     def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool: ...
 
     def abandon_export(self, job: ExportJob, reason: str, retry_after: str) -> bool: ...
+
+
+class RunStore(Protocol):
+    """The run records: a start's claim, the execution bound to it, and each run's fields."""
 
     def claim_start(self, run: Run, stale_after_s: float) -> StartClaim: ...
 
@@ -330,9 +346,18 @@ class Ledger(Protocol):
         """Every run whose start was priced in ``month`` (``YYYY-MM``, :attr:`Run.budget_month`)."""
         ...
 
+
+class Champions(Protocol):
+    """Each dataset's best model so far, which the next run continues from."""
+
     def champion(self, dataset: str) -> Champion | None: ...
 
     def promote(self, dataset: str, champion: Champion) -> bool: ...
+
+
+class Ledger(ArrivalLog, Batches, Holdings, ExportBook, RunStore, Champions, Protocol):
+    """Durable, transactional record of arrivals, batches and runs (Firestore): every part its consumers use
+    one by one (a consumer names the part it needs, and a fake of it stays small)."""
 
 
 class Cluster(Protocol):

@@ -52,7 +52,7 @@ from retrain.exports import export_folder
 from retrain.lineage import LINEAGE_OBJECT, openlineage_events
 from retrain.logs import SUMMARY, Alert
 from retrain.plan import render_training, run_root, set_aside, shard_root, tokenize_report_uri
-from retrain.ports import Ledger, Lineage, ObjectStore, RunEvents, tell
+from retrain.ports import Holdings, Ledger, Lineage, ObjectStore, RunEvents, tell
 from retrain.tensorboard import Scalar, read_scalars
 from retrain.trainers import PlanError, TokenizerFiles, TrainingPlan, profile
 
@@ -171,7 +171,7 @@ def _within_shards(root: str, report_uri: str, plan: TrainingPlan, held_out: str
         raise PlanError(f"the tokenize report {report_uri} names datasets in no form it writes: {odd[:3]}")
 
 
-def give_back_unread(settings: Settings, ledger: Ledger, store: ObjectStore, run: Run) -> int:
+def give_back_unread(settings: Settings, ledger: Holdings, store: ObjectStore, run: Run) -> int:
     """Give back the content of the objects ``run`` set aside whole (gone since they arrived, unreadable,
     too large): it never trained.  When one was gone (overwritten or deleted), a copy of its bytes that
     arrived under another name and was skipped as held by this run arrives again, so that it trains in a
@@ -192,7 +192,7 @@ def give_back_unread(settings: Settings, ledger: Ledger, store: ObjectStore, run
 
 
 def _readable_copy(
-    ledger: Ledger, store: ObjectStore, dataset: str, gone: ObjectVersion
+    ledger: Holdings, store: ObjectStore, dataset: str, gone: ObjectVersion
 ) -> ObjectVersion | None:
     """Another version that arrived with ``gone``'s content and still holds its bytes, if any."""
     for other in ledger.versions_of(dataset, gone.content_hash):

@@ -19,7 +19,8 @@ import requests
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.adapters.ledger import FirestoreLedger, _key
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.ledger.base import _key
 from retrain.adapters.warehouse import BigQueryWarehouse
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.errors import Retry

@@ -14,7 +14,8 @@ import pytest
 from google.cloud import firestore
 from stack_support import stored_plan
 
-from retrain.adapters.ledger import FirestoreLedger, _key
+from retrain.adapters.ledger import FirestoreLedger
+from retrain.adapters.ledger.base import _key
 from retrain.domain.events import ObjectArrival
 from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
 
@@ -218,7 +219,7 @@ def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(
     wait out the lock timeout (about 2 s, "Transaction lock timeout") on every one of the client's
     attempts.  Here one attempt per round and a reader that holds the document's lock for 3 s: a single
     round gives up, the contended rounds' random backoff carries the claim through."""
-    from retrain.adapters import ledger as module
+    from retrain.adapters.ledger import base as module
 
     rounds_deployed = module.CONTENDED_ROUNDS
     monkeypatch.setattr(module, "CONTENDED_ATTEMPTS", 1)
@@ -387,7 +388,7 @@ def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
     # The hot path's own stub follows the client's Commit retry (ServiceUnavailable, 60 s); shortened here.
     from google.api_core.exceptions import ServiceUnavailable
 
-    from retrain.adapters import ledger as ledger_module
+    from retrain.adapters.ledger import arrivals as ledger_module
     from retrain.local.processes import free_port
 
     monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens

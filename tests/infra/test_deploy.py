@@ -664,7 +664,10 @@ def test_functions_build_folder_holds_main_requirements_and_the_package(checkout
     assert (built / "main.py").read_text() == (checkout / "functions" / "main.py").read_text()
     assert (built / "requirements.txt").is_file()
     assert (built / "retrain" / "__init__.py").is_file()
-    assert (built / "retrain" / "adapters" / "ledger.py").is_file()
+    assert {p.name for p in (built / "retrain" / "adapters" / "ledger").glob("*.py")} == {
+        p.name for p in (checkout / "retrain" / "adapters" / "ledger").glob("*.py")
+    }
+    assert (built / "retrain" / "ingest" / "starts.py").is_file()
     assert (built / "retrain" / "resources" / "nemo-24.12").is_dir()
     # What the functions never import stays out: the interpreter, the local stack, the CLI, the deployer.
     for absent in ("workflows", "local", "train", "tokenize", "cli.py", "deploy.py", "deployment.py"):

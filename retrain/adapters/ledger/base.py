@@ -1,0 +1,217 @@
+"""What every part of the Firestore ledger shares: the layout's references, the helpers, the reads several
+parts make, and how a contended transaction is retried (the layout: :mod:`retrain.adapters.ledger`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+
+from google.api_core import exceptions
+from google.api_core.exceptions import AlreadyExists, Conflict
+from google.cloud import firestore
+from google.cloud.firestore_v1.base_query import FieldFilter
+from google.cloud.firestore_v1.types import common, document, write
+from google.cloud.firestore_v1.types import firestore as api
+
+from retrain.domain.events import ObjectArrival, ObjectVersion
+from retrain.domain.runs import Run, now_iso
+from retrain.ports import ExportJob, Watermark
+
+T = TypeVar("T")
+
+ARRIVED_AT = "arrived_at"
+THROUGH = "through"
+#: Arrival collections per dataset; each takes Firestore's ~500 writes/s for a sequentially indexed field.
+ARRIVAL_SHARDS = 16
+#: Content entries written per transaction (well under Firestore's 500 writes per commit).
+CONTENT_CHUNK = 400
+#: Attempts of the transactions every seal of a dataset makes on its document (they contend by design).
+CONTENDED_ATTEMPTS = 20
+#: Rounds of CONTENDED_ATTEMPTS a contended transaction makes, with random backoff between them.
+CONTENDED_ROUNDS = 5
+
+# Raw protobuf classes behind the client's proto-plus types (see ArrivalRecords._create_stamped, .arrivals).
+_Write, _Document, _Value = write.Write.pb(), document.Document.pb(), document.Value.pb()
+_Transform, _Precondition = write.DocumentTransform.FieldTransform.pb(), common.Precondition.pb()
+_CommitRequest = api.CommitRequest.pb()
+COMMIT_DEADLINE_S = 60.0
+RETRIED_COMMIT_ERRORS = (exceptions.ResourceExhausted, exceptions.ServiceUnavailable)
+
+
+def _key(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _arrival_shard(key: str) -> str:
+    """The arrival collection (of ARRIVAL_SHARDS) that holds the arrival keyed ``key``."""
+    return f"arrivals{int(key[:2], 16) % ARRIVAL_SHARDS:02d}"
+
+
+def _arrival_fields(arrival: ObjectArrival, content_hash: str) -> dict[str, str | int]:
+    return {
+        "uri": arrival.uri,
+        "generation": arrival.generation,
+        "size": arrival.size,
+        "content_hash": content_hash,
+        "time": arrival.time,
+        "event_id": arrival.event_id,
+    }
+
+
+def _watermark(doc: Mapping[str, Any]) -> Watermark:
+    return Watermark(
+        value=doc.get("value"),
+        backlog=bool(doc.get("backlog")),
+        failures=int(doc.get("failures") or 0),
+        retry_after=str(doc.get("retry_after") or ""),
+    )
+
+
+def _export_job(doc: Mapping[str, Any]) -> ExportJob:
+    return ExportJob(**{f.name: doc[f.name] for f in dataclasses.fields(ExportJob) if f.name in doc})
+
+
+def _first_by_content(arrivals: list[dict[str, Any]]) -> dict[str, ObjectVersion]:
+    """Content hash -> the first object (by name) that has it: identical bytes train once."""
+    first: dict[str, ObjectVersion] = {}
+    for a in sorted(arrivals, key=lambda a: str(a["uri"])):
+        first.setdefault(str(a["content_hash"]), ObjectVersion.parse(a))
+    return first
+
+
+def _value(v: str | int) -> Any:
+    return _Value(string_value=v) if isinstance(v, str) else _Value(integer_value=v)
+
+
+class FirestoreBase:
+    """The client and the layout's references; the reads and writes more than one part makes."""
+
+    def __init__(self, project: str, client: firestore.Client | None = None) -> None:
+        if client is None:
+            if os.environ.get("FIRESTORE_EMULATOR_HOST"):
+                from google.auth.credentials import AnonymousCredentials
+
+                client = firestore.Client(project=project, credentials=AnonymousCredentials())
+            else:
+                client = firestore.Client(project=project)
+        self.db = client
+        self._known_datasets: set[str] = set()
+        self._commit: Callable[..., Any] | None = None
+        self._commit_metadata: tuple[tuple[str, str], ...] = ()
+
+    def _dataset(self, dataset: str) -> firestore.DocumentReference:
+        return self.db.collection("datasets").document(dataset)
+
+    def _arrivals(self, dataset: str, key: str) -> firestore.CollectionReference:
+        """The shard of the arrival whose document key is ``key`` (a hex digest)."""
+        return self._dataset(dataset).collection(_arrival_shard(key))
+
+    def _arrival_shards(self, dataset: str) -> list[firestore.CollectionReference]:
+        return [self._dataset(dataset).collection(f"arrivals{i:02d}") for i in range(ARRIVAL_SHARDS)]
+
+    def _contents(self, dataset: str) -> firestore.CollectionReference:
+        return self._dataset(dataset).collection("contents")
+
+    def _ensure_dataset(self, dataset: str) -> None:
+        """Create the dataset's document once (so sweeps can list datasets); cached per process."""
+        if dataset in self._known_datasets:
+            return
+        with contextlib.suppress(AlreadyExists, Conflict):
+            self._dataset(dataset).create({"created_at": now_iso()})
+        self._known_datasets.add(dataset)
+
+    def _seals(self, dataset: str) -> firestore.CollectionReference:
+        return self._dataset(dataset).collection("seals")
+
+    def _slot(self, dataset: str) -> firestore.DocumentReference:
+        """``datasets/{d}/slots/pending``: names the dataset's pending run while there is one."""
+        return self._dataset(dataset).collection("slots").document("pending")
+
+    def _returned(self, run_id: str) -> firestore.CollectionReference:
+        return self.db.collection("runs").document(run_id).collection("objects")
+
+    def _held_by(self, run: Run) -> Any:
+        """The query for the content entries ``run`` holds."""
+        return self._contents(run.dataset).where(filter=FieldFilter("run_id", "==", run.run_id))
+
+    def _run_hashes(self, run: Run) -> list[str]:
+        return [str((d.to_dict() or {})["content_hash"]) for d in self._held_by(run).stream()]
+
+    def _mark_ref(self, table: str) -> firestore.DocumentReference:
+        return self.db.collection("watermarks").document(_key(table))
+
+    def _export_ref(self, table: str) -> firestore.DocumentReference:
+        return self.db.collection("exports").document(_key(table))
+
+    def _last_cut(self, dataset: str, before: tuple[datetime, str] | None = None) -> datetime | None:
+        """The commit time of the dataset's latest seal (or of the latest one ordered before
+        ``before`` = (time, seal id)); None when there is none."""
+        q: Any = self._seals(dataset)
+        if before is not None:
+            q = q.where(filter=FieldFilter(THROUGH, "<=", before[0]))
+        for snap in q.order_by(THROUGH, direction=firestore.Query.DESCENDING).limit(50).stream():
+            at = snap.get(THROUGH)
+            if before is None or (at, snap.id) < before:
+                return at
+        return None
+
+    def _window(self, dataset: str, after: datetime | None, through: datetime | None = None) -> list[Any]:
+        """The arrivals committed in (after, through], one query per shard."""
+        out = []
+        for shard in self._arrival_shards(dataset):
+            q: Any = shard
+            if after is not None:
+                q = q.where(filter=FieldFilter(ARRIVED_AT, ">", after))
+            if through is not None:
+                q = q.where(filter=FieldFilter(ARRIVED_AT, "<=", through))
+            out.append(q)
+        return out
+
+    def _add_arrival(self, writes: Any, arrival: ObjectArrival, dataset: str, content_hash: str) -> None:
+        key = _key(arrival.identity)
+        ref = self._arrivals(dataset, key).document(key)
+        writes.create(ref, {**_arrival_fields(arrival, content_hash), ARRIVED_AT: firestore.SERVER_TIMESTAMP})
+
+    def _contended(self, body: Callable[..., T], *args: Any) -> T:
+        """Run the transactional ``body(tx, *args)`` that every seal of a dataset runs on the same documents.
+
+        The client retries an aborted transaction at once, CONTENDED_ATTEMPTS times (its
+        base_transaction._EXCEED_ATTEMPTS_TEMPLATE); when as many seals still hold the lock (a loaded
+        emulator answers "Transaction lock timeout"), back off at random and go again, CONTENDED_ROUNDS
+        times, rather than fail the seal."""
+        rounds = 0
+        while True:
+            rounds += 1
+            try:
+                return body(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS), *args)
+            except ValueError as e:
+                if not str(e).startswith("Failed to commit transaction") or rounds >= CONTENDED_ROUNDS:
+                    raise
+                time.sleep(random.uniform(0.0, 0.2 * 2**rounds))
+
+    def _commit_in_batches(self, items: list[Any], add: Callable[[firestore.WriteBatch, Any], None]) -> None:
+        """``add`` each item's writes (at most two) to a batch, committed every CONTENT_CHUNK // 2 items."""
+        for i in range(0, len(items), CONTENT_CHUNK // 2):
+            writes = self.db.batch()
+            for item in items[i : i + CONTENT_CHUNK // 2]:
+                add(writes, item)
+            writes.commit()
+
+    def get_run(self, run_id: str) -> Run | None:
+        snap = self.db.collection("runs").document(run_id).get()
+        return Run.from_dict(snap.to_dict() or {}) if snap.exists else None
+
+    def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None:
+        self.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})
+
+    def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]:
+        """The objects a run trains: every content entry that names it (one object per content)."""
+        entries = self._returned(run.run_id) if run.content_returned else self._held_by(run)
+        return tuple(sorted(ObjectVersion.parse(d.to_dict() or {}) for d in entries.stream()))
