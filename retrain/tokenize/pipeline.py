@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.pool import ThreadPool
@@ -721,7 +721,112 @@ def tokenize_incremental(
         raise ValueError("no inputs")
     with ThreadPool(min(16, len(wanted))) as pool:
         checked = pool.map(partial(_check, max_decompressed=max_decompressed_bytes), wanted)
-    quarantined_objects = [
+    quarantined_objects = _quarantined(checked, source)
+    readable = [c for c in checked if c.problem is None and c.info is not None]
+    shas = content_hashes(
+        [c.info for c in readable if c.info is not None], objects.join(shard_root, "_index")
+    )
+    plan = _plan_shards(readable, shas, source, shard_root, fp)
+    log.info(
+        "%d object(s): %d to tokenize, %d reused, %d quarantined",
+        len(wanted),
+        len(plan.todo),
+        len(readable) - len(plan.todo),
+        len(quarantined_objects),
+    )
+    finish = _Finish(
+        plan,
+        shard_root,
+        json_keys[0],
+        started,
+        tokenizer_files,
+        quarantined_objects,
+        report_uri,
+        pack_bytes,
+        max_packs,
+        hold_out_objects,
+        held_out_for,
+    )
+    if not plan.todo and not wait:
+        # Every object's shard exists already (a retry, content given back and dropped again). A flex
+        # template's launcher submits the job its program's pipeline leaves behind, and fails when there is
+        # none ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894): so a job still
+        # runs, one that only writes the report.
+        p = beam.Pipeline(options=pipeline_options(runner, workers, pipeline_args))
+        _ = p | "NothingNew" >> beam.Create([[]]) | "Report" >> beam.Map(finish)
+        p.run()
+        return {"submitted": True, "report": report_uri, "new_objects": 0}
+    if plan.todo:
+        job, splits = _new_shards_job(
+            plan,
+            source,
+            shard_root,
+            spec,
+            fp,
+            started,
+            json_keys,
+            append_eod,
+            max_document_bytes,
+            keep_empty,
+            split_bytes,
+        )
+        run_id = job.run_id
+        _run(job, splits, runner, workers, pipeline_args, wait, finalize=None if wait else finish)
+        if not wait:
+            return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(plan.todo)}
+        for prefix in plan.todo:
+            plan.reports[prefix] = json.loads(objects.read_bytes(prefix + "_report.json"))
+    tables.unstage(staged)
+    return finish([])
+
+
+def _new_shards_job(
+    plan: _ShardPlan,
+    source: Mapping[str, str],
+    shard_root: str,
+    spec: TokenizerSpec,
+    fp: str,
+    started: float,
+    json_keys: Sequence[str],
+    append_eod: bool,
+    max_document_bytes: int,
+    keep_empty: bool,
+    split_bytes: int,
+) -> tuple[Job, list[Split]]:
+    """The job that writes the shards ``plan`` has to write, one per content, and the splits it reads."""
+    run_id = uuid.uuid4().hex[:12]
+    shards = tuple(
+        ShardSpec(
+            prefix,
+            ((i, uri, size),),
+            (("object", source.get(uri, uri)), ("sha256", sha), ("shard", prefix)),
+        )
+        for i, (prefix, (uri, size, _, sha)) in enumerate(plan.todo.items())
+    )
+    job = Job(
+        shards=shards,
+        json_keys=tuple(json_keys),
+        tokenizer=spec,
+        append_eod=append_eod,
+        tmp_root=objects.join(shard_root, "_tmp", run_id),
+        run_id=run_id,
+        started_at=started,
+        fingerprint=fp,
+        max_document_bytes=max_document_bytes,
+        keep_empty=keep_empty,
+        shard_of_input={i: i for i in range(len(shards))},
+    )
+    splits = [
+        s
+        for i, (uri, size, generation, _) in enumerate(plan.todo.values())
+        for s in records.plan_splits(i, uri, size, split_bytes, generation)
+    ]
+    return job, splits
+
+
+def _quarantined(checked: list[_Checked], source: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The objects set aside whole, each with its reason (logged), named as the run named them."""
+    out = [
         {
             "object": source.get(c.wanted.uri, c.wanted.uri),
             "generation": c.wanted.generation,
@@ -731,24 +836,38 @@ def tokenize_incremental(
         for c in checked
         if c.problem is not None
     ]
-    for q in quarantined_objects:
+    for q in out:
         log.warning("quarantined %s: %s (%s)", q["object"], q["reason"], q["detail"])
-    readable = [c for c in checked if c.problem is None and c.info is not None]
-    shas = content_hashes(
-        [c.info for c in readable if c.info is not None], objects.join(shard_root, "_index")
-    )
-    key = json_keys[0]
-    reports: dict[str, dict[str, Any]] = {}  # shard prefix -> its report
-    todo: dict[str, tuple[str, int, int | None, str]] = {}  # shard prefix -> (first object, size, gen, sha)
-    plan: list[tuple[str, int | None, str, str, bool]] = []  # (object, generation, sha, prefix, reused)
+    return out
+
+
+@dataclass
+class _ShardPlan:
+    """Where each readable object's tokens are: a shard that exists (reused, its report read) or one this
+    job writes."""
+
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Shard prefix -> its report (the reused ones; the new ones join once written)."""
+    todo: dict[str, tuple[str, int, int | None, str]] = field(default_factory=dict)
+    """Shard prefix -> (the first object with its content, its size, the generation to read, its sha256)."""
+    entries: list[tuple[str, int | None, str, str, bool]] = field(default_factory=list)
+    """Per object, in order: (its name, its generation, sha256, its shard's prefix, reused)."""
+
+
+def _plan_shards(
+    readable: list[_Checked], shas: list[str], source: Mapping[str, str], shard_root: str, fp: str
+) -> _ShardPlan:
+    """Each object to its content's shard; a shard made with other tokenizer settings is an error (use
+    another shard root), never reused."""
+    plan = _ShardPlan()
     for c, sha in zip(readable, shas, strict=True):
         info = c.info
         assert info is not None
         # The same bytes make other documents as another format: the shard is keyed by both.
         prefix = objects.join(shard_root, f"{records.detect_format(info.uri)}-{sha}", "data")
         shown = source.get(info.uri, info.uri)  # a table's rows: named by the table, not the staged export
-        if prefix in todo or prefix in reports:
-            plan.append((shown, c.wanted.generation, sha, prefix, True))
+        if prefix in plan.todo or prefix in plan.reports:
+            plan.entries.append((shown, c.wanted.generation, sha, prefix, True))
             continue
         if objects.exists(prefix + "_report.json"):
             r = json.loads(objects.read_bytes(prefix + "_report.json"))
@@ -757,35 +876,52 @@ def tokenize_incremental(
                     f"{prefix} was tokenized with other settings ({r.get('fingerprint')} != {fp}); "
                     "use a shard_root per tokenizer"
                 )
-            reports[prefix] = r
-            plan.append((shown, c.wanted.generation, sha, prefix, True))
+            plan.reports[prefix] = r
+            plan.entries.append((shown, c.wanted.generation, sha, prefix, True))
         else:
-            todo[prefix] = (info.uri, info.size, c.read_generation, sha)
-            plan.append((shown, c.wanted.generation, sha, prefix, False))
-    log.info(
-        "%d object(s): %d to tokenize, %d reused, %d quarantined",
-        len(wanted),
-        len(todo),
-        len(readable) - len(todo),
-        len(quarantined_objects),
-    )
+            plan.todo[prefix] = (info.uri, info.size, c.read_generation, sha)
+            plan.entries.append((shown, c.wanted.generation, sha, prefix, False))
+    return plan
 
-    def finish(new_reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        all_reports = dict(reports)
+
+@dataclass(frozen=True)
+class _Finish:
+    """What the job does last, once its new shards are written (in the pipeline itself when nobody waits
+    for it): the packs, the held-out set, and the report with each object's entry beside it."""
+
+    plan: _ShardPlan
+    shard_root: str
+    key: str
+    started: float
+    tokenizer_files: dict[str, str]
+    quarantined_objects: list[dict[str, Any]]
+    report_uri: str | None
+    pack_bytes: int
+    max_packs: int
+    hold_out_objects: int
+    held_out_for: str
+
+    def __call__(self, new_reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        all_reports = dict(self.plan.reports)
         for r in new_reports:
             all_reports[r["shard"]] = r
-        entries = [_shard_entry(u, g, s, p, all_reports[p], key, reused) for u, g, s, p, reused in plan]
+        entries = [
+            _shard_entry(u, g, s, p, all_reports[p], self.key, reused)
+            for u, g, s, p, reused in self.plan.entries
+        ]
         members = [
             packs.Member(
                 e["data_prefix"], e["tokens"], e["tokens"] * np.dtype(all_reports[p]["dtype"]).itemsize
             )
-            for e, (_, _, _, p, _) in zip(entries, plan, strict=True)
+            for e, (_, _, _, p, _) in zip(entries, self.plan.entries, strict=True)
         ]
-        trained, held = packs.hold_out(members, hold_out_objects)
-        run_packs = packs.plan_packs(trained, shard_root, key, pack_bytes=pack_bytes, max_packs=max_packs)
+        trained, held = packs.hold_out(members, self.hold_out_objects)
+        run_packs = packs.plan_packs(
+            trained, self.shard_root, self.key, pack_bytes=self.pack_bytes, max_packs=self.max_packs
+        )
         # The held-out shards make one dataset of their own, marked as this run's, under the shard root
         # like every pack: the training pods read it and cannot write it.
-        held_out = packs.eval_pack(held, shard_root, key, held_out_for)
+        held_out = packs.eval_pack(held, self.shard_root, self.key, self.held_out_for)
         eval_packs = [held_out] if held_out is not None else []
         written = packs.write_packs([*run_packs, *eval_packs])
         log.info("%d shard(s) in %d pack(s), %d written now", len(members), len(run_packs), sum(written))
@@ -795,62 +931,19 @@ def tokenize_incremental(
         agg = incremental_report(
             entries,
             all_reports,
-            time.time() - started,
-            tokenizer_files,
-            quarantined_objects,
+            time.time() - self.started,
+            self.tokenizer_files,
+            self.quarantined_objects,
             list(zip(run_packs, written, strict=False)),
             eval_packs[0] if eval_packs else None,
         )
-        if report_uri:
+        if self.report_uri:
             # The report stays small whatever the run's size (the workflow reads it into a variable): each
             # object's entry goes beside it.
-            agg["shards_uri"] = tokenize_detail_uri(report_uri)
-            detail = json.dumps({"shards": entries, "quarantined_objects": quarantined_objects}).encode()
+            agg["shards_uri"] = tokenize_detail_uri(self.report_uri)
+            detail = json.dumps({"shards": entries, "quarantined_objects": self.quarantined_objects}).encode()
             objects.write_bytes(agg["shards_uri"], detail, "application/json")
-            objects.write_bytes(report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json")
-        return {**agg, "shards": entries}
-
-    if not todo and not wait:
-        # Every object's shard exists already (a retry, content given back and dropped again). A flex
-        # template's launcher submits the job its program's pipeline leaves behind, and fails when there is
-        # none ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894): so a job still
-        # runs, one that only writes the report.
-        p = beam.Pipeline(options=pipeline_options(runner, workers, pipeline_args))
-        _ = p | "NothingNew" >> beam.Create([[]]) | "Report" >> beam.Map(finish)
-        p.run()
-        return {"submitted": True, "report": report_uri, "new_objects": 0}
-    if todo:
-        run_id = uuid.uuid4().hex[:12]
-        shards = tuple(
-            ShardSpec(
-                prefix,
-                ((i, uri, size),),
-                (("object", source.get(uri, uri)), ("sha256", sha), ("shard", prefix)),
+            objects.write_bytes(
+                self.report_uri, json.dumps(agg, indent=1).encode("utf-8"), "application/json"
             )
-            for i, (prefix, (uri, size, _, sha)) in enumerate(todo.items())
-        )
-        job = Job(
-            shards=shards,
-            json_keys=tuple(json_keys),
-            tokenizer=spec,
-            append_eod=append_eod,
-            tmp_root=objects.join(shard_root, "_tmp", run_id),
-            run_id=run_id,
-            started_at=started,
-            fingerprint=fp,
-            max_document_bytes=max_document_bytes,
-            keep_empty=keep_empty,
-            shard_of_input={i: i for i in range(len(shards))},
-        )
-        splits = [
-            s
-            for i, (uri, size, generation, _) in enumerate(todo.values())
-            for s in records.plan_splits(i, uri, size, split_bytes, generation)
-        ]
-        _run(job, splits, runner, workers, pipeline_args, wait, finalize=None if wait else finish)
-        if not wait:
-            return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(todo)}
-        for prefix in todo:
-            reports[prefix] = json.loads(objects.read_bytes(prefix + "_report.json"))
-    tables.unstage(staged)
-    return finish([])
+        return {**agg, "shards": entries}
