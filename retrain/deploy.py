@@ -664,28 +664,8 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
     summaries: dict[str, PlanSummary] = {}
     pending: list[str] = []  # dry run: stages whose changes are not applied
 
-    # Platform/app without bootstrap in this run: bootstrap's (local) state still knows the bucket.
-    if "bootstrap" not in opts.stages:
-        needs_bucket = any(
-            stages[s].has_backend or "state_bucket" in stages[s].variables for s in opts.stages
-        )
-        if state_bucket is None and needs_bucket:
-            bootstrap = stages["bootstrap"]
-            try:
-                carried.update(tf.json(bootstrap, "output (state bucket)", ["output", "-json"]) or {})
-            except StepFailed as e:
-                raise UsageError(
-                    "no state bucket: pass --state-bucket (the bootstrap stage's state_bucket output); "
-                    "reading infra/bootstrap's outputs failed:\n  " + "\n  ".join(e.tail[-5:])
-                ) from e
-            bucket = (carried.get("state_bucket") or {}).get("value")
-            if not isinstance(bucket, str) or not bucket:
-                raise UsageError(
-                    "no state bucket: infra/bootstrap has no state_bucket output (not applied yet?); "
-                    "run the bootstrap stage or pass --state-bucket"
-                )
-            state_bucket = bucket
-            progress.say(f"state bucket {state_bucket} (from infra/bootstrap's outputs)")
+    if "bootstrap" not in opts.stages and state_bucket is None:
+        state_bucket = _bootstrapped_bucket(opts, tf, stages, carried, progress)
 
     with tempfile.TemporaryDirectory(prefix="retrain-deploy-") as plans:
         for name in opts.stages:
@@ -712,29 +692,7 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                     init.append(f"-backend-config=bucket={state_bucket}")
                 tf.run(stage, "init", init)
 
-                values, withheld = forwarded_vars(carried, stage.variables)
-                for w in withheld:
-                    progress.say(f"{name}: not passing sensitive output {w} on the command line")
-                values.update({"project_id": opts.project, "region": opts.region})
-                if state_bucket and "state_bucket" in stage.variables:
-                    values["state_bucket"] = state_bucket
-                if name == "app" and "functions_source_dir" in stage.variables:
-                    values["functions_source_dir"] = FUNCTIONS_BUILD_DIR
-                values.update(images)
-                if name == "app" and "k8s_manifests_dir" in stage.variables:
-                    values["k8s_manifests_dir"] = K8S_BUILD_DIR
-                    app_vars = {k: v for scope, k, v in opts.user_vars if scope in (None, "app")}
-                    unrendered = render_manifests(opts.root, carried, {**app_vars, **images})
-                    if unrendered is None:
-                        progress.say(f"app: render k8s/ for this deployment -> {K8S_BUILD_DIR}/")
-                    elif opts.dry_run:  # a platform planned in this run, not applied: its outputs unknown
-                        shutil.rmtree(opts.root / K8S_BUILD_DIR, ignore_errors=True)  # nothing stale applies
-                        progress.say(f"app: manifests not rendered ({unrendered}); the app plan refuses")
-                    else:
-                        raise UsageError(f"cannot render k8s/ for {opts.project}: {unrendered}")
-                for scope, key, value in opts.user_vars:
-                    if (scope is None or scope == name) and key in stage.variables:
-                        values[key] = value
+                values = _stage_values(opts, name, stage, carried, images, state_bucket, progress)
                 plan_file = str(Path(plans) / f"{name}.tfplan")
                 plan = ["plan", "-input=false", f"-out={plan_file}"]
                 for key in sorted(values, key=lambda k: (k not in RESERVED_VARS, k)):
@@ -788,6 +746,68 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
     else:
         progress.say(f"deployed {', '.join(opts.stages)} to {opts.project} ({opts.region})")
     return 0
+
+
+def _bootstrapped_bucket(
+    opts: Options, tf: Terraform, stages: Mapping[str, Stage], carried: dict[str, Any], progress: Progress
+) -> str | None:
+    """Platform or app without bootstrap in this run: the state bucket bootstrap's (local) state still
+    knows (its outputs join ``carried``); None when no stage of this run needs one."""
+    if not any(stages[s].has_backend or "state_bucket" in stages[s].variables for s in opts.stages):
+        return None
+    try:
+        carried.update(tf.json(stages["bootstrap"], "output (state bucket)", ["output", "-json"]) or {})
+    except StepFailed as e:
+        raise UsageError(
+            "no state bucket: pass --state-bucket (the bootstrap stage's state_bucket output); "
+            "reading infra/bootstrap's outputs failed:\n  " + "\n  ".join(e.tail[-5:])
+        ) from e
+    bucket = (carried.get("state_bucket") or {}).get("value")
+    if not isinstance(bucket, str) or not bucket:
+        raise UsageError(
+            "no state bucket: infra/bootstrap has no state_bucket output (not applied yet?); "
+            "run the bootstrap stage or pass --state-bucket"
+        )
+    progress.say(f"state bucket {bucket} (from infra/bootstrap's outputs)")
+    return bucket
+
+
+def _stage_values(
+    opts: Options,
+    name: str,
+    stage: Stage,
+    carried: dict[str, Any],
+    images: dict[str, str],
+    state_bucket: str | None,
+    progress: Progress,
+) -> dict[str, Any]:
+    """The variables a stage is planned with: earlier stages' outputs (not the sensitive ones), the
+    project and region, the state bucket, the app's build folders and images, then the operator's own
+    ``-var``s; the app's manifests rendered for the deployment on the way."""
+    values, withheld = forwarded_vars(carried, stage.variables)
+    for w in withheld:
+        progress.say(f"{name}: not passing sensitive output {w} on the command line")
+    values.update({"project_id": opts.project, "region": opts.region})
+    if state_bucket and "state_bucket" in stage.variables:
+        values["state_bucket"] = state_bucket
+    if name == "app" and "functions_source_dir" in stage.variables:
+        values["functions_source_dir"] = FUNCTIONS_BUILD_DIR
+    values.update(images)
+    if name == "app" and "k8s_manifests_dir" in stage.variables:
+        values["k8s_manifests_dir"] = K8S_BUILD_DIR
+        app_vars = {k: v for scope, k, v in opts.user_vars if scope in (None, "app")}
+        unrendered = render_manifests(opts.root, carried, {**app_vars, **images})
+        if unrendered is None:
+            progress.say(f"app: render k8s/ for this deployment -> {K8S_BUILD_DIR}/")
+        elif opts.dry_run:  # a platform planned in this run, not applied: its outputs unknown
+            shutil.rmtree(opts.root / K8S_BUILD_DIR, ignore_errors=True)  # nothing stale applies
+            progress.say(f"app: manifests not rendered ({unrendered}); the app plan refuses")
+        else:
+            raise UsageError(f"cannot render k8s/ for {opts.project}: {unrendered}")
+    for scope, key, value in opts.user_vars:
+        if (scope is None or scope == name) and key in stage.variables:
+            values[key] = value
+    return values
 
 
 def pin_artifacts(root: Path, progress: Progress, *, dry_run: bool = False) -> None:

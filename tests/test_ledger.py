@@ -388,11 +388,11 @@ def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
     # The hot path's own stub follows the client's Commit retry (ServiceUnavailable, 60 s); shortened here.
     from google.api_core.exceptions import ServiceUnavailable
 
-    from retrain.adapters.ledger import arrivals as ledger_module
+    from retrain.adapters.ledger import arrivals
     from retrain.local.processes import free_port
 
     monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
-    monkeypatch.setattr(ledger_module, "COMMIT_DEADLINE_S", 3.0)
+    monkeypatch.setattr(arrivals, "COMMIT_DEADLINE_S", 3.0)
     unreachable = FirestoreLedger(project)
     unreachable._known_datasets.add("ds")  # straight to the hot path's commit
     started = time.monotonic()

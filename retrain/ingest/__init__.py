@@ -7,9 +7,10 @@ exported (its new rows, by a bounded BigQuery job into the artifacts bucket: ``r
 its files recorded like any arrival.  JobSet completions come back the other way and are relayed to the
 waiting execution's callback.
 
-The jobs, a module each: :mod:`.arrivals` (objects and BigQuery exports recorded), :mod:`.starts` (seals,
-and a run's start: manifest, price, plan, execution), :mod:`.sweeper` (the timers: the sweeper, the reaper,
-the audit), :mod:`.relay` (JobSet completions to their callbacks) and :mod:`.forecast`.  :class:`Ingest` is
+The jobs, a module each: :mod:`.arrivals` (objects and BigQuery exports recorded), :mod:`.starts` (seals;
+a run's start: manifest, price, plan, execution; a retry), :mod:`.sweeper` (the timers: the sweeper with
+the silent ends and give-backs, the reaper, the audit), :mod:`.relay` (JobSet completions to their
+callbacks) and :mod:`.forecast`.  :class:`Ingest` is
 every trigger's entry point, over the ports alone.
 """
 
@@ -78,28 +79,37 @@ class Ingest(Job):
         return self.relay.on_jobset_event(message)
 
     def dataset_of(self, name: str) -> str:
+        """The dataset an object's name puts it in (:meth:`.Arrivals.dataset_of`)."""
         return self.arrivals.dataset_of(name)
 
     def seal(self, dataset: str, trigger: str) -> Outcome:
+        """Seal ``dataset`` and start its run (:meth:`.Starts.seal`)."""
         return self.starts.seal(dataset, trigger)
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
+        """Seal every dataset with pending data, or only ``dataset`` (:meth:`.Starts.seal_pending`)."""
         return self.starts.seal_pending(dataset, trigger)
 
     def start(self, run: Run) -> Outcome:
+        """Start a pending run, or leave it queued (:meth:`.Starts.start`: manifest, price, plan)."""
         return self.starts.start(run)
 
     def retry(self, run_id: str) -> Outcome:
+        """Run a failed, cancelled or refused run's objects again (:meth:`.Starts.retry`)."""
         return self.starts.retry(run_id)
 
     def sweep(self, now: datetime | None = None) -> list[Outcome]:
+        """What a timer must do, in order (:meth:`.Sweeper.sweep`)."""
         return self.sweeper.sweep(now)
 
     def reap(self) -> Outcome:
+        """Delete what no live run owns in the cluster (:meth:`.Sweeper.reap`)."""
         return self.sweeper.reap()
 
     def audit(self) -> Outcome:
+        """Account for every landed object (:meth:`.Sweeper.audit`)."""
         return self.sweeper.audit()
 
     def forecast(self, dataset: Any = None) -> list[Forecast]:
+        """What sealing now would train and cost (:func:`.forecast.forecast`); nothing is written."""
         return forecasts.forecast(self.ctx, dataset)

@@ -27,6 +27,8 @@ log = logging.getLogger("retrain.ingest")
 
 
 class Arrivals(Job):
+    """Objects landing in the bucket and a watched table's new rows, recorded; sealed once landed."""
+
     def __init__(self, ctx: Context, starts: Starts) -> None:
         super().__init__(ctx)
         self.starts = starts

@@ -11,6 +11,8 @@ from retrain.ports import Cluster, Ledger, ObjectStore, Orchestrator, RunEvents,
 
 @dataclass
 class Context:
+    """The settings and ports of one handler, which its jobs share."""
+
     settings: Settings
     ledger: Ledger
     orchestrator: Orchestrator
@@ -24,8 +26,8 @@ class Context:
 
 
 class Job:
-    """One job of ingest (arrivals, starts, the sweeper, the relay): it reads the context's settings and
-    ports as its own."""
+    """Ingest or one of its jobs (arrivals, starts, the sweeper, the relay): it reads the shared context's
+    settings and ports as its own; only the settings may be replaced (on the handler, for every job)."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx

@@ -13,6 +13,8 @@ from retrain.ingest.outcomes import Action, Outcome
 
 
 class Relay(Job):
+    """JobSet completions, confirmed, to the waiting execution's callback."""
+
     def on_jobset_event(self, message: Mapping[str, Any]) -> Outcome:
         """Relay a JobSet terminal state (a :class:`JobSetCompletion` from the notifier) to its run's
         workflow callback (as a :class:`CallbackPayload`), once confirmed: the message must name a live

@@ -44,6 +44,8 @@ def spent(ctx: Context, dataset: str, but: str = "") -> float:
 
 
 class Starts(Job):
+    """Seals, a run's start (or its queueing, refusal or empty end), and a retried run's objects again."""
+
     def seal(self, dataset: str, trigger: str) -> Outcome:
         """Seal the dataset's pending arrivals and start their run (or queue it behind the live one)."""
         return self.started(self.ledger.seal(dataset, trigger))

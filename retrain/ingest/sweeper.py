@@ -74,6 +74,8 @@ def record_silent_end(
 
 
 class Sweeper(Job):
+    """What the Scheduler's timers do: the sweep, the reaper and the audit."""
+
     def __init__(self, ctx: Context, starts: Starts, arrivals: Arrivals) -> None:
         super().__init__(ctx)
         self.starts, self.arrivals = starts, arrivals

@@ -48,4 +48,5 @@ __all__ = ["FirestoreLedger"]
 
 
 class FirestoreLedger(ArrivalRecords, BatchRecords, HoldingRecords, ExportRecords, RunRecords, FirestoreBase):
-    """:class:`retrain.ports.Ledger` on Firestore (native mode), a part per port."""
+    """:class:`retrain.ports.Ledger` on Firestore (native mode), a module per part of the layout: arrivals,
+    batches, holdings, exports and runs, over the references and reads they share (:mod:`.base`)."""

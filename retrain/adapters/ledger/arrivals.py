@@ -1,10 +1,12 @@
-"""What landed (:class:`retrain.ports.ArrivalLog`): arrivals, one blind create each, and rejections."""
+"""What landed (:class:`retrain.ports.ArrivalLog`): arrivals, one blind create each, and rejections; a
+dataset's records, and its arrivals not sealed yet (``pending``)."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 from google.api_core import exceptions
@@ -12,25 +14,24 @@ from google.api_core.exceptions import AlreadyExists, Conflict
 from google.api_core.gapic_v1 import routing_header
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
+from google.cloud.firestore_v1.types import common, document, write
+from google.cloud.firestore_v1.types import firestore as api
 
-from retrain.adapters.ledger.base import (
-    ARRIVED_AT,
-    COMMIT_DEADLINE_S,
-    RETRIED_COMMIT_ERRORS,
-    FirestoreBase,
-    _arrival_fields,
-    _arrival_shard,
-    _CommitRequest,
-    _Document,
-    _key,
-    _Precondition,
-    _Transform,
-    _value,
-    _Write,
-)
+from retrain.adapters.ledger.base import ARRIVED_AT, FirestoreBase, _arrival_fields, _arrival_shard, _key
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Pending, Run, iso, now_iso
 from retrain.ports import ArrivalOutcome, ArrivalStatus, DatasetRecords, Holding, RecordedArrival, Rejection
+
+# The hot path's create as raw protobuf, behind the client's proto-plus types (_create_stamped).
+_Write, _Document, _Value = write.Write.pb(), document.Document.pb(), document.Value.pb()
+_Transform, _Precondition = write.DocumentTransform.FieldTransform.pb(), common.Precondition.pb()
+_CommitRequest = api.CommitRequest.pb()
+COMMIT_DEADLINE_S = 60.0
+RETRIED_COMMIT_ERRORS = (exceptions.ResourceExhausted, exceptions.ServiceUnavailable)
+
+
+def _value(v: str | int) -> Any:
+    return _Value(string_value=v) if isinstance(v, str) else _Value(integer_value=v)
 
 
 class ArrivalRecords(FirestoreBase):

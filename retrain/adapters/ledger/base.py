@@ -13,12 +13,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
-from google.api_core import exceptions
 from google.api_core.exceptions import AlreadyExists, Conflict
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
-from google.cloud.firestore_v1.types import common, document, write
-from google.cloud.firestore_v1.types import firestore as api
 
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, now_iso
@@ -36,13 +33,6 @@ CONTENT_CHUNK = 400
 CONTENDED_ATTEMPTS = 20
 #: Rounds of CONTENDED_ATTEMPTS a contended transaction makes, with random backoff between them.
 CONTENDED_ROUNDS = 5
-
-# Raw protobuf classes behind the client's proto-plus types (see ArrivalRecords._create_stamped, .arrivals).
-_Write, _Document, _Value = write.Write.pb(), document.Document.pb(), document.Value.pb()
-_Transform, _Precondition = write.DocumentTransform.FieldTransform.pb(), common.Precondition.pb()
-_CommitRequest = api.CommitRequest.pb()
-COMMIT_DEADLINE_S = 60.0
-RETRIED_COMMIT_ERRORS = (exceptions.ResourceExhausted, exceptions.ServiceUnavailable)
 
 
 def _key(text: str) -> str:
@@ -84,10 +74,6 @@ def _first_by_content(arrivals: list[dict[str, Any]]) -> dict[str, ObjectVersion
     for a in sorted(arrivals, key=lambda a: str(a["uri"])):
         first.setdefault(str(a["content_hash"]), ObjectVersion.parse(a))
     return first
-
-
-def _value(v: str | int) -> Any:
-    return _Value(string_value=v) if isinstance(v, str) else _Value(integer_value=v)
 
 
 class FirestoreBase:
