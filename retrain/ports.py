@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -360,10 +360,76 @@ class Ledger(ArrivalLog, Batches, Holdings, ExportBook, RunStore, Champions, Pro
     one by one (a consumer names the part it needs, and a fake of it stays small)."""
 
 
+#: ``retrain reap``'s exit codes.
+EXIT_OK, EXIT_ERRORS, EXIT_NODES_UP = 0, 1, 3
+
+
+@dataclass
+class Reaped:
+    """One object the reaper deleted (or, in a dry run, would delete) or kept, and why."""
+
+    kind: str
+    name: str
+    run_id: str
+    why: str
+
+
+@dataclass
+class NodeUp:
+    """A GPU node of the pool that is up, and for how long."""
+
+    name: str
+    up_s: float
+    created_at: str
+    instance_type: str | None = None
+    gpus: int = 0
+    ready: bool = False
+
+
+@dataclass
+class ReapReport:
+    """What the reaper did (:func:`retrain.k8s.reaper.reap`): the sweeper reads it, ``retrain reap --json``
+    prints it."""
+
+    namespace: str
+    node_pool: str
+    max_age_s: float
+    dry_run: bool
+    deleted: list[Reaped] = field(default_factory=list)
+    kept: list[Reaped] = field(default_factory=list)
+    nodes_up: list[NodeUp] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    node_pool_size: dict[str, Any] | None = None
+    """The node pool's autoscaling bounds as the GKE API reports them (``NodePoolSize.to_dict``); None
+    when the cluster was reached without it (``--kubeconfig``)."""
+
+    @property
+    def live_runs(self) -> list[str]:
+        """Runs that still own objects in the cluster (and may hold nodes)."""
+        return sorted({k.run_id for k in self.kept})
+
+    @property
+    def idle_nodes(self) -> bool:
+        """GPU nodes of the pool are up while no live run owns anything: nothing should hold them."""
+        return bool(self.nodes_up) and not self.live_runs
+
+    @property
+    def exit_code(self) -> int:
+        """``retrain reap``'s: 3 when GPU nodes are up with no live run, 1 when a delete failed."""
+        if self.idle_nodes:
+            return EXIT_NODES_UP
+        return EXIT_ERRORS if self.errors else EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(live_runs=self.live_runs, idle_nodes=self.idle_nodes, exit_code=self.exit_code)
+        return d
+
+
 class Cluster(Protocol):
     """The GKE cluster: the reaper's work, and the confirmation of a JobSet's completion."""
 
-    def reap(self, runs: RunLookup) -> dict[str, Any]:
+    def reap(self, runs: RunLookup) -> ReapReport:
         """Delete the training objects no live run owns; the report (what went, what stayed, nodes up)."""
         ...
 

@@ -20,7 +20,7 @@ from retrain.deployment import Deployment
 from retrain.domain.runs import Run, RunStatus, iso
 from retrain.ingest import Ingest
 from retrain.logs import SUMMARY, Alert, JsonLines
-from retrain.ports import tell
+from retrain.ports import NodeUp, tell
 from retrain.steps import Steps
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "retrain.yaml"
@@ -130,8 +130,8 @@ def test_the_idle_nodes_alert_matches_what_the_reaper_logs_and_only_past_the_lim
         run_id="ds-a", dataset="ds", trigger="manual", finished_at=iso(datetime.now(UTC) - timedelta(hours=5))
     )
     ended_just_now = Run(run_id="ds-b", dataset="ds", trigger="manual", finished_at=iso(datetime.now(UTC)))
-    old_nodes = [{"name": "gke-a3-1", "up_s": limit * 3}, {"name": "gke-a3-2", "up_s": limit * 2}]
-    young_nodes = [{"name": "gke-a3-3", "up_s": limit / 2}]
+    old_nodes = [NodeUp("gke-a3-1", limit * 3, ""), NodeUp("gke-a3-2", limit * 2, "")]
+    young_nodes = [NodeUp("gke-a3-3", limit / 2, "")]
     with caplog.at_level(logging.INFO):
         Ingest(settings(), _RecentRuns(ended_just_now, ended_long_ago), None, None).sweeper.note_idle_nodes(
             old_nodes

@@ -178,10 +178,10 @@ class GkeCluster:
         configuration.api_key = {"authorization": f"Bearer {_access_token()}"}
         return client.ApiClient(configuration)
 
-    def reap(self, runs: RunLookup) -> dict[str, Any]:
+    def reap(self, runs: RunLookup) -> ReapReport:
         from retrain.k8s.reaper import default_max_age_s
 
-        return self.reap_report(runs, max_age_s=default_max_age_s(self.settings)).to_dict()
+        return self.reap_report(runs, max_age_s=default_max_age_s(self.settings))
 
     def reap_report(
         self, runs: RunLookup, *, max_age_s: float, dry_run: bool = False, kubeconfig: str | None = None

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
 
 from retrain.audit import Account, AuditReport, audit, log_report, repair
 from retrain.contracts import RunEventType
@@ -21,7 +20,7 @@ from retrain.ingest.context import Context, Job
 from retrain.ingest.outcomes import Action, Outcome
 from retrain.ingest.starts import Starts
 from retrain.logs import Alert
-from retrain.ports import ExecutionState, Ledger, Orchestrator, RunEvents, tell
+from retrain.ports import ExecutionState, Ledger, NodeUp, Orchestrator, RunEvents, tell
 
 log = logging.getLogger("retrain.ingest")
 
@@ -189,33 +188,33 @@ class Sweeper(Job):
         if self.cluster is None:
             raise Retry("the reaper needs the cluster, and none is configured")
         report = self.cluster.reap(self.ledger)
-        deleted = [f"{d['kind']} {d['name']}" for d in report["deleted"]]
-        nodes = [n["name"] for n in report["nodes_up"]]
+        deleted = [f"{d.kind} {d.name}" for d in report.deleted]
+        nodes = [n.name for n in report.nodes_up]
         detail = f"deleted {deleted or 'nothing'}; GPU nodes up: {nodes or 'none'}"
-        if report["idle_nodes"]:
+        if report.idle_nodes:
             log.warning("reaper: GPU nodes up with no live run: %s", nodes)
-            self.note_idle_nodes(report["nodes_up"])
-        if report["errors"]:
-            raise Retry(f"reaper: {report['errors']}")
-        if not report["nodes_up"]:
+            self.note_idle_nodes(report.nodes_up)
+        if report.errors:
+            raise Retry(f"reaper: {report.errors}")
+        if not report.nodes_up:
             observed = self._record_release()
             if observed:
                 detail += f"; zero nodes recorded for {', '.join(observed)}"
         return Outcome(Action.REAPED, detail)
 
-    def note_idle_nodes(self, nodes_up: list[dict[str, Any]]) -> None:
+    def note_idle_nodes(self, nodes_up: list[NodeUp]) -> None:
         """Log GPU nodes idle past ``alert_idle_nodes_s`` for their alert: idle since the last run ended
         (as recent runs record it), and never longer than the oldest node has been up."""
         ends = [parse_iso(r.finished_at) for r in self.ledger.list_runs(50)]
         last_end = max((t for t in ends if t is not None), default=None)
-        up_s = max(float(n.get("up_s", 0.0)) for n in nodes_up)
+        up_s = max(n.up_s for n in nodes_up)
         idle_s = min(up_s, (datetime.now(UTC) - last_end).total_seconds()) if last_end else up_s
         if idle_s > self.settings.alert_idle_nodes_s:
             log.warning(
                 "%d GPU node(s) up with no live run for %.0f s: %s",
                 len(nodes_up),
                 idle_s,
-                ", ".join(str(n.get("name")) for n in nodes_up),
+                ", ".join(n.name for n in nodes_up),
                 extra={"alert": Alert.IDLE_NODES},
             )
 

@@ -24,7 +24,7 @@ be holding them: a Scheduler job alerts on it), 1 when an object could not be de
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +37,11 @@ from retrain.k8s.render import (
     RUN_ID_ANNOTATION,
     RUN_ID_LABEL,
 )
-from retrain.ports import RunLookup
+from retrain.ports import NodeUp, Reaped, ReapReport, RunLookup
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
-EXIT_OK, EXIT_ERRORS, EXIT_NODES_UP = 0, 1, 3
 JOBSET, PROVREQ, PODTEMPLATE, ACCOUNT = "JobSet", "ProvisioningRequest", "PodTemplate", "ServiceAccount"
 _CUSTOM = {
     JOBSET: (*JOBSET_API.split("/"), "jobsets"),
@@ -50,62 +49,6 @@ _CUSTOM = {
 }
 #: What uses the nodes first, the request's template last, the run's identity once nothing runs as it.
 _ORDER = (JOBSET, PROVREQ, PODTEMPLATE, ACCOUNT)
-
-
-@dataclass
-class Reaped:
-    """One object the reaper deleted (or, in a dry run, would delete) or kept, and why."""
-
-    kind: str
-    name: str
-    run_id: str
-    why: str
-
-
-@dataclass
-class NodeUp:
-    name: str
-    up_s: float
-    created_at: str
-    instance_type: str | None = None
-    gpus: int = 0
-    ready: bool = False
-
-
-@dataclass
-class ReapReport:
-    namespace: str
-    node_pool: str
-    max_age_s: float
-    dry_run: bool
-    deleted: list[Reaped] = field(default_factory=list)
-    kept: list[Reaped] = field(default_factory=list)
-    nodes_up: list[NodeUp] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    node_pool_size: dict[str, Any] | None = None
-    """The node pool's autoscaling bounds as the GKE API reports them (``NodePoolSize.to_dict``); None
-    when the cluster was reached without it (``--kubeconfig``)."""
-
-    @property
-    def live_runs(self) -> list[str]:
-        """Runs that still own objects in the cluster (and may hold nodes)."""
-        return sorted({k.run_id for k in self.kept})
-
-    @property
-    def idle_nodes(self) -> bool:
-        """GPU nodes of the pool are up while no live run owns anything: nothing should hold them."""
-        return bool(self.nodes_up) and not self.live_runs
-
-    @property
-    def exit_code(self) -> int:
-        if self.idle_nodes:
-            return EXIT_NODES_UP
-        return EXIT_ERRORS if self.errors else EXIT_OK
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(live_runs=self.live_runs, idle_nodes=self.idle_nodes, exit_code=self.exit_code)
-        return d
 
 
 def default_max_age_s(settings: Any) -> float:
