@@ -468,12 +468,23 @@ class ExecutionState(StrEnum):
         )
 
 
+@dataclass(frozen=True)
+class ExecutionStatus:
+    """What the orchestrator says of one execution (``projects.locations.workflows.executions.get``)."""
+
+    state: ExecutionState
+    error: str | None = None
+    """The payload of the error a FAILED execution ended with (``error.payload``), if any."""
+
+
 class Orchestrator(Protocol):
     """Starts and signals executions of the retrain workflow (Cloud Workflows)."""
 
     def start(self, argument: Mapping[str, Any]) -> str: ...
 
-    def get(self, execution: str) -> dict[str, Any]: ...
+    def get(self, execution: str) -> ExecutionStatus:
+        """The execution's state; ExecutionLost when the service has no such execution (404)."""
+        ...
 
     def send_callback(self, url: str, payload: Mapping[str, Any]) -> int: ...
 

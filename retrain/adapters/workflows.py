@@ -19,6 +19,7 @@ import requests
 
 from retrain.adapters import credentials
 from retrain.domain.errors import ExecutionLost
+from retrain.ports import ExecutionState, ExecutionStatus
 
 CLOUD_ENDPOINT = "https://workflowexecutions.googleapis.com"
 
@@ -104,8 +105,8 @@ class WorkflowsExecutions:
         token = credentials.local_token() if self.local else None
         return [("authorization", f"Bearer {token}")] if token else []
 
-    def get(self, execution: str) -> dict[str, Any]:
-        """The execution's resource in its REST (JSON) form; ExecutionLost when there is none (404)."""
+    def get(self, execution: str) -> ExecutionStatus:
+        """The execution's state and error; ExecutionLost when there is none (404)."""
         from google.api_core.exceptions import NotFound
         from google.cloud.workflows.executions_v1 import Execution
 
@@ -113,7 +114,9 @@ class WorkflowsExecutions:
             found = self.client().get_execution(name=execution, timeout=30, metadata=self._metadata())
         except NotFound:
             raise ExecutionLost(execution) from None
-        return dict(Execution.to_dict(found, use_integers_for_enums=False, preserving_proto_field_name=False))
+        resource = Execution.to_dict(found, use_integers_for_enums=False, preserving_proto_field_name=False)
+        error = (resource.get("error") or {}).get("payload")
+        return ExecutionStatus(ExecutionState(resource.get("state") or "STATE_UNSPECIFIED"), error or None)
 
     def cancel(self, execution: str) -> None:
         self.client().cancel_execution(name=execution, timeout=30, metadata=self._metadata())

@@ -20,7 +20,7 @@ from retrain.ingest.context import Context, Job
 from retrain.ingest.outcomes import Action, Outcome
 from retrain.ingest.starts import Starts
 from retrain.logs import Alert
-from retrain.ports import ExecutionState, Ledger, NodeUp, Orchestrator, RunEvents, tell
+from retrain.ports import ExecutionState, ExecutionStatus, Ledger, NodeUp, Orchestrator, RunEvents, tell
 
 log = logging.getLogger("retrain.ingest")
 
@@ -34,8 +34,8 @@ def record_silent_end(
     try:
         execution = orchestrator.get(str(run.execution))
     except ExecutionLost:
-        execution = {"state": str(ExecutionState.LOST)}
-    state = ExecutionState(execution.get("state", ExecutionState.STATE_UNSPECIFIED))
+        execution = ExecutionStatus(ExecutionState.LOST)
+    state = execution.state
     if not state.ended:
         return None
     current = ledger.get_run(run.run_id)  # re-read: the workflow writes its outcome before it ends
@@ -54,9 +54,8 @@ def record_silent_end(
     if state == ExecutionState.LOST:
         reason = f"execution lost: {run.execution} no longer exists (nothing will release its capacity)"
     else:
-        error = (execution.get("error") or {}).get("payload")
         reason = f"workflow execution ended {state} without recording an outcome" + (
-            f": {error}" if error else ""
+            f": {execution.error}" if execution.error else ""
         )
     ledger.update_run(
         run.run_id,
