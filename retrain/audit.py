@@ -26,8 +26,9 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from retrain.config import Settings, is_dataset_name
+from retrain.config import Settings
 from retrain.contracts import RunManifest
+from retrain.domain.datasets import is_dataset_name
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, RunStatus, now_iso
 from retrain.plan import manifest_object, set_aside

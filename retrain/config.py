@@ -14,19 +14,9 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TypeGuard
 
+from retrain.domain.datasets import is_dataset_name
 from retrain.domain.runs import DEFAULT_PROFILE
-
-#: A dataset name: a folder under the landing prefix, a Kubernetes label part, a Firestore document id.
-DATASET_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
-
-
-def is_dataset_name(value: object) -> TypeGuard[str]:
-    """Whether ``value`` is a dataset name: the one check of every place a name comes in (whole-string:
-    a ``$``-anchored ``match`` would take ``"news\n"``)."""
-    return isinstance(value, str) and DATASET_RE.fullmatch(value) is not None
-
 
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")

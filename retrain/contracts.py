@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from retrain.config import is_dataset_name
+from retrain.domain.datasets import optional_dataset
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Run as RunRecord
@@ -107,10 +107,7 @@ class SchedulerTick:
             raise Rejected(
                 f"unknown scheduler job {message.get('job')!r} (one of {[j.value for j in SchedulerJob]})"
             ) from None
-        dataset = message.get("dataset")
-        if dataset is not None and not is_dataset_name(dataset):
-            raise Rejected("dataset must be a valid dataset name")
-        return cls(job, dataset)
+        return cls(job, optional_dataset(message.get("dataset")))
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {"job": str(self.job)}
@@ -782,8 +779,7 @@ class RunEvent:
             event = cls(**{**body, "type": RunEventType(body["type"])})
         except ValueError:
             raise Rejected(f"unknown run event type {body['type']!r}") from None
-        if not is_dataset_name(event.dataset):
-            raise Rejected("a run event's dataset must be a valid dataset name")
+        optional_dataset(event.dataset or "", "a run event's dataset")
         kinds = {"cost_usd": (int, float), "verdict": (dict,)}
         wrong = [
             k

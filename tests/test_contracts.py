@@ -44,6 +44,7 @@ from retrain.contracts import (
     field_names,
 )
 from retrain.deployment import Deployment, cron_period_s, local_settings
+from retrain.domain import datasets
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 
@@ -662,19 +663,19 @@ def test_the_workflow_records_the_kind_of_any_error(error: Any, kind: str) -> No
 
 @pytest.mark.parametrize("name", ["news\n", "News", "-news", "a" * 41, "news/x", "", None, 7])
 def test_a_dataset_name_is_checked_whole_wherever_it_comes_in(name: Any) -> None:
-    """One check (``config.is_dataset_name``) for every place a dataset name comes in; ``"news\\n"``
+    """One check (``domain.datasets.is_dataset_name``) for every place a dataset name comes in; ``"news\\n"``
     passed the ``$``-anchored ``match`` it replaced (``$`` matches before a final newline)."""
-    assert not config.is_dataset_name(name)
+    assert not datasets.is_dataset_name(name)
     with pytest.raises(Rejected, match="dataset must be a valid dataset name"):
         SchedulerTick.parse({"job": "seal", "dataset": name if name is not None else 1})
-    assert config.is_dataset_name("news-2") and config.is_dataset_name("a" * 40)
+    assert datasets.is_dataset_name("news-2") and datasets.is_dataset_name("a" * 40)
 
 
 def test_terraform_validates_dataset_names_as_retrain_does() -> None:
     """infra/app/variables.tf checks dataset names at plan time with the same pattern."""
     hcl = (REPO / "infra" / "app" / "variables.tf").read_text()
     patterns = set(re.findall(r'regex\("(\^\[a-z0-9\]\[a-z0-9-\][^"]*)", dataset\)', hcl))
-    assert patterns == {f"^{config.DATASET_RE.pattern}$"}
+    assert patterns == {f"^{datasets.DATASET_RE.pattern}$"}
 
 
 # --- Cloud Storage's JSON API: the workflow's managed-folder calls ------------------------------------

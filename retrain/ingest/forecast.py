@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from retrain.config import is_dataset_name
 from retrain.contracts import Forecast
-from retrain.domain.errors import PlanError, Rejected
+from retrain.domain.datasets import optional_dataset
+from retrain.domain.errors import PlanError
 from retrain.domain.runs import RunStatus
 from retrain.ingest import starts
 from retrain.ingest.context import Context
@@ -17,8 +17,7 @@ from retrain.plan import check_before_capacity, over_budget, over_monthly_budget
 def forecast(ctx: Context, dataset: Any = None) -> list[Forecast]:
     """What sealing every dataset with new data or a pending run (or only ``dataset``) would train,
     and its cost; nothing is written."""
-    if dataset is not None and not is_dataset_name(dataset):
-        raise Rejected("dataset must be a valid dataset name")
+    dataset = optional_dataset(dataset)
     if dataset:
         names = [dataset]
     else:

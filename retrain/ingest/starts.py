@@ -10,8 +10,8 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from retrain.config import is_dataset_name
 from retrain.contracts import ExecutionArgument, RunEventType, RunManifest
+from retrain.domain.datasets import optional_dataset
 from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.runs import Champion, FailureKind, Run, RunStatus, now_iso
 from retrain.ingest.context import Context, Job
@@ -52,8 +52,7 @@ class Starts(Job):
 
     def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""
-        if dataset is not None and not is_dataset_name(dataset):
-            raise Rejected("dataset must be a valid dataset name")
+        dataset = optional_dataset(dataset)
         return [self.seal(p.dataset, trigger) for p in self.ledger.pending(dataset)]
 
     def materialized(self, batch_id: str) -> Outcome:

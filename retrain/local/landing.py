@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from retrain.adapters import objects
-from retrain.config import Settings, is_dataset_name
+from retrain.config import Settings
+from retrain.domain.datasets import DATASET_RULE, is_dataset_name
 from retrain.domain.errors import Rejected
 from retrain.domain.events import GCS_FINALIZED, GCS_SOURCE_PREFIX, check_object_name, encode_header_value
 from retrain.domain.runs import now_iso
@@ -100,9 +101,7 @@ def announce(settings: Settings, function_url: str, resource: dict[str, Any]) ->
 def check_dataset(settings: Settings, dataset: str | None) -> None:
     """The function's rule for a dataset folder, checked before anything is uploaded: ValueError."""
     if dataset is not None and not is_dataset_name(dataset):
-        raise ValueError(
-            f"{dataset!r} is not a valid dataset name (lower-case letters, digits and '-', at most 40)"
-        )
+        raise ValueError(f"{dataset!r} is not a valid dataset name ({DATASET_RULE})")
 
 
 def drop(
