@@ -358,10 +358,6 @@ class Settings:
         return budgets.get(dataset, self.monthly_budget_usd)
 
     @property
-    def landing_uri(self) -> str:
-        return f"gs://{self.landing_bucket}/{self.landing_prefix}"
-
-    @property
     def artifacts_uri(self) -> str:
         return f"gs://{self.artifacts_bucket}"
 

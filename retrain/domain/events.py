@@ -129,13 +129,6 @@ def encode_header_value(value: str) -> str:
     return "".join(out)
 
 
-def decode_header_value(value: str) -> str:
-    """The attribute an encoded header value stands for (the binding's decoding)."""
-    from urllib.parse import unquote
-
-    return unquote(value, encoding="utf-8", errors="strict")
-
-
 def _field(data: Mapping[str, Any], key: str) -> Any:
     if key not in data:
         raise Rejected(f"event data has no {key!r}")

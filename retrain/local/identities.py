@@ -190,13 +190,6 @@ class Deployed:
             policy,
         )
 
-    def service_of(self, url_path_or_name: str) -> str:
-        """The Cloud Run service a function is (by entry point or service name)."""
-        for f in self.functions.values():
-            if url_path_or_name in (f.entry_point, f.service):
-                return f.service
-        raise KeyError(url_path_or_name)
-
 
 class Guard:
     """Tokens for members, and infra/'s IAM checked for every call a front sees."""

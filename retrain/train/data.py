@@ -9,7 +9,6 @@ by ``splits_string`` as Megatron splits them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -251,7 +250,3 @@ class WindowSampler:
                 start = int(rng.integers(0, n))
                 out[i] = toks[(start + offsets) % n]
         return out
-
-
-def write_json(uri: str, obj: Any) -> None:
-    objects.write_bytes(uri, (json.dumps(obj, indent=1) + "\n").encode("utf-8"), "application/json")
