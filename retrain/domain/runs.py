@@ -61,6 +61,33 @@ class FailureKind(StrEnum):
     """Its workflow execution no longer exists, or ended without recording an outcome."""
 
 
+@dataclass(frozen=True)
+class RunEnd:
+    """A run's end as its record keeps it, when Python ends it (a refusal, an empty run, a lost execution;
+    the workflow records the ends it reaches itself): one shape for each of them."""
+
+    status: RunStatus
+    reason: str
+    """Why, for a person."""
+    failure: FailureKind | None = None
+    """Why, for a program (None: it succeeded)."""
+    nodes_at_end: int | None = None
+    """The GPU nodes up when it ended, where that is known (0: it never asked for any)."""
+
+    def fields(self, at: str | None = None) -> dict[str, Any]:
+        """The record's fields this end sets, ended ``at`` (now by default)."""
+        out: dict[str, Any] = {
+            "status": str(self.status),
+            "reason": self.reason,
+            "finished_at": at or now_iso(),
+        }
+        if self.failure is not None:
+            out["failure"] = str(self.failure)
+        if self.nodes_at_end is not None:
+            out["nodes_at_end"] = self.nodes_at_end
+        return out
+
+
 class BatchState(StrEnum):
     """A batch exists once sealed; until then its arrivals are simply :class:`Pending`."""
 

@@ -13,7 +13,7 @@ from typing import Any
 from retrain.contracts import ExecutionArgument, RunEventType, RunManifest
 from retrain.domain.datasets import optional_dataset
 from retrain.domain.errors import PlanError, Rejected
-from retrain.domain.runs import Champion, FailureKind, Run, RunStatus, now_iso
+from retrain.domain.runs import Champion, FailureKind, Run, RunEnd, RunStatus, now_iso
 from retrain.ingest.context import Context, Job
 from retrain.ingest.outcomes import Action, Outcome
 from retrain.logs import Alert
@@ -195,13 +195,10 @@ class Starts(Job):
             run.run_id,
             claim,
             {
-                "status": str(RunStatus.SUCCEEDED),
-                "reason": reason,
+                **RunEnd(RunStatus.SUCCEEDED, reason, nodes_at_end=0).fields(now),
                 "manifest_generation": written,
                 "objects": len(manifest.objects),
-                "nodes_at_end": 0,
                 "work_ended_at": now,
-                "finished_at": now,
             },
         )
         if not ended:
@@ -229,13 +226,7 @@ class Starts(Job):
         ended = self.ledger.update_claimed(
             run.run_id,
             claim,
-            {
-                "status": str(RunStatus.FAILED),
-                "failure": str(FailureKind.REFUSED),
-                "reason": reason,
-                "nodes_at_end": 0,
-                "finished_at": now_iso(),
-            },
+            RunEnd(RunStatus.FAILED, reason, FailureKind.REFUSED, nodes_at_end=0).fields(),
         )
         if not ended:
             return self._superseded(run)

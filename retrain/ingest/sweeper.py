@@ -13,7 +13,7 @@ from functools import partial
 from retrain.audit import Account, AuditReport, audit, log_report, repair
 from retrain.contracts import RunEventType
 from retrain.domain.errors import ExecutionLost, Retry
-from retrain.domain.runs import BatchState, FailureKind, Run, RunStatus, iso, now_iso, parse_iso
+from retrain.domain.runs import BatchState, FailureKind, Run, RunEnd, RunStatus, iso, now_iso, parse_iso
 from retrain.exports import Step
 from retrain.ingest.arrivals import Arrivals
 from retrain.ingest.context import Context, Job
@@ -46,9 +46,7 @@ def record_silent_end(
         # (the release, the final record) was cut short, so it succeeded; the reaper releases.
         how = "was lost" if state == ExecutionState.LOST else f"ended {state}"
         reason = f"trained; its execution {run.execution} {how} while releasing (the reaper releases)"
-        ledger.update_run(
-            run.run_id, {"status": str(RunStatus.SUCCEEDED), "reason": reason, "finished_at": now_iso()}
-        )
+        ledger.update_run(run.run_id, RunEnd(RunStatus.SUCCEEDED, reason).fields())
         tell(events, RunEventType.SUCCEEDED, current, reason=reason)
         return Outcome(Action.RECORDED_SUCCESS, reason, run.run_id)
     if state == ExecutionState.LOST:
@@ -57,15 +55,7 @@ def record_silent_end(
         reason = f"workflow execution ended {state} without recording an outcome" + (
             f": {execution.error}" if execution.error else ""
         )
-    ledger.update_run(
-        run.run_id,
-        {
-            "status": str(RunStatus.FAILED),
-            "failure": str(FailureKind.EXECUTION_LOST),
-            "reason": reason,
-            "finished_at": now_iso(),
-        },
-    )
+    ledger.update_run(run.run_id, RunEnd(RunStatus.FAILED, reason, FailureKind.EXECUTION_LOST).fields())
     tell(events, RunEventType.FAILED, current, reason=reason, failure=str(FailureKind.EXECUTION_LOST))
     ledger.give_back(current)  # identical bytes dropped again are new; `run --retry` re-runs them
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
