@@ -32,7 +32,7 @@ from retrain.domain.datasets import is_dataset_name
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, RunStatus, now_iso
 from retrain.plan import manifest_object, set_aside
-from retrain.ports import DatasetRecords, Ledger, ObjectInfo, ObjectStore, Rejection
+from retrain.ports import DatasetRecords, Holding, Ledger, ObjectInfo, ObjectStore, Rejection
 
 log = logging.getLogger("retrain.audit")
 
@@ -192,97 +192,165 @@ def classify(
     exports_under_way: tuple[str, ...] = (),
 ) -> list[Entry]:
     """Where each object version of one dataset stands (pure: the records and listings are read before)."""
-    dataset = records.dataset
-    runs = {r.run_id: r for r in records.runs}
-    holders = {h.version.content_hash: h for h in records.holdings}
-    returned_by: dict[str, str] = {}  # content hash -> the run that gave it back last
-    for run_id in sorted(records.returned, key=lambda r: runs[r].created_at if r in runs else ""):
-        for version in records.returned[run_id]:
-            returned_by[version.content_hash] = run_id
-    arrivals: dict[tuple[str, int], list[str]] = defaultdict(list)  # version -> arrival times
-    hash_of: dict[tuple[str, int], str] = {}
-    for a in records.arrivals:
-        key = (a.version.uri, a.version.generation)
-        arrivals[key].append(a.arrived_at)
-        hash_of[key] = hash_of.get(key) or a.version.content_hash
-    live = {(o.uri, int(o.generation or 0)): o for o in objects}
-    off_manifest: dict[tuple[str, int], str] = {}  # held by a started run whose manifest lacks it
-    for h in records.holdings:
-        if h.run_id in manifests:
-            manifest = manifests[h.run_id]
-            key = (h.version.uri, h.version.generation)
-            if manifest is None:
-                off_manifest[key] = "its run has no manifest"
-            elif key not in {(v.uri, v.generation) for v in manifest.objects}:
-                off_manifest[key] = "its run's manifest does not list it"
-    grace_before = now - timedelta(seconds=settings.audit_grace_s)
+    books = _Books.read(settings, records, objects, rejections, manifests, now, exports_under_way)
+    out = [books.where(key) for key in sorted(set(books.live) | set(books.arrivals))]
+    return out + books.held_unseen({(e.uri, e.generation) for e in out})
 
-    def unread(run: Run) -> set[tuple[str, int]]:
-        return {(str(q.get("object")), int(q.get("generation") or 0)) for q in run.quarantined_objects}
 
-    def entry(key: tuple[str, int], account: Account, run_id: str | None = None, detail: str = "") -> Entry:
-        return Entry(key[0], key[1], dataset, account, run_id, detail, hash_of.get(key, ""))
+#: An object version: (its gs:// URI, its generation).
+_Key = tuple[str, int]
 
-    def where(key: tuple[str, int]) -> Entry:
+
+@dataclass
+class _Books:
+    """One dataset's records indexed for the audit's questions about each object version."""
+
+    settings: Settings
+    records: DatasetRecords
+    rejections: Mapping[_Key, Rejection]
+    exports_under_way: tuple[str, ...]
+    grace_before: datetime
+    """An object updated after this may still have its finalize event on the way."""
+    runs: dict[str, Run]
+    holders: dict[str, Holding]
+    """Content hash -> the entry of the run that holds it."""
+    returned_by: dict[str, str]
+    """Content hash -> the run that gave it back last."""
+    arrivals: dict[_Key, list[str]]
+    """Version -> its arrival times."""
+    hash_of: dict[_Key, str]
+    live: dict[_Key, ObjectInfo]
+    off_manifest: dict[_Key, str]
+    """Held by a started run whose manifest lacks it -> why."""
+
+    @classmethod
+    def read(
+        cls,
+        settings: Settings,
+        records: DatasetRecords,
+        objects: list[ObjectInfo],
+        rejections: Mapping[_Key, Rejection],
+        manifests: Mapping[str, RunManifest | None],
+        now: datetime,
+        exports_under_way: tuple[str, ...],
+    ) -> _Books:
+        runs = {r.run_id: r for r in records.runs}
+        returned_by: dict[str, str] = {}
+        for run_id in sorted(records.returned, key=lambda r: runs[r].created_at if r in runs else ""):
+            for version in records.returned[run_id]:
+                returned_by[version.content_hash] = run_id
+        arrivals: dict[_Key, list[str]] = defaultdict(list)
+        hash_of: dict[_Key, str] = {}
+        for a in records.arrivals:
+            key = (a.version.uri, a.version.generation)
+            arrivals[key].append(a.arrived_at)
+            hash_of[key] = hash_of.get(key) or a.version.content_hash
+        off_manifest: dict[_Key, str] = {}
+        for h in records.holdings:
+            if h.run_id in manifests:
+                manifest = manifests[h.run_id]
+                key = (h.version.uri, h.version.generation)
+                if manifest is None:
+                    off_manifest[key] = "its run has no manifest"
+                elif key not in {(v.uri, v.generation) for v in manifest.objects}:
+                    off_manifest[key] = "its run's manifest does not list it"
+        return cls(
+            settings,
+            records,
+            rejections,
+            exports_under_way,
+            now - timedelta(seconds=settings.audit_grace_s),
+            runs,
+            {h.version.content_hash: h for h in records.holdings},
+            returned_by,
+            arrivals,
+            hash_of,
+            {(o.uri, int(o.generation or 0)): o for o in objects},
+            off_manifest,
+        )
+
+    def entry(self, key: _Key, account: Account, run_id: str | None = None, detail: str = "") -> Entry:
+        return Entry(key[0], key[1], self.records.dataset, account, run_id, detail, self.hash_of.get(key, ""))
+
+    def where(self, key: _Key) -> Entry:
         uri, _ = key
-        info = live.get(key)
-        if uri.rsplit("/", 1)[-1] == settings.seal_marker:
-            return entry(key, Account.MARKER)
-        if key in rejections:
-            return entry(key, Account.REJECTED, detail=rejections[key].reason)
-        if key not in arrivals:
-            if info is not None and info.size == 0 and "/" + BIGQUERY_FOLDER in uri:
-                return entry(key, Account.EMPTY)
-            recent = info is not None and info.updated is not None and info.updated > grace_before
-            if recent or any(uri.startswith(p) for p in exports_under_way):
-                return entry(key, Account.IN_FLIGHT)
-            return entry(key, Account.UNRECORDED, detail="no arrival recorded")
-        content = hash_of[key]
-        holding = holders.get(content)
+        if uri.rsplit("/", 1)[-1] == self.settings.seal_marker:
+            return self.entry(key, Account.MARKER)
+        if key in self.rejections:
+            return self.entry(key, Account.REJECTED, detail=self.rejections[key].reason)
+        if key not in self.arrivals:
+            return self._not_arrived(key)
+        holding = self.holders.get(self.hash_of[key])
         if holding is not None:
-            run = runs.get(holding.run_id)
-            own = (holding.version.uri, holding.version.generation) == key
-            if run is None:
-                return entry(key, Account.ORPHANED, holding.run_id, f"content {content}")
-            if own and key in off_manifest:
-                return entry(key, Account.OFF_MANIFEST, run.run_id, off_manifest[key])
-            if run.status == RunStatus.SUCCEEDED and own and key in unread(run):
-                return entry(key, Account.UNTRAINED, run.run_id, "set aside whole by its tokenize job")
-            if run.status.terminal and run.status != RunStatus.SUCCEEDED and not run.promoted:
-                return entry(key, Account.STRANDED, run.run_id, f"run {run.run_id} ended {run.status}")
-            if not own:
-                return entry(key, Account.DUPLICATE, run.run_id, f"same content as {holding.version.uri}")
-            if run.refused:
-                return entry(key, Account.REFUSED, run.run_id, run.eval.reason if run.eval else "")
-            return entry(key, Account.HELD if not run.status.terminal else Account.TRAINED, run.run_id)
-        if records.last_cut is None or max(arrivals[key]) > records.last_cut:
-            return entry(key, Account.PENDING)
-        giver = runs.get(returned_by.get(content, ""))
-        if giver is None:
-            return entry(key, Account.UNHELD, detail="sealed; its content is in no run")
-        if info is None:
-            return entry(key, Account.WITHDRAWN, giver.run_id, "gone since it arrived")
-        if giver.status == RunStatus.SUCCEEDED:
-            if key in unread(giver):
-                return entry(key, Account.SET_ASIDE, giver.run_id)
-            if not giver.refused:  # a refused run's content went back whole (`retrain run --retry`)
-                return entry(key, Account.UNHELD, giver.run_id, f"run {giver.run_id} could not read its copy")
-        return entry(key, Account.RETURNED, giver.run_id, f"run {giver.run_id} ended {giver.status}")
+            return self._held(key, holding)
+        return self._not_held(key)
 
-    out = [where(key) for key in sorted(set(live) | set(arrivals))]
-    reported = {(e.uri, e.generation) for e in out}
-    for h in records.holdings:  # content held through a version neither the bucket nor an arrival shows
-        key = (h.version.uri, h.version.generation)
-        run = runs.get(h.run_id)
-        if key in reported:
-            continue
+    def _not_arrived(self, key: _Key) -> Entry:
+        uri, info = key[0], self.live.get(key)
+        if info is not None and info.size == 0 and "/" + BIGQUERY_FOLDER in uri:
+            return self.entry(key, Account.EMPTY)
+        recent = info is not None and info.updated is not None and info.updated > self.grace_before
+        if recent or any(uri.startswith(p) for p in self.exports_under_way):
+            return self.entry(key, Account.IN_FLIGHT)
+        return self.entry(key, Account.UNRECORDED, detail="no arrival recorded")
+
+    def _held(self, key: _Key, holding: Holding) -> Entry:
+        """Its content is held by a run (this version's or another's with the same bytes)."""
+        run = self.runs.get(holding.run_id)
+        own = (holding.version.uri, holding.version.generation) == key
         if run is None:
-            out.append(entry(key, Account.ORPHANED, h.run_id, f"content {h.version.content_hash}"))
-        elif key in off_manifest:
-            out.append(entry(key, Account.OFF_MANIFEST, h.run_id, off_manifest[key]))
-        elif run.status in (RunStatus.FAILED, RunStatus.CANCELLED) and not run.promoted:
-            out.append(entry(key, Account.STRANDED, h.run_id, f"run {h.run_id} ended {run.status}"))
-    return out
+            return self.entry(key, Account.ORPHANED, holding.run_id, f"content {self.hash_of[key]}")
+        if own and key in self.off_manifest:
+            return self.entry(key, Account.OFF_MANIFEST, run.run_id, self.off_manifest[key])
+        if run.status == RunStatus.SUCCEEDED and own and key in _unread(run):
+            return self.entry(key, Account.UNTRAINED, run.run_id, "set aside whole by its tokenize job")
+        if run.status.terminal and run.status != RunStatus.SUCCEEDED and not run.promoted:
+            return self.entry(key, Account.STRANDED, run.run_id, f"run {run.run_id} ended {run.status}")
+        if not own:
+            return self.entry(key, Account.DUPLICATE, run.run_id, f"same content as {holding.version.uri}")
+        if run.refused:
+            return self.entry(key, Account.REFUSED, run.run_id, run.eval.reason if run.eval else "")
+        return self.entry(key, Account.HELD if not run.status.terminal else Account.TRAINED, run.run_id)
+
+    def _not_held(self, key: _Key) -> Entry:
+        """It arrived and no run holds its content: not sealed yet, or given back."""
+        last_cut = self.records.last_cut
+        if last_cut is None or max(self.arrivals[key]) > last_cut:
+            return self.entry(key, Account.PENDING)
+        giver = self.runs.get(self.returned_by.get(self.hash_of[key], ""))
+        if giver is None:
+            return self.entry(key, Account.UNHELD, detail="sealed; its content is in no run")
+        if self.live.get(key) is None:
+            return self.entry(key, Account.WITHDRAWN, giver.run_id, "gone since it arrived")
+        if giver.status == RunStatus.SUCCEEDED:
+            if key in _unread(giver):
+                return self.entry(key, Account.SET_ASIDE, giver.run_id)
+            if not giver.refused:  # a refused run's content went back whole (`retrain run --retry`)
+                return self.entry(
+                    key, Account.UNHELD, giver.run_id, f"run {giver.run_id} could not read its copy"
+                )
+        return self.entry(key, Account.RETURNED, giver.run_id, f"run {giver.run_id} ended {giver.status}")
+
+    def held_unseen(self, reported: set[_Key]) -> list[Entry]:
+        """Content held through a version neither the bucket nor an arrival shows."""
+        out = []
+        for h in self.records.holdings:
+            key = (h.version.uri, h.version.generation)
+            run = self.runs.get(h.run_id)
+            if key in reported:
+                continue
+            if run is None:
+                out.append(self.entry(key, Account.ORPHANED, h.run_id, f"content {h.version.content_hash}"))
+            elif key in self.off_manifest:
+                out.append(self.entry(key, Account.OFF_MANIFEST, h.run_id, self.off_manifest[key]))
+            elif run.status in (RunStatus.FAILED, RunStatus.CANCELLED) and not run.promoted:
+                out.append(self.entry(key, Account.STRANDED, h.run_id, f"run {h.run_id} ended {run.status}"))
+        return out
+
+
+def _unread(run: Run) -> set[_Key]:
+    """The versions a run's tokenize job set aside whole."""
+    return {(str(q.get("object")), int(q.get("generation") or 0)) for q in run.quarantined_objects}
 
 
 def _manifest(settings: Settings, store: ObjectStore, run: Run) -> RunManifest | None:

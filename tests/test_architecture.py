@@ -208,7 +208,6 @@ OVER_BUDGET = {
     "retrain/workflows/server.py:_handler_class": 103,
     "retrain/train/standin.py:_train": 140,
     "retrain/train/bridge_standin.py:_train": 91,
-    "retrain/audit.py:classify": 101,
     "retrain/tokenize/pipeline.py:write_shard": 92,
     "retrain/tokenize/pipeline.py:tokenize_incremental": 106,
     "retrain/deploy.py:_run": 89,
