@@ -682,15 +682,7 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                     build_functions_source(opts.root)
                     images = images_for_app(opts, carried, progress, Path(plans))
 
-                init = ["init", "-input=false"]
-                if stage.has_backend:
-                    if not state_bucket:
-                        how = "" if name == "bootstrap" else "run the bootstrap stage first or "
-                        raise UsageError(
-                            f"stage {name} keeps its state in the state bucket: {how}pass --state-bucket"
-                        )
-                    init.append(f"-backend-config=bucket={state_bucket}")
-                tf.run(stage, "init", init)
+                tf.run(stage, "init", _init_args(name, stage, state_bucket))
 
                 values = _stage_values(opts, name, stage, carried, images, state_bucket, progress)
                 plan_file = str(Path(plans) / f"{name}.tfplan")
@@ -716,18 +708,8 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
                     carried.update(tf.json(stage, "output", ["output", "-json"]) or {})
                     if name == "app" and "retrain_env" in carried:
                         _save_target(opts.project, carried["retrain_env"]["value"], progress)
-                    if name == "bootstrap":
-                        bucket = (carried.get("state_bucket") or {}).get("value")
-                        if opts.state_bucket is None and isinstance(bucket, str) and bucket:
-                            state_bucket = bucket
-                        elif opts.state_bucket and bucket and bucket != opts.state_bucket:
-                            progress.say(
-                                f"warning: --state-bucket {opts.state_bucket} differs from the bootstrap's "
-                                f"state_bucket output {bucket}; using {opts.state_bucket}"
-                            )
-                if name == "bootstrap" and opts.dry_run and state_bucket is None:
-                    bucket = (carried.get("state_bucket") or {}).get("value")
-                    state_bucket = bucket if isinstance(bucket, str) and bucket else None
+                if name == "bootstrap":
+                    state_bucket = _bucket_after_bootstrap(opts, carried, state_bucket, progress)
             except StepFailed as e:
                 _report_failure(e, pending)
                 return 1
@@ -746,6 +728,38 @@ def _run(opts: Options, terraform_bin: str, stages: Mapping[str, Stage], progres
     else:
         progress.say(f"deployed {', '.join(opts.stages)} to {opts.project} ({opts.region})")
     return 0
+
+
+def _init_args(name: str, stage: Stage, state_bucket: str | None) -> list[str]:
+    """``terraform init``'s arguments: a stage that keeps its state in the state bucket needs it."""
+    init = ["init", "-input=false"]
+    if stage.has_backend:
+        if not state_bucket:
+            how = "" if name == "bootstrap" else "run the bootstrap stage first or "
+            raise UsageError(f"stage {name} keeps its state in the state bucket: {how}pass --state-bucket")
+        init.append(f"-backend-config=bucket={state_bucket}")
+    return init
+
+
+def _bucket_after_bootstrap(
+    opts: Options, carried: dict[str, Any], state_bucket: str | None, progress: Progress
+) -> str | None:
+    """The state bucket the later stages use once the bootstrap stage ran (applied, or planned in a dry
+    run): the operator's ``--state-bucket`` when given (a warning when the bootstrap's output differs),
+    else the bootstrap's ``state_bucket`` output."""
+    bucket = (carried.get("state_bucket") or {}).get("value")
+    if opts.dry_run:
+        if state_bucket is None:
+            return bucket if isinstance(bucket, str) and bucket else None
+        return state_bucket
+    if opts.state_bucket is None and isinstance(bucket, str) and bucket:
+        return bucket
+    if opts.state_bucket and bucket and bucket != opts.state_bucket:
+        progress.say(
+            f"warning: --state-bucket {opts.state_bucket} differs from the bootstrap's "
+            f"state_bucket output {bucket}; using {opts.state_bucket}"
+        )
+    return state_bucket
 
 
 def _bootstrapped_bucket(
