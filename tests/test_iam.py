@@ -24,6 +24,7 @@ from retrain.local.firestore_front import FirestoreFront
 from retrain.local.iam import Kind, Resource, condition_holds, predefined_roles, storage_object
 from retrain.local.identities import OPERATOR, Deployed, Guard
 from retrain.local.storage_front import StorageFront
+from retrain.ports import ExecutionState
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
@@ -346,7 +347,7 @@ def test_the_executions_service_serves_only_who_may_run_the_workflow(
         with credentials.acting_as(guard.token(FUNCTIONS)):  # roles/workflows.invoker on the project
             executions = WorkflowsExecutions("retrain-local", "us-central1", "retrain")
             name = executions.start({"run_id": "r"})
-            assert executions.get(name)["state"] == "ACTIVE"
+            assert executions.get(name).state == ExecutionState.ACTIVE
             executions.cancel(name)
         with credentials.acting_as(guard.token(DATAFLOW)), pytest.raises(PermissionDenied) as refused:
             WorkflowsExecutions("retrain-local", "us-central1", "retrain").start({"run_id": "r"})

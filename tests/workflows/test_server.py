@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import requests
 
+from retrain.ports import ExecutionState, ExecutionStatus
 from retrain.workflows import CallbackHub, ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
 
 #: The workflow tells the world its callback URL the way a real one would: a Pub/Sub message.
@@ -248,9 +249,10 @@ def test_adapter_client_against_server(harness: Harness) -> None:
     assert client.is_callback_url(url)
     assert client.send_callback(url, {"status": "DONE"}) == 200
     deadline = time.monotonic() + 3
-    while client.get(name)["state"] == "ACTIVE" and time.monotonic() < deadline:
+    while client.get(name).state == ExecutionState.ACTIVE and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert json.loads(client.get(name)["result"])["body"] == {"status": "DONE"}
+    assert client.get(name) == ExecutionStatus(ExecutionState.SUCCEEDED)
+    assert json.loads(harness.server.get(name)["result"])["body"] == {"status": "DONE"}
     # the client's own errors: NOT_FOUND is a lost execution, INVALID_ARGUMENT the API's 32 KB limit
     from google.api_core.exceptions import InvalidArgument
 
@@ -262,7 +264,7 @@ def test_adapter_client_against_server(harness: Harness) -> None:
         client.start({"job": "x" * 40_000})
     held = client.start({"job": "j6", "timeout": 30})
     client.cancel(held)
-    assert client.get(held)["state"] == "CANCELLED"
+    assert client.get(held) == ExecutionStatus(ExecutionState.CANCELLED)
 
 
 def test_hub_directly_and_run_with_hub() -> None:
