@@ -10,6 +10,7 @@ their emulators) and ``RETRAIN_WORKFLOWS_ENDPOINT`` is where that service's call
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,8 @@ from retrain.domain.errors import ExecutionLost
 from retrain.ports import ExecutionState, ExecutionStatus
 
 CLOUD_ENDPOINT = "https://workflowexecutions.googleapis.com"
+
+log = logging.getLogger(__name__)
 
 
 class WorkflowsExecutions:
@@ -116,7 +119,14 @@ class WorkflowsExecutions:
             raise ExecutionLost(execution) from None
         resource = Execution.to_dict(found, use_integers_for_enums=False, preserving_proto_field_name=False)
         error = (resource.get("error") or {}).get("payload")
-        return ExecutionStatus(ExecutionState(resource.get("state") or "STATE_UNSPECIFIED"), error or None)
+        try:
+            state = ExecutionState(resource.get("state") or "STATE_UNSPECIFIED")
+        except ValueError:  # a state newer than this release: not one it may act on (not ended)
+            log.warning(
+                "execution %s is in a state this release does not know: %s", execution, resource.get("state")
+            )
+            state = ExecutionState.STATE_UNSPECIFIED
+        return ExecutionStatus(state, error or None)
 
     def cancel(self, execution: str) -> None:
         self.client().cancel_execution(name=execution, timeout=30, metadata=self._metadata())
