@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from retrain.domain.datasets import optional_dataset
+from retrain.domain.datasets import dataset_name, optional_dataset
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Run as RunRecord
@@ -779,7 +779,7 @@ class RunEvent:
             event = cls(**{**body, "type": RunEventType(body["type"])})
         except ValueError:
             raise Rejected(f"unknown run event type {body['type']!r}") from None
-        optional_dataset(event.dataset or "", "a run event's dataset")
+        dataset_name(event.dataset, "a run event's dataset")
         kinds = {"cost_usd": (int, float), "verdict": (dict,)}
         wrong = [
             k

@@ -20,8 +20,13 @@ def is_dataset_name(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and DATASET_RE.fullmatch(value) is not None
 
 
-def optional_dataset(value: object, what: str = "dataset") -> str | None:
-    """``value`` when it is None or a dataset name; otherwise :class:`Rejected`, saying the rule."""
-    if value is None or is_dataset_name(value):
+def dataset_name(value: object, what: str = "dataset") -> str:
+    """``value`` when it is a dataset name; otherwise :class:`Rejected`, saying the rule."""
+    if is_dataset_name(value):
         return value
     raise Rejected(f"{what} must be a valid dataset name ({DATASET_RULE})")
+
+
+def optional_dataset(value: object, what: str = "dataset") -> str | None:
+    """``value`` when it is None or a dataset name; otherwise :class:`Rejected`, saying the rule."""
+    return None if value is None else dataset_name(value, what)
