@@ -24,7 +24,7 @@ from retrain.caller import verified_caller
 from retrain.cancel import CancelRefused, Refusal, request_cancel
 from retrain.contracts import StepName
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import RUN_ID_RE
+from retrain.domain.runs import RUN_ID_RE, Trigger
 from retrain.ingest import Action, Ingest
 from retrain.steps import Steps
 
@@ -130,7 +130,7 @@ def run_http(request: flask.Request) -> flask.typing.ResponseReturnValue:
     if "cancel" in body:
         return _cancel(request, body)
     try:
-        outcomes = ingest().seal_pending(body.get("dataset"), "manual")
+        outcomes = ingest().seal_pending(body.get("dataset"), Trigger.MANUAL)
     except Rejected as e:
         return {"error": e.reason}, 400
     return {"outcomes": [o.__dict__ for o in outcomes]}, 200

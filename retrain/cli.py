@@ -21,7 +21,7 @@ from typing import Any
 
 from retrain import config
 from retrain.contracts import RunEvent, RunEventType, SchedulerJob
-from retrain.domain.runs import Evaluation, Run, RunStatus
+from retrain.domain.runs import Evaluation, Run, RunStatus, Trigger
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
 
@@ -245,7 +245,7 @@ def _seal_or_retry(args: argparse.Namespace, ingest: Any) -> int:
             return 2
         _say(f"{outcome.action}: {outcome.run_id or ''} {outcome.detail}")
         return 0
-    outcomes = ingest.seal_pending(args.dataset, "manual")
+    outcomes = ingest.seal_pending(args.dataset, Trigger.MANUAL)
     if not outcomes:
         _say("nothing pending: no run started")
     for o in outcomes:

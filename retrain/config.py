@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from retrain.domain.datasets import is_dataset_name
-from retrain.domain.runs import DEFAULT_PROFILE
+from retrain.domain.runs import DEFAULT_PROFILE, ProfileName
 
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
@@ -327,7 +327,7 @@ class Settings:
 
     def image_of(self, profile: str) -> str:
         """The training image of ``profile``."""
-        return self.bridge_image if profile == "megatron-bridge" else self.image
+        return self.bridge_image if profile == ProfileName.MEGATRON_BRIDGE else self.image
 
     @property
     def eval_set_of(self) -> dict[str, str]:

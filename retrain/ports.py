@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from retrain.contracts import RunEvent, RunEventType
 from retrain.domain.events import ObjectArrival, ObjectVersion
-from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus, now_iso
+from retrain.domain.runs import BatchState, Champion, Pending, Run, RunStatus, Trigger, now_iso
+from retrain.domain.transitions import RunChange
 
 log = logging.getLogger("retrain.events")
 
@@ -263,7 +264,10 @@ class Batches(Protocol):
 
     def pending(self, dataset: str | None = None) -> list[Pending]: ...
 
-    def seal(self, dataset: str, trigger: str) -> SealOutcome: ...
+    def seal(self, dataset: str, trigger: Trigger, retry_of: str | None = None) -> SealOutcome:
+        """Cut the dataset's pending arrivals into a batch, which joins its pending run (made now, by
+        ``trigger``, when there is none: a retry's names the run it re-runs)."""
+        ...
 
     def preview(self, dataset: str) -> SealPreview: ...
 
@@ -319,8 +323,8 @@ class RunStore(Protocol):
 
     def unobserved_release(self) -> list[Run]: ...
 
-    def update_claimed(self, run_id: str, claim: str, fields: Mapping[str, Any]) -> bool:
-        """Write ``fields`` to the run's record while its start claim is ``claim``, it is pending and it
+    def record_claimed(self, run_id: str, claim: str, change: RunChange) -> bool:
+        """Write ``change`` to the run's record while its start claim is ``claim``, it is pending and it
         has no execution; False (nothing written) otherwise: a starter whose claim a sweep took over
         changes nothing (not its plan, not its end)."""
         ...
@@ -331,7 +335,10 @@ class RunStore(Protocol):
         whatever the name's project form); the run's plan, or None when not."""
         ...
 
-    def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None: ...
+    def record(self, run_id: str, change: RunChange) -> None:
+        """Write ``change`` to the run's record (its fields are the change's own,
+        :mod:`retrain.domain.transitions`)."""
+        ...
 
     def request_cancel(self, run_id: str, requested_by: str, reason: str) -> bool:
         """Record an operator's cancel on a run that has not ended (the first request stands); False when

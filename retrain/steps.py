@@ -48,6 +48,7 @@ from retrain.contracts import (
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
+from retrain.domain.transitions import HandedOver, TrainingResults
 from retrain.exports import export_folder
 from retrain.lineage import LINEAGE_OBJECT, openlineage_events
 from retrain.logs import SUMMARY, Alert
@@ -356,16 +357,9 @@ class Steps:
         jobset, command = render_training(
             self.settings, plan, callback_url or None, service_account=run.service_account
         )
-        self.ledger.update_run(
-            plan.run_id,
-            {
-                "profile": plan.profile,
-                "image": self.settings.image_of(plan.profile),
-                "command": command.argv,
-                "blend": list(plan.blend),
-                "eval_set": plan.eval_set,
-            },
-        )
+        image = self.settings.image_of(plan.profile)
+        handed = HandedOver(plan.profile, image, command.argv, list(plan.blend), plan.eval_set)
+        self.ledger.record(plan.run_id, handed)
         return Handover(jobset, command.argv)
 
     def finish(self, plan: TrainingPlan) -> Finished:
@@ -431,13 +425,6 @@ class Steps:
             missing.append(f"no TensorBoard events under {run_dir}")
         if checkpoint is None:
             missing.append(f"no checkpoint under {run_dir}/checkpoints")
-        reason = "; ".join(missing)
-        fields: dict[str, Any] = {
-            "checkpoint": checkpoint,
-            "metrics": metrics.to_dict() if metrics else None,
-        }
-        if reason:
-            fields["reason"] = reason
         run = self.ledger.get_run(plan.run_id)
         if run is not None and run.eval_set and not plan.eval_set:
             # its tokenize job carved the dataset's eval set (handover recorded it; the report lies where
@@ -450,8 +437,8 @@ class Steps:
         if checkpoint is not None and run is not None and not retried:
             base_val = metrics.base_val_loss if metrics else None
             verdict = evaluate(val_loss, champion, self.settings.promotion_margin, base_val, plan.eval_set)
-            fields["eval"] = verdict.to_dict()
-        self.ledger.update_run(plan.run_id, fields)  # before promoting: a retried step finds the verdict
+        left = TrainingResults(checkpoint, metrics, verdict, "; ".join(missing))
+        self.ledger.record(plan.run_id, left)  # before promoting: a retried step finds the verdict
         promoted = retried
         if verdict is not None and verdict.promoted and checkpoint is not None and run is not None:
             step = metrics.steps if metrics else plan.final_step
@@ -471,4 +458,4 @@ class Steps:
                 tell(
                     self.events, RunEventType.PROMOTED, run, checkpoint=checkpoint, verdict=verdict.to_dict()
                 )
-        return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, reason)
+        return Results(checkpoint, metrics.to_dict() if metrics else None, promoted, left.missing)

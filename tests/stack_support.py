@@ -18,7 +18,7 @@ from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cli import follow
 from retrain.deployment import local_settings
-from retrain.domain.runs import FailureKind, Run
+from retrain.domain.runs import FailureKind, Run, now_iso
 from retrain.k8s.render import RUN_ID_ANNOTATION
 from retrain.local import emulators
 from retrain.local.envtest import envtest_unavailable_reason
@@ -202,3 +202,10 @@ def stored_plan(ledger: FirestoreLedger, run_id: str) -> dict[str, Any] | None:
     snap = ledger.db.collection("runs").document(run_id).get(field_paths=["plan"])
     plan = (snap.to_dict() or {}).get("plan") if snap.exists else None
     return dict(plan) if isinstance(plan, dict) else None
+
+
+def overwrite_run(ledger: FirestoreLedger, run_id: str, fields: dict[str, Any]) -> None:
+    """Set a run record's fields as a test's setup: the states and outcomes the workflow's ``record``
+    sub-workflow writes, or a record an older release left.  Python's own writes are typed changes
+    (:mod:`retrain.domain.transitions`); only tests write fields by name."""
+    ledger.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})

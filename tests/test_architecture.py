@@ -263,3 +263,20 @@ def test_the_budget_finds_a_long_function_and_a_long_class(tmp_path: Path) -> No
         "pkg/n.py:A.run": 81,
         "pkg/n.py:B.run": 81,
     }
+
+
+def test_the_run_record_has_one_python_writer() -> None:
+    """Only the ledger's adapter names the ``runs`` collection, and the run store takes typed changes
+    (:mod:`retrain.domain.transitions`), never a mapping of fields to patch."""
+    for path in RETRAIN.rglob("*.py"):
+        if "ledger" in path.relative_to(RETRAIN).parts:
+            continue
+        assert 'collection("runs")' not in path.read_text(), f"{path.relative_to(REPO)} writes run records"
+    ports = ast.parse((RETRAIN / "ports.py").read_text())
+    store = next(n for n in ports.body if isinstance(n, ast.ClassDef) and n.name == "RunStore")
+    for method in (n for n in store.body if isinstance(n, ast.FunctionDef)):
+        for arg in method.args.args:
+            annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+            assert "Mapping" not in annotation and "dict" not in annotation, (
+                f"RunStore.{method.name}({arg.arg})"
+            )

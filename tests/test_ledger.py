@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 from google.cloud import firestore
-from stack_support import stored_plan
+from stack_support import overwrite_run, stored_plan
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.ledger.base import _key
 from retrain.domain.events import ObjectArrival
+from retrain.domain.runs import RunStatus, Trigger
+from retrain.domain.transitions import RunEnd, RunPlanned
 from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
 
 pytestmark = pytest.mark.emulators
@@ -55,7 +57,7 @@ def test_redelivered_event_and_same_object_version_are_duplicates(ledger: Firest
     same_object = arrival("a", event_id="another-id")
     assert ledger.record_arrival(same_object, "ds", "h-a").status == "duplicate"  # same bucket/name/gen
     assert ledger.record_arrival(arrival("a", generation=2), "ds", "h-a2").status == "new"
-    sealed = ledger.seal("ds", "test")
+    sealed = ledger.seal("ds", "manual")
     assert sealed.run is not None and len(sealed.objects) == 2  # both versions, once each
 
 
@@ -65,16 +67,16 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
     (pending,) = ledger.pending()
     assert (pending.dataset, pending.objects) == ("ds", 3)
     assert pending.first_arrival_at <= pending.last_arrival_at
-    sealed = ledger.seal("ds", "test")
+    sealed = ledger.seal("ds", "manual")
     assert sealed.run is not None
     assert uris(sealed.objects) == ("gs://land/incoming/a", "gs://land/incoming/b", "gs://land/incoming/c")
     stored = ledger.get_run(sealed.run.run_id)
-    assert stored is not None and stored.status == "pending" and stored.trigger == "test"
-    assert ledger.seal("ds", "test").verdict == SealVerdict.NOTHING_PENDING
+    assert stored is not None and stored.status == "pending" and stored.trigger == Trigger.MANUAL
+    assert ledger.seal("ds", "manual").verdict == SealVerdict.NOTHING_PENDING
     assert ledger.pending() == []
     # arrivals after the seal open the next batch; while the run is pending, it joins that run
     ledger.record_arrival(arrival("d"), "ds", "h-d")
-    later = ledger.seal("ds", "test")
+    later = ledger.seal("ds", "manual")
     assert uris(later.objects) == ("gs://land/incoming/d",) and later.run is not None
     assert later.run.run_id == sealed.run.run_id
     assert uris(ledger.run_objects(later.run)) == (*uris(sealed.objects), "gs://land/incoming/d")
@@ -83,12 +85,12 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
 def test_identical_data_never_trains_twice(ledger: FirestoreLedger) -> None:
     for name in ("a", "b"):
         ledger.record_arrival(arrival(name), "ds", f"h-{name}")
-    first = ledger.seal("ds", "test")
+    first = ledger.seal("ds", "manual")
     assert first.run is not None
     # the same content re-uploaded under other names (and in another order) is the same snapshot
     ledger.record_arrival(arrival("copy-of-b", generation=7), "ds", "h-b")
     ledger.record_arrival(arrival("copy-of-a", generation=9), "ds", "h-a")
-    again = ledger.seal("ds", "test")
+    again = ledger.seal("ds", "manual")
     assert (again.run, again.verdict, again.skipped) == (None, SealVerdict.NOTHING_NEW, 2)
     assert "2 object(s) skipped" in again.reason
     assert [r.run_id for r in ledger.list_runs()] == [first.run.run_id]
@@ -98,16 +100,16 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
     """Per-object content identity: each content joins one run, whatever the grouping; a started run's
     list is fixed, and what arrives after joins the next pending run."""
     ledger.record_arrival(arrival("a"), "ds", "h-a")
-    first = ledger.seal("ds", "t").run
+    first = ledger.seal("ds", "manual").run
     assert first is not None
     claim = ledger.claim_start(first, stale_after_s=60)
     assert (claim.verdict, uris(claim.objects)) == (StartVerdict.CLAIMED, ("gs://land/incoming/a",))
     assert ledger.claim_start(first, stale_after_s=60).verdict == StartVerdict.STARTING  # claimed already
     for name, content in (("b", "h-b"), ("a-again", "h-a"), ("c", "h-c")):
         ledger.record_arrival(arrival(name), "ds", content)
-        sealed = ledger.seal("ds", "t")
+        sealed = ledger.seal("ds", "manual")
         assert sealed.run is None or sealed.run.run_id != first.run_id
-    second = ledger.seal("ds", "t")
+    second = ledger.seal("ds", "manual")
     pending = ledger.pending_run("ds")
     assert second.verdict == SealVerdict.NOTHING_PENDING and pending is not None
     assert uris(ledger.run_objects(pending)) == (
@@ -115,7 +117,7 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
         "gs://land/incoming/c",
     )  # h-a: trained
     assert ledger.claim_start(pending, stale_after_s=60).verdict == StartVerdict.QUEUED  # first is live
-    ledger.update_run(first.run_id, {"status": "succeeded"})
+    overwrite_run(ledger, first.run_id, {"status": "succeeded"})
     started = ledger.claim_start(pending, stale_after_s=60)
     assert started.verdict == StartVerdict.CLAIMED and len(started.objects) == 2
     assert ledger.get_run(pending.run_id).objects == 2  # type: ignore[union-attr]
@@ -126,12 +128,12 @@ def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: Firestor
     again, nothing re-runs by itself, and a requeue brings back the very versions the run held."""
     for name in ("a", "b"):
         ledger.record_arrival(arrival(name, generation=3), "ds", f"h-{name}")
-    failed = ledger.seal("ds", "t").run
+    failed = ledger.seal("ds", "manual").run
     assert failed is not None and ledger.claim_start(failed, stale_after_s=60).verdict == StartVerdict.CLAIMED
-    ledger.update_run(failed.run_id, {"status": "failed"})
+    overwrite_run(ledger, failed.run_id, {"status": "failed"})
     # identical content under another name is still counted trained until the run gives it back
     ledger.record_arrival(arrival("copy-of-a", generation=5), "ds", "h-a")
-    assert ledger.seal("ds", "t").verdict == SealVerdict.NOTHING_NEW
+    assert ledger.seal("ds", "manual").verdict == SealVerdict.NOTHING_NEW
 
     assert ledger.give_back(failed) == 2
     assert ledger.give_back(failed) == 0  # idempotent: a retried finish step gives nothing twice
@@ -140,12 +142,12 @@ def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: Firestor
     assert uris(ledger.run_objects(stored)) == ("gs://land/incoming/a", "gs://land/incoming/b")  # its record
     assert ledger.pending() == []  # nothing re-runs by itself
     ledger.record_arrival(arrival("copy-of-a", generation=6), "ds", "h-a")  # dropped again: new again
-    again = ledger.seal("ds", "t").run
+    again = ledger.seal("ds", "manual").run
     assert again is not None and uris(ledger.run_objects(again)) == ("gs://land/incoming/copy-of-a",)
 
     assert ledger.requeue(stored) == 2
     assert ledger.requeue(stored) == 2  # the same two arrivals, not four
-    retried = ledger.seal("ds", "t")  # joins the pending run; h-a is held by it already
+    retried = ledger.seal("ds", "manual")  # joins the pending run; h-a is held by it already
     assert retried.run is not None and retried.run.run_id == again.run_id and retried.skipped == 1
     assert {(v.uri, v.generation) for v in ledger.run_objects(retried.run)} == {
         ("gs://land/incoming/copy-of-a", 6),
@@ -155,7 +157,7 @@ def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: Firestor
 
 def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: FirestoreLedger) -> None:
     ledger.record_arrival(arrival("z"), "ds", "h-z")
-    run = ledger.seal("ds", "t").run
+    run = ledger.seal("ds", "manual").run
     assert run is not None
     first = ledger.claim_start(run, stale_after_s=60)
     assert first.verdict == StartVerdict.CLAIMED and first.token
@@ -163,7 +165,7 @@ def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: Firestor
     assert ledger.claim_start(run, stale_after_s=60).verdict == StartVerdict.STARTING
     second = ledger.claim_start(run, stale_after_s=0)
     assert second.verdict == StartVerdict.CLAIMED and second.token != first.token
-    assert ledger.update_claimed(run.run_id, second.token, {"plan": {"run_id": run.run_id}})
+    assert ledger.record_claimed(run.run_id, second.token, RunPlanned({"run_id": run.run_id}))
     execution = "projects/p/locations/l/workflows/w/executions/e-1"
     assert ledger.attach_execution(run.run_id, second.token, execution) == {"run_id": run.run_id}
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
@@ -175,16 +177,16 @@ def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Fires
     is its execution, whether it binds before or after the other's; the run's execution binds again under
     another name of itself (the API may name the project by its number), and gets the plan."""
     ledger.record_arrival(arrival("z"), "ds", "h-z")
-    run = ledger.seal("ds", "t").run
+    run = ledger.seal("ds", "manual").run
     assert run is not None
     slow = ledger.claim_start(run, stale_after_s=60)
     sweep = ledger.claim_start(run, stale_after_s=0)  # the slow starter seems stuck
     parent = "projects/{}/locations/l/workflows/w/executions/"
     assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "early") is None  # no plan
     plan = {"run_id": run.run_id, "by": "sweep"}
-    assert ledger.update_claimed(run.run_id, sweep.token, {"plan": plan, "base_step": 7})
-    assert not ledger.update_claimed(run.run_id, slow.token, {"plan": {**plan, "by": "slow"}, "base_step": 1})
-    assert not ledger.update_claimed(run.run_id, slow.token, {"status": "failed"})  # nor end it
+    assert ledger.record_claimed(run.run_id, sweep.token, RunPlanned(plan, base_step=7))
+    assert not ledger.record_claimed(run.run_id, slow.token, RunPlanned({**plan, "by": "slow"}, base_step=1))
+    assert not ledger.record_claimed(run.run_id, slow.token, RunEnd(RunStatus.FAILED, "slow"))  # nor end it
     assert stored_plan(ledger, run.run_id) == plan
     stored = ledger.get_run(run.run_id)
     assert stored is not None and (stored.base_step, stored.status) == (7, "pending")
@@ -194,18 +196,18 @@ def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Fires
     assert ledger.attach_execution(run.run_id, sweep.token, parent.format("123") + "swept") == plan  # itself
     assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "another") is None
     assert ledger.attach_execution(run.run_id, slow.token, parent.format("p") + "slow") is None
-    assert not ledger.update_claimed(run.run_id, sweep.token, {"plan": {}})  # bound: the plan is fixed
+    assert not ledger.record_claimed(run.run_id, sweep.token, RunPlanned({}))  # bound: the plan is fixed
     assert ledger.get_run(run.run_id).execution == parent.format("p") + "swept"  # type: ignore[union-attr]
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
 
 
 def test_an_execution_binds_only_to_a_pending_run(ledger: FirestoreLedger) -> None:
     ledger.record_arrival(arrival("y"), "ds", "h-y")
-    run = ledger.seal("ds", "t").run
+    run = ledger.seal("ds", "manual").run
     assert run is not None
     claim = ledger.claim_start(run, stale_after_s=60)
-    assert ledger.update_claimed(run.run_id, claim.token, {"plan": {"run_id": run.run_id}})
-    ledger.update_run(run.run_id, {"status": "cancelled"})  # e.g. ended by an operator before it began
+    assert ledger.record_claimed(run.run_id, claim.token, RunPlanned({"run_id": run.run_id}))
+    overwrite_run(ledger, run.run_id, {"status": "cancelled"})  # e.g. ended by an operator before it began
     assert (
         ledger.attach_execution(run.run_id, claim.token, "projects/p/locations/l/workflows/w/executions/e")
         is None
@@ -224,7 +226,7 @@ def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(
     rounds_deployed = module.CONTENDED_ROUNDS
     monkeypatch.setattr(module, "CONTENDED_ATTEMPTS", 1)
     ledger.record_arrival(arrival("a"), "ds", "h-a")
-    run = ledger.seal("ds", "t").run
+    run = ledger.seal("ds", "manual").run
     assert run is not None
 
     def claim_while_locked(rounds: int) -> StartVerdict | str:
@@ -256,7 +258,7 @@ def test_datasets_have_separate_batches(ledger: FirestoreLedger) -> None:
     ledger.record_arrival(arrival("b"), "two", "h-b")
     assert sorted(p.dataset for p in ledger.pending()) == ["one", "two"]
     assert [p.dataset for p in ledger.pending("two")] == ["two"]
-    one, two = ledger.seal("one", "t"), ledger.seal("two", "t")
+    one, two = ledger.seal("one", "manual"), ledger.seal("two", "manual")
     assert uris(one.objects) == ("gs://land/incoming/a",) and uris(two.objects) == ("gs://land/incoming/b",)
 
 
@@ -267,7 +269,7 @@ def test_concurrent_duplicated_reordered_arrivals_land_exactly_once(ledger: Fire
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(lambda a: ledger.record_arrival(a, "ds", "h-" + a.name).status, deliveries))
     assert outcomes.count("new") == 40 and outcomes.count("duplicate") == 15
-    sealed = ledger.seal("ds", "t")
+    sealed = ledger.seal("ds", "manual")
     assert uris(sealed.objects) == tuple(sorted(a.uri for a in objects))
 
 
@@ -279,7 +281,7 @@ def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: Fi
 
     def sealer() -> None:
         while not done.is_set():
-            sealed = ledger.seal("race", "t")
+            sealed = ledger.seal("race", "manual")
             if sealed.run is not None:
                 batches.append(uris(sealed.objects))
 
@@ -289,7 +291,7 @@ def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: Fi
         list(pool.map(lambda a: ledger.record_arrival(a, "race", "h-" + a.name), objects))
     done.set()
     thread.join()
-    last = ledger.seal("race", "t")
+    last = ledger.seal("race", "manual")
     if last.run is not None:
         batches.append(uris(last.objects))
     counts = Counter(uri for batch in batches for uri in batch)
@@ -339,7 +341,7 @@ def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(led
     assert ledger.begin_export(written_meanwhile) and ledger.want_export(table)
     assert ledger.pending_export(table) == written_meanwhile
     assert ledger.finish_export(written_meanwhile, []) and ledger.export_mark(table).backlog
-    sealed = ledger.seal("ds", "t")
+    sealed = ledger.seal("ds", "manual")
     assert uris(sealed.objects) == tuple(f"gs://land/incoming/bq-{i}" for i in (1, 2, 3))
     assert ledger.watermark(table) == 13
 

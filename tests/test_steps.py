@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import requests
 from run_events_support import Told
+from stack_support import overwrite_run
 
 from retrain import config
 from retrain.adapters import objects
@@ -21,6 +22,7 @@ from retrain.contracts import StepName, StepRequest, tokenize_detail_uri
 from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import Champion, Run
+from retrain.domain.transitions import RunPlanned
 from retrain.k8s.render import run_account_name
 from retrain.plan import run_root, tokenize_report_uri, training_plan
 from retrain.steps import Steps, checkpoint_fingerprint
@@ -103,7 +105,7 @@ def test_a_run_planned_before_runs_had_accounts_of_their_own_is_refused_at_hando
     """Its workflow opened no account for its pods (the plan named none): a JobSet would ask for an
     account that does not exist, whose pods Kubernetes refuses, while its GPUs wait. Refused first."""
     plan = new_run(steps)
-    steps.ledger.update_run(plan["run_id"], {"service_account": None})
+    overwrite_run(steps.ledger, plan["run_id"], {"service_account": None})
     write_report(plan)
     with pytest.raises(Rejected, match="planned before runs had service accounts of their own"):
         steps.handle(request(StepName.HANDOVER, plan, callback_url="https://cb/1"))
@@ -405,12 +407,12 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
             f"ev-{name}", "land", f"in/{name}.txt", 1, 9, f"m-{name}", "2026-11-24T00:00:00Z"
         )
         ledger.record_arrival(event, "fin", f"h-{name}")
-    run = ledger.seal("fin", "t").run
+    run = ledger.seal("fin", "manual").run
     assert run is not None
     plan = training_plan(steps.settings, run.run_id, None).to_dict()
-    ledger.update_run(run.run_id, {"status": "training"})
+    overwrite_run(ledger, run.run_id, {"status": "training"})
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # not ended: nothing yet
-    ledger.update_run(run.run_id, {"status": "failed"})
+    overwrite_run(ledger, run.run_id, {"status": "failed"})
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 2}
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
     assert ledger.pending("fin") == []  # eligible again, but nothing re-runs by itself
@@ -422,9 +424,9 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     ledger.record_arrival(
         ObjectArrival("ev-c", "land", "in/c.txt", 1, 9, "m-c", "2026-11-24T00:00:00Z"), "fin", "h-c"
     )
-    good = ledger.seal("fin", "t").run
+    good = ledger.seal("fin", "manual").run
     assert good is not None and good.run_id != run.run_id
-    ledger.update_run(good.run_id, {"status": "succeeded"})
+    overwrite_run(ledger, good.run_id, {"status": "succeeded"})
     good_plan = training_plan(steps.settings, good.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained
@@ -436,9 +438,9 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     ledger.record_arrival(
         ObjectArrival("ev-d", "land", "in/d.txt", 1, 9, "m-d", "2026-11-24T00:00:00Z"), "fin", "h-d"
     )
-    promoted = ledger.seal("fin", "t").run
+    promoted = ledger.seal("fin", "manual").run
     assert promoted is not None
-    ledger.update_run(promoted.run_id, {"status": "failed", "eval": {"promoted": True, "reason": "r"}})
+    overwrite_run(ledger, promoted.run_id, {"status": "failed", "eval": {"promoted": True, "reason": "r"}})
     promoted_plan = training_plan(steps.settings, promoted.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, promoted_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(promoted)] == ["gs://land/in/d.txt"]
@@ -558,7 +560,7 @@ def test_a_run_that_succeeded_gives_back_what_it_could_not_read(steps: Steps) ->
     quarantined = [
         {"object": gone.uri, "generation": gone.generation, "reason": "object_changed", "detail": ""}
     ]
-    steps.ledger.update_run(run.run_id, {"status": "succeeded", "quarantined_objects": quarantined})
+    overwrite_run(steps.ledger, run.run_id, {"status": "succeeded", "quarantined_objects": quarantined})
     plan = training_plan(steps.settings, run.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 1}
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
@@ -587,7 +589,7 @@ def test_every_object_set_aside_goes_back_also_past_the_hundred_the_record_names
         tokenize_detail_uri(report), json.dumps({"shards": [], "quarantined_objects": aside}).encode()
     )
     fields = {"status": "succeeded", "quarantined_objects": aside[:100], "quarantined_object_count": 150}
-    steps.ledger.update_run(run.run_id, fields)
+    overwrite_run(steps.ledger, run.run_id, fields)
     plan = training_plan(steps.settings, run.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 150}
     after = steps.ledger.get_run(run.run_id)
@@ -600,7 +602,7 @@ def test_a_run_that_failed_after_its_checkpoint_was_promoted_keeps_its_content(s
     _landed(steps, f"p-{uuid.uuid4().hex}.txt", b"promoted bytes")
     run = steps.ledger.seal("back", "manual").run
     assert run is not None
-    steps.ledger.update_run(run.run_id, {"status": "failed", "eval": {"promoted": True}})
+    overwrite_run(steps.ledger, run.run_id, {"status": "failed", "eval": {"promoted": True}})
     plan = training_plan(steps.settings, run.run_id, None).to_dict()
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # it is in the champion
     assert len(steps.ledger.run_objects(run)) == 1
@@ -644,8 +646,8 @@ def claimed_run(steps: Steps) -> tuple[str, str]:
     run = ledger.seal(dataset, "manual").run
     assert run is not None
     claim = ledger.claim_start(run, stale_after_s=60)
-    assert ledger.update_claimed(
-        run.run_id, claim.token, {"plan": {"run_id": run.run_id, "dataset": dataset}}
+    assert ledger.record_claimed(
+        run.run_id, claim.token, RunPlanned({"run_id": run.run_id, "dataset": dataset})
     )
     return run.run_id, claim.token
 
@@ -670,7 +672,7 @@ def test_begin_hands_the_ledgers_plan_to_the_claims_execution_alone(steps: Steps
     run = steps.ledger.get_run(run_id)
     assert run is not None
     assert run.execution == f"projects/{s.project}/locations/{s.region}/workflows/{s.workflow}/executions/e-1"
-    steps.ledger.update_run(run_id, {"status": "cancelled"})
+    overwrite_run(steps.ledger, run_id, {"status": "cancelled"})
     assert begin(steps, run_id, claim, "e-1") == {
         "plan": None,
         "reason": f"run {run_id} is cancelled, not pending",
@@ -707,7 +709,7 @@ def test_a_cancel_is_the_ledgers_never_the_callbacks(steps: Steps) -> None:
     assert answer == {"requested_by": "alice@example.com", "reason": "wrong data"}
     assert steps.handle({"step": "cancel", "run_id": "nobody"}) == {"requested_by": None, "reason": ""}
     other, _ = claimed_run(steps)
-    steps.ledger.update_run(other, {"status": "succeeded"})
+    overwrite_run(steps.ledger, other, {"status": "succeeded"})
     assert not steps.ledger.request_cancel(other, "alice@example.com", "too late")
     assert not steps.ledger.request_cancel("nobody", "alice@example.com", "no such run")
     ended = steps.ledger.get_run(other)

@@ -19,7 +19,7 @@ from pathlib import Path
 import functions_framework
 import pytest
 from run_events_support import Told
-from stack_support import stored_plan
+from stack_support import overwrite_run, stored_plan
 
 from retrain import config
 from retrain.adapters import objects
@@ -28,7 +28,7 @@ from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.contracts import RunManifest
 from retrain.deployment import Deployment
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import RunStatus
+from retrain.domain.runs import RunStatus, Trigger
 from retrain.ingest import Ingest
 from retrain.plan import budget_month
 from retrain.steps import Steps
@@ -139,7 +139,7 @@ def test_one_run_at_a_time_per_dataset(ingest: Ingest) -> None:
     queued = ingest.ledger.get_run(second.run_id)
     assert queued.status == "pending" and queued.execution is None
     assert [o.action for o in ingest.sweep(now=later(31))] == ["queued"]  # first still live
-    ingest.ledger.update_run(first.run_id, {"status": str(RunStatus.SUCCEEDED)})
+    overwrite_run(ingest.ledger, first.run_id, {"status": str(RunStatus.SUCCEEDED)})
     (started,) = ingest.sweep(now=later(31))
     assert started.action == "started" and started.run_id == second.run_id
     assert ingest.ledger.get_run(second.run_id).execution
@@ -323,7 +323,7 @@ def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
     assert "started" not in redrop and len(redrop) == 8
     assert len(ingest.ledger.list_runs()) == len(runs)
     live = next(r for r in runs if r.execution)
-    ingest.ledger.update_run(live.run_id, {"status": str(RunStatus.SUCCEEDED)})
+    overwrite_run(ingest.ledger, live.run_id, {"status": str(RunStatus.SUCCEEDED)})
     started = [o.run_id for o in ingest.sweep() if o.action == "started"]
     assert started == [r.run_id for r in runs if not r.execution]
     contents = ingest.ledger.db.collection("datasets").document("s").collection("contents")
@@ -369,7 +369,7 @@ def test_an_execution_lost_after_its_results_is_recorded_succeeded_and_the_datas
     run = ingest.ledger.get_run(first.run_id)
     assert run is not None and run.execution
     ckpt = f"gs://art/runs/{run.run_id}/checkpoints/megatron_gpt--step=4-last"
-    ingest.ledger.update_run(run.run_id, {"status": "training", "checkpoint": ckpt})
+    overwrite_run(ingest.ledger, run.run_id, {"status": "training", "checkpoint": ckpt})
     held_executions.forget(run.execution)
     (outcome,) = ingest.sweep(now=later(31))
     assert outcome.action == "recorded-success"
@@ -493,20 +493,20 @@ def test_a_failed_run_is_retried_on_request_with_its_own_objects(ingest: Ingest)
     assert first.action == "started"
     with pytest.raises(Rejected, match="only a failed or cancelled run"):
         ingest.retry(first.run_id)  # still live
-    ingest.ledger.update_run(first.run_id, {"status": "failed", "reason": "training failed"})
+    overwrite_run(ingest.ledger, first.run_id, {"status": "failed", "reason": "training failed"})
     retried = ingest.retry(first.run_id)
     assert retried.action == "started" and retried.run_id != first.run_id
     second = ingest.ledger.get_run(retried.run_id)
-    assert second is not None and second.trigger == f"retry of {first.run_id}"
+    assert second is not None and (second.trigger, second.retry_of) == (Trigger.RETRY, first.run_id)
     assert [o.uri for o in ingest.ledger.run_objects(second)] == [
         "gs://land/incoming/again/1.txt",
         "gs://land/incoming/again/2.txt",
     ]
-    ingest.ledger.update_run(retried.run_id, {"status": "succeeded", "eval": {"promoted": True}})
+    overwrite_run(ingest.ledger, retried.run_id, {"status": "succeeded", "eval": {"promoted": True}})
     with pytest.raises(Rejected, match="was promoted: the champion holds its content"):
         ingest.retry(retried.run_id)
     # failed after promoting (its release failed): the champion holds its content, which must not train twice
-    ingest.ledger.update_run(retried.run_id, {"status": "failed"})
+    overwrite_run(ingest.ledger, retried.run_id, {"status": "failed"})
     with pytest.raises(Rejected, match="was promoted: the champion holds its content"):
         ingest.retry(retried.run_id)
     with pytest.raises(Rejected, match="no run"):
@@ -520,7 +520,7 @@ def test_a_run_whose_checkpoint_the_gate_refused_keeps_its_content_until_retried
     arrive(ingest, "gated", "1.txt")
     first = ingest.seal("gated", "manual")
     refused = {"promoted": False, "reason": "val_loss 3.5 is worse than the champion's"}
-    ingest.ledger.update_run(first.run_id, {"status": "succeeded", "eval": refused})
+    overwrite_run(ingest.ledger, first.run_id, {"status": "succeeded", "eval": refused})
     run = ingest.ledger.get_run(first.run_id)
     assert run is not None and run.refused and not run.promoted
     assert [o for o in ingest.sweep() if o.run_id == first.run_id] == []  # the sweeper leaves it
@@ -528,7 +528,7 @@ def test_a_run_whose_checkpoint_the_gate_refused_keeps_its_content_until_retried
     retried = ingest.retry(first.run_id)
     assert retried.action == "started" and retried.run_id != first.run_id
     second = ingest.ledger.get_run(retried.run_id)
-    assert second is not None and second.trigger == f"retry of {first.run_id}"
+    assert second is not None and (second.trigger, second.retry_of) == (Trigger.RETRY, first.run_id)
     assert [o.uri for o in ingest.ledger.run_objects(second)] == ["gs://land/incoming/gated/1.txt"]
 
 
@@ -646,7 +646,7 @@ def test_the_sweeper_gives_back_what_a_run_that_ended_without_succeeding_still_h
     arrive(ingest, "held", "1.txt")
     arrive(ingest, "held", "2.txt")
     started = ingest.seal("held", "manual")
-    ingest.ledger.update_run(started.run_id, {"status": "failed", "reason": "training failed"})
+    overwrite_run(ingest.ledger, started.run_id, {"status": "failed", "reason": "training failed"})
     outcomes = [o for o in ingest.sweep() if o.action == "gave-back"]
     assert [(o.action, o.run_id) for o in outcomes] == [("gave-back", started.run_id)]
     run = ingest.ledger.get_run(started.run_id)
@@ -664,8 +664,8 @@ def test_an_execution_that_ended_failed_after_its_results_is_recorded_succeeded(
     run = ingest.ledger.get_run(first.run_id)
     assert run is not None and run.execution
     ckpt = f"gs://art/runs/{run.run_id}/checkpoints/megatron_gpt--step=4-last"
-    ingest.ledger.update_run(
-        run.run_id, {"status": "training", "checkpoint": ckpt, "eval": {"promoted": True}}
+    overwrite_run(
+        ingest.ledger, run.run_id, {"status": "training", "checkpoint": ckpt, "eval": {"promoted": True}}
     )
     held_executions.cancel(run.execution)
     deadline = time.monotonic() + 10
@@ -783,7 +783,7 @@ def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(
     assert (fresh.monthly_budget_usd, fresh.budget_left_usd, fresh.would_run) == (budget, budget, True)
     first = ingest.seal("budgeted", "manual")
     assert first.action == "started"
-    ingest.ledger.update_run(first.run_id, {"status": "succeeded", "cost_usd": budget - cost / 2})
+    overwrite_run(ingest.ledger, first.run_id, {"status": "succeeded", "cost_usd": budget - cost / 2})
 
     arrive(ingest, "budgeted", "2.txt")
     (after,) = ingest.forecast("budgeted")
@@ -803,7 +803,7 @@ def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(
     # the same spend made last month: the budget is whole again, and the refused run's objects train
     month = budget_month(datetime.now(UTC))
     assert ingest.ledger.get_run(first.run_id).budget_month == month  # type: ignore[union-attr]
-    ingest.ledger.update_run(first.run_id, {"budget_month": "2000-01"})
+    overwrite_run(ingest.ledger, first.run_id, {"budget_month": "2000-01"})
     assert ingest.forecast("budgeted")[0].budget_left_usd == budget
     retried = ingest.retry(refused.run_id)
     assert retried.action == "started"
@@ -813,8 +813,8 @@ def test_a_run_past_its_datasets_monthly_budget_is_refused_before_capacity(
     arrive(ingest, "budgeted", "3.txt")
     queued = ingest.seal("budgeted", "manual")
     assert queued.action == "queued"
-    ingest.ledger.update_run(queued.run_id, {"estimated_cost_usd": cost, "budget_month": month})
-    ingest.ledger.update_run(retried.run_id, {"status": "succeeded", "cost_usd": cost / 4})
+    overwrite_run(ingest.ledger, queued.run_id, {"estimated_cost_usd": cost, "budget_month": month})
+    overwrite_run(ingest.ledger, retried.run_id, {"status": "succeeded", "cost_usd": cost / 4})
     pending = ingest.ledger.get_run(queued.run_id)
     with caplog.at_level(logging.WARNING, logger="retrain.ingest"):
         assert pending is not None and ingest.start(pending).action == "started"  # 1.25 x cost of 1.5 x cost

@@ -32,6 +32,27 @@ class RunStatus(StrEnum):
         return self in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
 
 
+class Trigger(StrEnum):
+    """What sealed a run's first batch (:attr:`Run.trigger`)."""
+
+    GCS_MARKER = "gcs-marker"
+    """The seal marker object (``seal_marker``) landed under the dataset's prefix."""
+    SCHEDULER = "scheduler"
+    """The Scheduler's seal job (hourly)."""
+    QUIET_PERIOD = "quiet-period"
+    """The sweeper: nothing arrived for ``quiet_period_s``."""
+    MAX_AGE = "max-age"
+    """The sweeper: the oldest pending arrival passed ``max_batch_age_s``."""
+    MANUAL = "manual"
+    """An operator: ``retrain run``, or the manual-run function."""
+    RETRY = "retry"
+    """``retrain run --retry RUN``: that run's objects arrived again (:attr:`Run.retry_of` names it)."""
+    BIGQUERY = "bigquery"
+    """A watched table's new rows were exported and landed."""
+    BIGQUERY_EXPORT = "bigquery-export"
+    """A BigQuery export job (``EXPORT DATA``) finished writing its files."""
+
+
 class FailureKind(StrEnum):
     """Why a run did not succeed, as a kind a program matches (its ``reason`` says it to a person).
 
@@ -59,33 +80,6 @@ class FailureKind(StrEnum):
     """A call the workflow made failed otherwise: a Python step refused it, or an API answered an error."""
     EXECUTION_LOST = "ExecutionLost"
     """Its workflow execution no longer exists, or ended without recording an outcome."""
-
-
-@dataclass(frozen=True)
-class RunEnd:
-    """A run's end as its record keeps it, when Python ends it (a refusal, an empty run, a lost execution;
-    the workflow records the ends it reaches itself): one shape for each of them."""
-
-    status: RunStatus
-    reason: str
-    """Why, for a person."""
-    failure: FailureKind | None = None
-    """Why, for a program (None: it succeeded)."""
-    nodes_at_end: int | None = None
-    """The GPU nodes up when it ended, where that is known (0: it never asked for any)."""
-
-    def fields(self, at: str | None = None) -> dict[str, Any]:
-        """The record's fields this end sets, ended ``at`` (now by default)."""
-        out: dict[str, Any] = {
-            "status": str(self.status),
-            "reason": self.reason,
-            "finished_at": at or now_iso(),
-        }
-        if self.failure is not None:
-            out["failure"] = str(self.failure)
-        if self.nodes_at_end is not None:
-            out["nodes_at_end"] = self.nodes_at_end
-        return out
 
 
 class BatchState(StrEnum):
@@ -161,9 +155,19 @@ def snapshot_id(content_hashes: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+class ProfileName(StrEnum):
+    """The trainer profiles (``retrain.trainers``): which trainer, in which image, a run's command is
+    rendered for (:attr:`Run.profile`)."""
+
+    NEMO_24_12 = "nemo-24.12"
+    """NeMo 1.0's Megatron GPT pre-training script in ``nvcr.io/nvidia/nemo:24.12``."""
+    MEGATRON_BRIDGE = "megatron-bridge"
+    """Megatron-Bridge's ``run_recipe.py`` in a current NeMo Framework image."""
+
+
 #: The trainer profile a dataset trains with unless configured otherwise, and the one of every record
 #: written before profiles were recorded (NeMo 24.12's, the only one then): ``retrain.trainers.nemo``.
-DEFAULT_PROFILE = "nemo-24.12"
+DEFAULT_PROFILE = ProfileName.NEMO_24_12
 
 
 @dataclass(frozen=True)
@@ -366,12 +370,14 @@ class Run:
     """Sortable, unique id (also the ``retrain.dev/run-id`` label)."""
     dataset: str
     """The dataset it trains."""
-    trigger: str
-    """What sealed its first batch (``gcs-marker``, ``scheduler``, ``manual``, ``quiet-period`` ...)."""
+    trigger: Trigger
+    """What sealed its first batch."""
     status: RunStatus = RunStatus.PENDING
     """Where it is (terminal: succeeded, failed, cancelled)."""
     batch_id: str = ""
     """The first sealed batch whose content it holds."""
+    retry_of: str | None = None
+    """The run whose objects it re-runs, when a retry's seal made it (:attr:`Trigger.RETRY`)."""
     snapshot: str = ""
     """Hash of its objects' content hashes, fixed when it starts."""
     objects: int = 0
@@ -509,6 +515,7 @@ class Run:
     def from_dict(cls, d: Mapping[str, Any]) -> Run:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["status"] = RunStatus(known.get("status", "pending"))
+        known["trigger"] = Trigger(known["trigger"])
         known["failure"] = _failure_kind(known.get("failure"))
         for name, kind in (("metrics", TrainingMetrics), ("eval", Evaluation)):
             value = known.get(name)

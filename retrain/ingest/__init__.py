@@ -22,7 +22,7 @@ from typing import Any
 
 from retrain.config import Settings
 from retrain.contracts import Forecast, SchedulerJob, SchedulerTick
-from retrain.domain.runs import Run
+from retrain.domain.runs import Run, Trigger
 from retrain.ingest import forecast as forecasts
 from retrain.ingest.arrivals import Arrivals
 from retrain.ingest.context import Context, Job
@@ -72,7 +72,7 @@ class Ingest(Job):
             return [self.sweeper.reap()]
         if tick.job == SchedulerJob.AUDIT:
             return [self.sweeper.audit()]
-        return self.starts.seal_pending(tick.dataset, "scheduler")
+        return self.starts.seal_pending(tick.dataset, Trigger.SCHEDULER)
 
     def on_jobset_event(self, message: Mapping[str, Any]) -> Outcome:
         """A JobSet's terminal state from the notifier (:meth:`.Relay.on_jobset_event`)."""
@@ -82,11 +82,11 @@ class Ingest(Job):
         """The dataset an object's name puts it in (:meth:`.Arrivals.dataset_of`)."""
         return self.arrivals.dataset_of(name)
 
-    def seal(self, dataset: str, trigger: str) -> Outcome:
+    def seal(self, dataset: str, trigger: Trigger) -> Outcome:
         """Seal ``dataset`` and start its run (:meth:`.Starts.seal`)."""
         return self.starts.seal(dataset, trigger)
 
-    def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
+    def seal_pending(self, dataset: Any, trigger: Trigger) -> list[Outcome]:
         """Seal every dataset with pending data, or only ``dataset`` (:meth:`.Starts.seal_pending`)."""
         return self.starts.seal_pending(dataset, trigger)
 

@@ -17,6 +17,7 @@ from retrain.domain.bigquery_events import (
 )
 from retrain.domain.errors import Rejected, Retry
 from retrain.domain.events import ObjectArrival, check_object_name, parse_gcs_finalized
+from retrain.domain.runs import Trigger
 from retrain.exports import Progress, Step, TableExports, arrival_of, written_files
 from retrain.ingest.context import Context, Job
 from retrain.ingest.outcomes import Action, Outcome
@@ -56,7 +57,7 @@ class Arrivals(Job):
             self.ledger.record_rejection(arrival.version, e.reason)
             raise
         if arrival.name.rsplit("/", 1)[-1] == self.settings.seal_marker:
-            return self.starts.seal(dataset, trigger="gcs-marker")
+            return self.starts.seal(dataset, Trigger.GCS_MARKER)
         return self._record(arrival, dataset)
 
     def _record(self, arrival: ObjectArrival, dataset: str) -> Outcome:
@@ -110,7 +111,7 @@ class Arrivals(Job):
             # Not there yet (a listing can trail the job by moments): fail so the platform retries.
             raise Retry(f"export {export.job} finished but none of its files are listed yet")
         log.info("export %s: %d file(s) in dataset %s", export.job, found, dataset)
-        return self.starts.seal(dataset, "bigquery-export")
+        return self.starts.seal(dataset, Trigger.BIGQUERY_EXPORT)
 
     def _export_new_rows(self, written: TableWritten) -> Outcome:
         """Export the rows the table gained since its watermark (a bounded job: :mod:`retrain.exports`)
@@ -129,7 +130,7 @@ class Arrivals(Job):
         """Take one step of an export (``do(*args)``); seal what it landed."""
         step = do(*args)
         if step.progress == Progress.LANDED and step.files:
-            return self.starts.seal(step.dataset, "bigquery")
+            return self.starts.seal(step.dataset, Trigger.BIGQUERY)
         action = {
             Progress.RUNNING: Action.EXPORTING,
             Progress.FAILED: Action.EXPORT_FAILED,

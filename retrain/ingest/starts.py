@@ -13,7 +13,8 @@ from typing import Any
 from retrain.contracts import ExecutionArgument, RunEventType, RunManifest
 from retrain.domain.datasets import optional_dataset
 from retrain.domain.errors import PlanError, Rejected
-from retrain.domain.runs import Champion, FailureKind, Run, RunEnd, RunStatus, now_iso
+from retrain.domain.runs import Champion, FailureKind, Run, RunStatus, Trigger
+from retrain.domain.transitions import ManifestRewritten, NothingToTrain, RunEnd, RunPlanned
 from retrain.ingest.context import Context, Job
 from retrain.ingest.outcomes import Action, Outcome
 from retrain.logs import Alert
@@ -46,11 +47,11 @@ def spent(ctx: Context, dataset: str, but: str = "") -> float:
 class Starts(Job):
     """Seals, a run's start (or its queueing, refusal or empty end), and a retried run's objects again."""
 
-    def seal(self, dataset: str, trigger: str) -> Outcome:
+    def seal(self, dataset: str, trigger: Trigger, retry_of: str | None = None) -> Outcome:
         """Seal the dataset's pending arrivals and start their run (or queue it behind the live one)."""
-        return self.started(self.ledger.seal(dataset, trigger))
+        return self.started(self.ledger.seal(dataset, trigger, retry_of))
 
-    def seal_pending(self, dataset: Any, trigger: str) -> list[Outcome]:
+    def seal_pending(self, dataset: Any, trigger: Trigger) -> list[Outcome]:
         """Seal every dataset's pending data (or only ``dataset``'s): ticks and manual triggers."""
         dataset = optional_dataset(dataset)
         return [self.seal(p.dataset, trigger) for p in self.ledger.pending(dataset)]
@@ -101,21 +102,18 @@ class Starts(Job):
         argument = dataclasses.replace(argument, manifest_generation=written)
         # The plan is the ledger's, kept under this claim: the execution's argument names only the run
         # and the claim, and its begin step reads the plan back (ExecutionArgument says why).
-        kept = self.ledger.update_claimed(
-            run.run_id,
-            claim.token,
-            {
-                "plan": argument.to_dict(),
-                "service_account": argument.run_account["metadata"]["name"],
-                "profile": argument.training["profile"],
-                "base_checkpoint": champion.checkpoint if champion else None,
-                "base_step": champion.step if champion else 0,
-                "estimated_cost_usd": round(cost.cost_usd, 2),
-                "cost_cap_usd": self.settings.max_run_cost_usd or None,
-                "budget_month": budget_month(datetime.now(UTC)),
-                "manifest_generation": written,
-            },
+        planned = RunPlanned(
+            plan=argument.to_dict(),
+            service_account=argument.run_account["metadata"]["name"],
+            profile=argument.training["profile"],
+            base_checkpoint=champion.checkpoint if champion else None,
+            base_step=champion.step if champion else 0,
+            estimated_cost_usd=round(cost.cost_usd, 2),
+            cost_cap_usd=self.settings.max_run_cost_usd or None,
+            budget_month=budget_month(datetime.now(UTC)),
+            manifest_generation=written,
         )
+        kept = self.ledger.record_claimed(run.run_id, claim.token, planned)
         if not kept:
             return self._superseded(run)
         execution = self.orchestrator.start(ExecutionArgument(run.run_id, claim.token).to_dict())
@@ -143,7 +141,7 @@ class Starts(Job):
         self.ledger.give_back(run)
         returned = self.ledger.requeue(run)
         log.info("retrying run %s: its %d object(s) arrive again", run_id, returned)
-        return self.seal(run.dataset, f"retry of {run_id}")
+        return self.seal(run.dataset, Trigger.RETRY, retry_of=run_id)
 
     def _superseded(self, run: Run, execution: str = "") -> Outcome:
         """This starter's claim was taken over (a sweep took it to be stuck): the other starter's
@@ -178,7 +176,7 @@ class Starts(Job):
             there = self.store.stat(uri)
         if self.store.read_bytes(uri, there.generation) == data:
             return there.generation
-        if not self.ledger.update_claimed(run.run_id, claim, {"manifest_generation": None}):
+        if not self.ledger.record_claimed(run.run_id, claim, ManifestRewritten()):
             return None
         try:
             return self.store.write_bytes(uri, data, "application/json", if_generation_match=there.generation)
@@ -188,20 +186,9 @@ class Starts(Job):
     def _nothing_to_train(self, run: Run, claim: str, manifest: RunManifest) -> Outcome:
         """End a run whose every object is empty: it would tokenize to nothing and fail, so it succeeds
         now, without a job or capacity (its manifest is written, for its lineage and the audit)."""
-        written = self.write_manifest(run, claim, manifest)
-        reason = f"nothing to train: its {len(manifest.objects)} object(s) are empty"
-        now = now_iso()
-        ended = self.ledger.update_claimed(
-            run.run_id,
-            claim,
-            {
-                **RunEnd(RunStatus.SUCCEEDED, reason, nodes_at_end=0).fields(now),
-                "manifest_generation": written,
-                "objects": len(manifest.objects),
-                "work_ended_at": now,
-            },
-        )
-        if not ended:
+        empty = NothingToTrain(len(manifest.objects), self.write_manifest(run, claim, manifest))
+        reason = empty.reason
+        if not self.ledger.record_claimed(run.run_id, claim, empty):
             return self._superseded(run)
         tell(self.events, RunEventType.SUCCEEDED, run, reason=reason, cost_usd=0.0)
         log.info("run %s: %s", run.run_id, reason)
@@ -223,12 +210,8 @@ class Starts(Job):
         """End a run before it asks for any capacity, its content given back (eligible again: dropped
         again, or ``run --retry`` once whatever refused it is fixed); not when a sweep took its start
         over (the other starter decides)."""
-        ended = self.ledger.update_claimed(
-            run.run_id,
-            claim,
-            RunEnd(RunStatus.FAILED, reason, FailureKind.REFUSED, nodes_at_end=0).fields(),
-        )
-        if not ended:
+        end = RunEnd(RunStatus.FAILED, reason, FailureKind.REFUSED, nodes_at_end=0)
+        if not self.ledger.record_claimed(run.run_id, claim, end):
             return self._superseded(run)
         tell(self.events, RunEventType.REFUSED, run, reason=reason, failure=str(FailureKind.REFUSED))
         returned = self.ledger.give_back(run)

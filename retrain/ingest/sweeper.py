@@ -13,7 +13,8 @@ from functools import partial
 from retrain.audit import Account, AuditReport, audit, log_report, repair
 from retrain.contracts import RunEventType
 from retrain.domain.errors import ExecutionLost, Retry
-from retrain.domain.runs import BatchState, FailureKind, Run, RunEnd, RunStatus, iso, now_iso, parse_iso
+from retrain.domain.runs import BatchState, FailureKind, Run, RunStatus, Trigger, iso, now_iso, parse_iso
+from retrain.domain.transitions import ReleaseObserved, RunEnd
 from retrain.exports import Step
 from retrain.ingest.arrivals import Arrivals
 from retrain.ingest.context import Context, Job
@@ -46,7 +47,7 @@ def record_silent_end(
         # (the release, the final record) was cut short, so it succeeded; the reaper releases.
         how = "was lost" if state == ExecutionState.LOST else f"ended {state}"
         reason = f"trained; its execution {run.execution} {how} while releasing (the reaper releases)"
-        ledger.update_run(run.run_id, RunEnd(RunStatus.SUCCEEDED, reason).fields())
+        ledger.record(run.run_id, RunEnd(RunStatus.SUCCEEDED, reason))
         tell(events, RunEventType.SUCCEEDED, current, reason=reason)
         return Outcome(Action.RECORDED_SUCCESS, reason, run.run_id)
     if state == ExecutionState.LOST:
@@ -55,7 +56,7 @@ def record_silent_end(
         reason = f"workflow execution ended {state} without recording an outcome" + (
             f": {execution.error}" if execution.error else ""
         )
-    ledger.update_run(run.run_id, RunEnd(RunStatus.FAILED, reason, FailureKind.EXECUTION_LOST).fields())
+    ledger.record(run.run_id, RunEnd(RunStatus.FAILED, reason, FailureKind.EXECUTION_LOST))
     tell(events, RunEventType.FAILED, current, reason=reason, failure=str(FailureKind.EXECUTION_LOST))
     ledger.give_back(current)  # identical bytes dropped again are new; `run --retry` re-runs them
     return Outcome(Action.RECORDED_FAILURE, reason, run.run_id)
@@ -92,9 +93,12 @@ class Sweeper(Job):
 
         for pending in self.ledger.pending():
             if pending.last_arrival_at < quiet_before:
-                each(f"seal {pending.dataset}", partial(self.starts.seal, pending.dataset, "quiet-period"))
+                each(
+                    f"seal {pending.dataset}",
+                    partial(self.starts.seal, pending.dataset, Trigger.QUIET_PERIOD),
+                )
             elif pending.first_arrival_at < old_before:
-                each(f"seal {pending.dataset}", partial(self.starts.seal, pending.dataset, "max-age"))
+                each(f"seal {pending.dataset}", partial(self.starts.seal, pending.dataset, Trigger.MAX_AGE))
         sealing: set[str] = set()  # datasets whose sealer is still putting a batch into the pending run
         for batch in self.ledger.batches_in(BatchState.SEALED):
             if batch.get("sealed_at", "") < stuck_before:
@@ -214,7 +218,7 @@ class Sweeper(Job):
         cannot be observed after the fact: its ``gpu_node_seconds`` stay what its execution recorded."""
         observed = []
         for run in self.ledger.unobserved_release():
-            self.ledger.update_run(run.run_id, {"nodes_at_end": 0, "release_observed_at": now_iso()})
+            self.ledger.record(run.run_id, ReleaseObserved(now_iso()))
             observed.append(run.run_id)
         return observed
 

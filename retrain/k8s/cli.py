@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     js.add_argument("--base-step", type=int, default=0, help="the base checkpoint's step")
     js.add_argument("--vocab-file", help="default: GPT-2's, where the tokenize job keeps it")
     js.add_argument("--merge-file")
-    js.add_argument("--profile", default=settings.profile, choices=sorted(profiles()))
+    js.add_argument("--profile", default=settings.profile, choices=sorted(map(str, profiles())))
     js.add_argument("--image", help="default: the profile's image setting")
     js.add_argument("--no-tcpx", action="store_true", help="multi-node without GPUDirect-TCPX")
     js.add_argument("--json", action="store_true", help="JSON instead of YAML")

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from retrain.config import Settings
-from retrain.domain.runs import DEFAULT_PROFILE
+from retrain.domain.runs import DEFAULT_PROFILE, ProfileName
 from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -468,7 +468,7 @@ def example_plan() -> TrainingPlan:
 #: :func:`example_jobset` of its profile.
 EXAMPLES = {
     "jobset.example.yaml": (DEFAULT_PROFILE, "nvcr.io/nvidia/nemo:24.12"),
-    "jobset.megatron-bridge.example.yaml": ("megatron-bridge", "nvcr.io/nvidia/nemo:26.08"),
+    "jobset.megatron-bridge.example.yaml": (ProfileName.MEGATRON_BRIDGE, "nvcr.io/nvidia/nemo:26.08"),
 }
 
 
@@ -478,7 +478,7 @@ def example_jobset(file: str = "jobset.example.yaml") -> dict[str, Any]:
 
     name, image = EXAMPLES[file]
     plan = example_plan()
-    if name == "megatron-bridge":  # its lineage's base is Bridge's own checkpoint folder
+    if name == ProfileName.MEGATRON_BRIDGE:  # its lineage's base is Bridge's own checkpoint folder
         plan = replace(
             plan,
             profile=name,

@@ -258,7 +258,7 @@ def profile(name: str) -> Profile:
     try:
         return known[name]
     except KeyError:
-        raise PlanError(f"unknown trainer profile {name!r} (one of {sorted(known)})") from None
+        raise PlanError(f"unknown trainer profile {name!r} (one of {sorted(map(str, known))})") from None
 
 
 __all__ = [

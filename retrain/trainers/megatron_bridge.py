@@ -50,11 +50,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from retrain.domain.runs import ProfileName
 from retrain.tensorboard import Scalar
 from retrain.trainers import BatchShape, Command, MountPath, PlanError, TrainingPlan
 from retrain.trainers.hydra import hydra_blend, hydra_string
 
-NAME = "megatron-bridge"
+NAME = ProfileName.MEGATRON_BRIDGE
 #: The Megatron-Bridge release whose config the overrides are checked against.
 RELEASE = "0.6.2"
 CONFIG_FILE = Path(__file__).resolve().parents[1] / "resources" / f"megatron-bridge-{RELEASE}" / "config.json"

@@ -32,12 +32,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from retrain.domain.runs import DEFAULT_PROFILE
+from retrain.domain.runs import ProfileName
 from retrain.tensorboard import Scalar
 from retrain.trainers import Command, MountPath, PlanError, TrainingPlan
 from retrain.trainers.hydra import compose, hydra_blend, hydra_string
 
-NAME = DEFAULT_PROFILE
+NAME = ProfileName.NEMO_24_12
 SCRIPT = "/opt/NeMo/examples/nlp/language_modeling/megatron_gpt_pretraining.py"
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "resources" / "nemo-24.12"
 CONFIG_NAME = "megatron_gpt_config"

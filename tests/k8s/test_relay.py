@@ -29,6 +29,7 @@ from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run, RunStatus
+from retrain.domain.transitions import RunEnd
 from retrain.ingest import Action, Ingest
 from retrain.k8s.notifier import message_for, terminal_state
 from retrain.k8s.render import JOBSET_API, render_jobset
@@ -227,7 +228,7 @@ def test_a_message_redirecting_the_callback_is_rejected(relay: Relay) -> None:
 def test_a_completion_of_an_ended_run_is_ignored(relay: Relay) -> None:
     run = relay.run(f"r-{uuid.uuid4().hex[:6]}")
     message = notifier_message(relay.jobset(run, "Completed"))
-    relay.ledger.update_run(run.run_id, {"status": str(RunStatus.SUCCEEDED)})
+    relay.ledger.record(run.run_id, RunEnd(RunStatus.SUCCEEDED, "trained"))
     assert relay.ingest.on_jobset_event(message).action == Action.IGNORED
     assert relay.recorder.received == []
 

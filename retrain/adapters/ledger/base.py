@@ -19,6 +19,7 @@ from google.cloud.firestore_v1.base_query import FieldFilter
 
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import Run, now_iso
+from retrain.domain.transitions import RunChange
 from retrain.ports import ExportJob, Watermark
 
 T = TypeVar("T")
@@ -194,7 +195,12 @@ class FirestoreBase:
         snap = self.db.collection("runs").document(run_id).get()
         return Run.from_dict(snap.to_dict() or {}) if snap.exists else None
 
-    def update_run(self, run_id: str, fields: Mapping[str, Any]) -> None:
+    def record(self, run_id: str, change: RunChange) -> None:
+        self._patch_run(run_id, change.fields())
+
+    def _patch_run(self, run_id: str, fields: Mapping[str, Any]) -> None:
+        """The one write to a run record: a change's fields (:meth:`record`), or the ledger's own
+        bookkeeping (a run's objects and snapshot, the content it gave back)."""
         self.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})
 
     def run_objects(self, run: Run) -> tuple[ObjectVersion, ...]:

@@ -13,14 +13,14 @@ from google.cloud.firestore_v1.base_query import FieldFilter
 
 from retrain.adapters.ledger.base import CONTENT_CHUNK, THROUGH, FirestoreBase, _first_by_content, _key
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import BatchState, Run, new_run_id, now_iso
+from retrain.domain.runs import BatchState, Run, Trigger, new_run_id, now_iso
 from retrain.ports import SealOutcome, SealPreview, SealVerdict
 
 
 class BatchRecords(FirestoreBase):
     """Seals, and the pending run a batch joins."""
 
-    def seal(self, dataset: str, trigger: str) -> SealOutcome:
+    def seal(self, dataset: str, trigger: Trigger, retry_of: str | None = None) -> SealOutcome:
         """Cut the dataset's timeline now: what arrived since the last cut becomes a batch, whose new
         content joins the dataset's pending run.
 
@@ -45,7 +45,8 @@ class BatchRecords(FirestoreBase):
                 "state": str(BatchState.SEALED),
                 THROUGH: firestore.SERVER_TIMESTAMP,
                 "sealed_at": now_iso(),
-                "trigger": trigger,
+                "trigger": str(trigger),
+                "retry_of": retry_of,
             },
         )
         writes.commit()
@@ -60,7 +61,7 @@ class BatchRecords(FirestoreBase):
         idempotent, so a sweeper can finish a seal a crash cut short."""
         batch_ref = self.db.collection("batches").document(batch_id)
         batch = batch_ref.get().to_dict() or {}
-        dataset, trigger = str(batch.get("dataset")), str(batch.get("trigger", "sweeper"))
+        dataset = str(batch.get("dataset"))
         if batch.get("state") == str(BatchState.SEALED) and "after" not in batch:
             # where the window starts: the previous cut, ordered by (commit time, id)
             batch["after"] = self._last_cut(dataset, (batch[THROUGH], batch_id))
@@ -79,7 +80,7 @@ class BatchRecords(FirestoreBase):
         held = self._held(dataset, list(first))
         todo = {h: version for h, version in first.items() if h not in held}
         while todo:
-            run = self._pending_run(dataset, trigger, batch_id)
+            run = self._pending_run(dataset, batch_id, Trigger(batch["trigger"]), batch.get("retry_of"))
             chunk = dict(list(todo.items())[:CONTENT_CHUNK])
             joined, stale = self._join(run, chunk)
             if stale:  # the pending run started meanwhile: the rest goes to the next pending run
@@ -129,7 +130,7 @@ class BatchRecords(FirestoreBase):
         run = self.get_run(str(snap.get("run_id"))) if snap.exists else None
         return run if run is not None and not run.status.terminal else None
 
-    def _pending_run(self, dataset: str, trigger: str, batch_id: str) -> Run:
+    def _pending_run(self, dataset: str, batch_id: str, trigger: Trigger, retry_of: str | None) -> Run:
         """The dataset's pending run, created (as ``trigger`` made it) when there is none.  Creating it
         is one atomic write of the run and the slot with the slot's create precondition, so concurrent
         seals agree on one pending run without locking anything."""
@@ -140,7 +141,7 @@ class BatchRecords(FirestoreBase):
                 run = self.get_run(str(snap.get("run_id")))
                 if run is not None and not run.status.terminal:
                     return run
-            fresh = Run(run_id=new_run_id(dataset), dataset=dataset, trigger=trigger, batch_id=batch_id)
+            fresh = Run(new_run_id(dataset), dataset, trigger, batch_id=batch_id, retry_of=retry_of)
             writes = self.db.batch()
             writes.set(self.db.collection("runs").document(fresh.run_id), fresh.to_dict())
             if snap.exists:  # a slot naming a run that is gone or ended before it started: replace it

@@ -38,9 +38,9 @@ class HoldingRecords(FirestoreBase):
 
         self._commit_in_batches(entries, move)
         if versions is None:
-            self.update_run(run.run_id, {"content_returned": True})
+            self._patch_run(run.run_id, {"content_returned": True})
         elif entries:
-            self.update_run(run.run_id, {"returned_untrained": current.returned_untrained + len(entries)})
+            self._patch_run(run.run_id, {"returned_untrained": current.returned_untrained + len(entries)})
         return len(entries)
 
     def versions_of(self, dataset: str, content_hash: str) -> list[ObjectVersion]:

@@ -4,7 +4,6 @@ start's claim, the execution bound under it, each run's fields."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +12,7 @@ from google.cloud.firestore_v1.base_query import FieldFilter
 
 from retrain.adapters.ledger.base import FirestoreBase
 from retrain.domain.runs import Champion, Run, RunStatus, execution_id, iso, now_iso, snapshot_id
+from retrain.domain.transitions import RunChange
 from retrain.ports import StartClaim, StartVerdict
 
 
@@ -63,10 +63,10 @@ class RunRecords(FirestoreBase):
             self.db.collection("runs").document(run.run_id).delete()
             return StartClaim(StartVerdict.EMPTY, ())
         snap = snapshot_id(self._run_hashes(run))
-        self.update_run(run.run_id, {"objects": len(objects), "snapshot": snap})
+        self._patch_run(run.run_id, {"objects": len(objects), "snapshot": snap})
         return StartClaim(StartVerdict.CLAIMED, objects, snap, token)
 
-    def update_claimed(self, run_id: str, claim: str, fields: Mapping[str, Any]) -> bool:
+    def record_claimed(self, run_id: str, claim: str, change: RunChange) -> bool:
         run_ref = self.db.collection("runs").document(run_id)
 
         @firestore.transactional
@@ -78,7 +78,7 @@ class RunRecords(FirestoreBase):
                 or current.get("status", str(RunStatus.PENDING)) != str(RunStatus.PENDING)
             ):
                 return False
-            tx.update(run_ref, {**fields, "updated_at": now_iso()})
+            tx.update(run_ref, {**change.fields(), "updated_at": now_iso()})
             return True
 
         return bool(self._contended(update))
