@@ -17,8 +17,8 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.pool import ThreadPool
 from typing import Any
 
 from retrain import megatron
@@ -132,8 +132,8 @@ def write_pack(pack: Pack) -> bool:
     streamed alone, so memory stays bounded whatever the members' sizes."""
     if (len(pack.members) == 1 and pack.held_out_for is None) or objects.exists(pack.report_uri):
         return False
-    with ThreadPool(_READERS) as pool:
-        idx = pool.map(objects.read_bytes, [m.data_prefix + ".idx" for m in pack.members])
+    with ThreadPoolExecutor(_READERS) as pool:
+        idx = list(pool.map(objects.read_bytes, [m.data_prefix + ".idx" for m in pack.members]))
         indexes = [megatron.decode_index(i) for i in idx]
         with objects.open_write(pack.data_prefix + ".bin") as out:
             for window in _windows(list(zip(pack.members, indexes, strict=True))):
@@ -142,7 +142,7 @@ def write_pack(pack: Pack) -> bool:
                     with objects.open_read(member.data_prefix + ".bin") as f:
                         _check_size(member, index, _copy(f, out))
                     continue
-                bins = pool.map(objects.read_bytes, [m.data_prefix + ".bin" for m, _ in window])
+                bins = list(pool.map(objects.read_bytes, [m.data_prefix + ".bin" for m, _ in window]))
                 for (member, index), data in zip(window, bins, strict=True):
                     _check_size(member, index, len(data))
                     out.write(data)
@@ -190,8 +190,8 @@ def write_packs(packs: Sequence[Pack], threads: int = 4) -> list[bool]:
     """Write every pack not yet complete, several at once; for each, whether it was written now."""
     if not packs:
         return []
-    with ThreadPool(min(threads, len(packs))) as pool:
-        return pool.map(write_pack, packs)
+    with ThreadPoolExecutor(min(threads, len(packs))) as pool:
+        return list(pool.map(write_pack, packs))
 
 
 def blend(packs: Sequence[Pack]) -> list[Any]:

@@ -22,9 +22,9 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing.pool import ThreadPool
 from typing import Any, cast
 
 import apache_beam as beam
@@ -418,8 +418,8 @@ def _prepare(
 
 
 def _stat_all(uris: Sequence[str]) -> list[objects.ObjectInfo]:
-    with ThreadPool(min(16, max(1, len(uris)))) as pool:
-        return pool.map(objects.stat, uris)
+    with ThreadPoolExecutor(min(16, max(1, len(uris)))) as pool:
+        return list(pool.map(objects.stat, uris))
 
 
 def _sizes(uris: Sequence[str]) -> list[int]:
@@ -446,8 +446,8 @@ def content_hashes(infos: Sequence[objects.ObjectInfo], index_root: str) -> list
         objects.write_bytes(entry, digest.encode(), "text/plain")
         return digest
 
-    with ThreadPool(min(8, max(1, len(infos)))) as pool:
-        return pool.map(sha, infos)
+    with ThreadPoolExecutor(min(8, max(1, len(infos)))) as pool:
+        return list(pool.map(sha, infos))
 
 
 def tokenize_to_prefix(
@@ -719,8 +719,8 @@ def tokenize_incremental(
     wanted = _wanted(objects_, pinned)
     if not wanted:
         raise ValueError("no inputs")
-    with ThreadPool(min(16, len(wanted))) as pool:
-        checked = pool.map(partial(_check, max_decompressed=max_decompressed_bytes), wanted)
+    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
+        checked = list(pool.map(partial(_check, max_decompressed=max_decompressed_bytes), wanted))
     quarantined_objects = _quarantined(checked, source)
     readable = [c for c in checked if c.problem is None and c.info is not None]
     shas = content_hashes(
