@@ -231,10 +231,10 @@ def main() -> int:
         _, gcs_host = processes.start_on_a_free_port(lambda port: emulators.gcs(state, port), keep)
         os.environ.update({"FIRESTORE_EMULATOR_HOST": fs_host, "STORAGE_EMULATOR_HOST": gcs_host})
 
+        from cloudworkflows import ExecutionsServer
         from retrain.adapters import objects
         from retrain.adapters.ledger import FirestoreLedger
         from retrain.domain.events import ObjectArrival
-        from retrain.workflows import ExecutionsServer
 
         project = f"storm-{uuid.uuid4().hex[:6]}"
         objects.storage_client().create_bucket("art")

@@ -736,7 +736,7 @@ def _point_at(target_name: str | None) -> None:
 
 #: Subcommands that belong to one component: (module whose main(argv) runs it, help).
 DELEGATES = {
-    "workflows": ("retrain.workflows.cli", "run workflow files in retrain's Workflows interpreter"),
+    "workflows": ("cloudworkflows.cli", "run workflow files in retrain's Workflows interpreter"),
     "tokenize": ("retrain.tokenize.cli", "tokenize text into Megatron .bin/.idx datasets"),
     "render": ("retrain.k8s.cli", "render Kubernetes manifests (render jobset ...)"),
     "notify": ("retrain.k8s.notifier", "publish JobSet terminal states to Pub/Sub (runs in the cluster)"),

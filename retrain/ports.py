@@ -2,7 +2,7 @@
 
 Each has one real adapter in ``retrain.adapters`` (the cloud and the emulators differ only by
 endpoint); the Workflows executions API, which has no emulator, has a local twin in
-``retrain.workflows.server`` reached through the same REST shape.
+``cloudworkflows.server`` reached through the same REST shape.
 """
 
 from __future__ import annotations

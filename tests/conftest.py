@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cloudworkflows import ExecutionsServer
 from retrain.local import emulators, processes
-from retrain.workflows import ExecutionsServer
 
 pytest_plugins = ("pytester",)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import yaml
 
+from cloudworkflows import ConnectorRegistry, load_workflow
 from retrain.contracts import RunEvent
-from retrain.workflows import ConnectorRegistry, load_workflow
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "retrain.yaml"
 

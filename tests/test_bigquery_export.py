@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
+from cloudworkflows import ExecutionsServer
 from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
@@ -28,7 +29,6 @@ from retrain.domain.runs import RunStatus, iso
 from retrain.exports import Progress, TableExports
 from retrain.ingest import Action, Ingest
 from retrain.ports import ExportJob, ExportRefused, ExportState, ExportStatus, RowRange, Watermark
-from retrain.workflows import ExecutionsServer
 
 if TYPE_CHECKING:
     from conftest import ServedFunction

@@ -264,7 +264,7 @@ def test_the_workflow_reads_only_the_environment_terraform_gives_it(tmp_path: Pa
 def test_an_execution_sees_the_built_ins_of_the_deployed_workflow() -> None:
     """sys.get_env in the local executions: the project, its number and the workflow's own service account
     as infra/app/workflow.tf deploys it, beside its user variables; nothing else."""
-    from retrain.workflows import load_workflow
+    from cloudworkflows import load_workflow
 
     deployment = Deployment()
     env = deployment.execution_env({"RETRAIN_STEPS_URL": "http://127.0.0.1:1/steps"})
@@ -647,8 +647,8 @@ def test_the_failure_kinds_the_workflow_records_are_the_domains() -> None:
     ],
 )
 def test_the_workflow_records_the_kind_of_any_error(error: Any, kind: str) -> None:
+    from cloudworkflows import load_workflow
     from retrain.domain.runs import FailureKind
-    from retrain.workflows import load_workflow
 
     source = yaml.safe_load(WORKFLOW.read_text())
     source["main"] = {

@@ -12,10 +12,10 @@ import pytest
 import requests
 from stack_support import stored_plan
 
+from cloudworkflows import ConnectorRegistry, ExecutionsServer, load_workflow
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.local.landing import finalized_event
-from retrain.workflows import ConnectorRegistry, ExecutionsServer, load_workflow
 
 if TYPE_CHECKING:
     from conftest import ServedFunction

@@ -334,8 +334,8 @@ def test_the_gke_api_describes_the_cluster_only_to_who_may_get_it(
 def test_the_executions_service_serves_only_who_may_run_the_workflow(
     guard: Guard, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from cloudworkflows import ExecutionsServer
     from retrain.adapters.workflows import WorkflowsExecutions
-    from retrain.workflows import ExecutionsServer
 
     server = ExecutionsServer.holding()
     server.authorize = lambda token, permission, name: guard.authorize(

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from cloudworkflows import ExecutionsServer
 from retrain.local.gcs_emulator import FLUSH_S, FLUSH_SHARE, MAX_FLUSH_PAUSE_S, flush_pause
 from retrain.local.http import LoopbackServer
-from retrain.workflows import ExecutionsServer
 
 
 class _Reports(BaseHTTPRequestHandler):

@@ -178,13 +178,13 @@ def test_the_run_events_metric_reads_what_the_workflows_entries_carry(
 ) -> None:
     """The workflow's announce logs the event (sys.log json): the run-events metric counts those
     entries, labelled by their type."""
-    from retrain.workflows import ConnectorRegistry
+    from cloudworkflows import ConnectorRegistry
 
     registry = ConnectorRegistry()
     registry.register("googleapis.pubsub.v1.projects.topics.publish", lambda args, _: {"messageIds": ["1"]})
-    with caplog.at_level(logging.INFO, logger="retrain.workflows.sys.log"):
+    with caplog.at_level(logging.INFO, logger="cloudworkflows.sys.log"):
         announce("succeeded", {"status": "succeeded", "cost_usd": 1.5}, registry)
-    (logged,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "retrain.workflows.sys.log"]
+    (logged,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "cloudworkflows.sys.log"]
     assert logged["component"] == "workflow" and logged["run_event"]["type"] == "succeeded"
     assert set(logged["run_event"]) == field_names(RunEvent)
     metrics = app().resources("google_logging_metric")

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from run_events_support import announce
 
+from cloudworkflows import ConnectorRegistry, load_workflow
 from retrain.contracts import RunEvent, RunEventType, WorkflowArgument, field_names
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import FailureKind, RunStatus
-from retrain.workflows import ConnectorRegistry, load_workflow
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "retrain.yaml"
 PUBLISH = "googleapis.pubsub.v1.projects.topics.publish"
@@ -135,7 +135,7 @@ def test_a_publish_that_fails_does_not_fail_the_record() -> None:
     registry.register(PATCH, lambda args, _: {})
 
     def refuse(args: Any, _: Any) -> Any:
-        from retrain.workflows import WorkflowError
+        from cloudworkflows import WorkflowError
 
         raise WorkflowError({"message": "denied", "code": 403, "tags": ["HttpError"]})
 

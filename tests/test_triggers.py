@@ -21,6 +21,7 @@ import pytest
 from run_events_support import Told
 from stack_support import overwrite_run, stored_plan
 
+from cloudworkflows import ExecutionsServer
 from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
@@ -32,7 +33,6 @@ from retrain.domain.runs import RunStatus, Trigger
 from retrain.ingest import Ingest
 from retrain.plan import budget_month
 from retrain.steps import Steps
-from retrain.workflows import ExecutionsServer
 
 pytestmark = pytest.mark.emulators
 REPO = Path(__file__).resolve().parents[1]

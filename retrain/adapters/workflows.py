@@ -3,7 +3,7 @@
 
 One adapter for both worlds: in the cloud the client reaches workflowexecutions.googleapis.com with
 Application Default Credentials; locally ``RETRAIN_WORKFLOWS_GRPC_ENDPOINT`` points it at retrain's
-own executions service (``retrain.workflows.server``, over an insecure channel, as Google's clients reach
+own executions service (``cloudworkflows.server``, over an insecure channel, as Google's clients reach
 their emulators) and ``RETRAIN_WORKFLOWS_ENDPOINT`` is where that service's callback URLs live.
 """
 

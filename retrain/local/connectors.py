@@ -23,13 +23,13 @@ import requests
 import yaml
 from google.api_core.exceptions import NotFound
 
+from cloudworkflows import ConnectorRegistry, WorkflowError, http_error
+from cloudworkflows.stdlib import send
 from retrain.adapters import credentials, objects
 from retrain.local.dataflow import LocalDataflow
 from retrain.local.iam import Kind, Resource
 from retrain.local.identities import Caller
 from retrain.local.identities import connector_require as require
-from retrain.workflows import ConnectorRegistry, WorkflowError, http_error
-from retrain.workflows.stdlib import send
 
 Args = dict[str, Any]
 

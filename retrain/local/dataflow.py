@@ -28,11 +28,11 @@ from typing import Any
 
 from google.api_core.exceptions import NotFound
 
+from cloudworkflows import WorkflowError, http_error
 from retrain.adapters import credentials, objects
 from retrain.local import processes
 from retrain.local.iam import Kind, Resource
 from retrain.local.identities import Caller, connector_require
-from retrain.workflows import WorkflowError, http_error
 
 Args = dict[str, Any]
 

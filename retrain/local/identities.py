@@ -95,7 +95,7 @@ def connector_require(caller: Caller | None, permission: str, resource: Resource
     try:
         caller.require(permission, resource)
     except PermissionDenied as e:
-        from retrain.workflows import WorkflowError, http_error
+        from cloudworkflows import WorkflowError, http_error
 
         message = e.decision.message
         body = {"error": {"code": 403, "message": message, "status": "PERMISSION_DENIED"}}

@@ -566,7 +566,7 @@ class LocalStack:
     ) -> None:
         """run_step (the workflow's steps in Python), the local Dataflow, and the executions service that
         runs workflows/retrain.yaml as the workflow's account, its connectors bound to the stack."""
-        from retrain.workflows import ExecutionsServer, load_workflow
+        from cloudworkflows import ExecutionsServer, load_workflow
 
         ep = self.endpoints
         self.progress("starting the run_step function (the workflow's steps in Python)")

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
+from cloudworkflows import ConnectorRegistry, WorkflowError, load_workflow
 from retrain.local.connectors import KubeEndpoint, gke_request_binding
 from retrain.local.envtest import ControlPlane
-from retrain.workflows import ConnectorRegistry, WorkflowError, load_workflow
 
 pytestmark = pytest.mark.envtest
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"

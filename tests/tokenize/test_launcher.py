@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from cloudworkflows import WorkflowError
 from retrain.adapters import objects
 from retrain.contracts import RunManifest
 from retrain.deployment import Deployment
 from retrain.domain.events import ObjectVersion
 from retrain.local.dataflow import LocalDataflow
-from retrain.workflows import WorkflowError
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 

@@ -27,6 +27,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from cloudworkflows import (
+    CallbackHub,
+    ConnectorRegistry,
+    VirtualClock,
+    Workflow,
+    WorkflowError,
+    http_error,
+    load_workflow,
+)
 from retrain.config import Settings
 from retrain.contracts import (
     Begun,
@@ -46,15 +55,6 @@ from retrain.domain.runs import Run
 from retrain.local.dataflow import check_parameters
 from retrain.local.http import LoopbackServer
 from retrain.plan import workflow_argument
-from retrain.workflows import (
-    CallbackHub,
-    ConnectorRegistry,
-    VirtualClock,
-    Workflow,
-    WorkflowError,
-    http_error,
-    load_workflow,
-)
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
 RUN_ID = "books-20261128-040000-abc123"

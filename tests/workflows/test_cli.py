@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from retrain.workflows.cli import main
+from cloudworkflows.cli import main
 
 WF = """\
 main:

@@ -1,4 +1,4 @@
-"""An execution on virtual time (``retrain.workflows.clock``): hours of polls, sleeps and callback waits
+"""An execution on virtual time (``cloudworkflows.clock``): hours of polls, sleeps and callback waits
 run in milliseconds, and what a test schedules happens at the virtual time it names, seen by
 ``sys.now``, the polls and the callback's ``received_time`` alike."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from retrain.workflows import (
+from cloudworkflows import (
     CallbackHub,
     ConnectorRegistry,
     ExecutionCancelled,

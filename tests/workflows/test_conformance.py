@@ -26,8 +26,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from retrain.workflows import ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
-from retrain.workflows.errors import WorkflowSyntaxError
+from cloudworkflows import ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
+from cloudworkflows.errors import WorkflowSyntaxError
 
 HERE = Path(__file__).parent / "conformance"
 CASES = sorted(p for p in HERE.rglob("*") if p.suffix in (".yaml", ".json"))

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from retrain.workflows import ConnectorRegistry, WorkflowError, load_workflow
-from retrain.workflows.discovery import ConnectorCallError, check_call
+from cloudworkflows import ConnectorRegistry, WorkflowError, load_workflow
+from cloudworkflows.discovery import ConnectorCallError, check_call
 
 REPO = Path(__file__).resolve().parents[2]
 #: The connector calls workflows/retrain.yaml makes (the walk below must find exactly these).

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from retrain.workflows.errors import WorkflowError
-from retrain.workflows.expressions import (
+from cloudworkflows.errors import WorkflowError
+from cloudworkflows.expressions import (
     Binary,
     Call,
     ExpressionSyntaxError,
@@ -17,7 +17,7 @@ from retrain.workflows.expressions import (
     parse_expression,
     tokenize,
 )
-from retrain.workflows.stdlib import FUNCTIONS, resolve_object
+from cloudworkflows.stdlib import FUNCTIONS, resolve_object
 
 
 class Ctx:

@@ -1,4 +1,4 @@
-"""RE2's syntax on Python's regex engine (retrain.workflows.re2): what RE2 refuses is refused, what
+"""RE2's syntax on Python's regex engine (cloudworkflows.re2): what RE2 refuses is refused, what
 Python reads differently is rewritten. Each row follows RE2's syntax reference
 (github.com/google/re2/wiki/Syntax)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from retrain.workflows.re2 import RE2Error, compile_re2, matches
+from cloudworkflows.re2 import RE2Error, compile_re2, matches
 
 #: Struck out in RE2's reference, accepted by Python's engines.
 REFUSED = [

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from retrain.workflows import WorkflowError, load_workflow
-from retrain.workflows.syntax import Step
+from cloudworkflows import WorkflowError, load_workflow
+from cloudworkflows.syntax import Step
 
 from .run_world import RUN_ID, WORKFLOW, Scenario, World, deployed_settings
 

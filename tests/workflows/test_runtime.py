@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from retrain.workflows import (
+from cloudworkflows import (
     ConnectorRegistry,
     ExecutionCancelled,
     WorkflowError,
@@ -16,7 +16,7 @@ from retrain.workflows import (
     http_error,
     load_workflow,
 )
-from retrain.workflows import engine as engine_mod
+from cloudworkflows import engine as engine_mod
 
 LAUNCH = "googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch"
 

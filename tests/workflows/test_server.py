@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import requests
 
+from cloudworkflows import CallbackHub, ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
 from retrain.ports import ExecutionState, ExecutionStatus
-from retrain.workflows import CallbackHub, ConnectorRegistry, ExecutionsServer, WorkflowError, load_workflow
 
 #: The workflow tells the world its callback URL the way a real one would: a Pub/Sub message.
 NOTIFY = "googleapis.pubsub.v1.projects.topics.publish"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from retrain.workflows import WorkflowSyntaxError, load_workflow
+from cloudworkflows import WorkflowSyntaxError, load_workflow
 
 
 def syntax_error(src: str) -> WorkflowSyntaxError:
@@ -176,7 +176,7 @@ main:
     assert (err.step, err.line) == ("deep", 8)
 
 
-# --- limits Google enforces at deployment (retrain.workflows.syntax: the conditions page's 50, and the
+# --- limits Google enforces at deployment (cloudworkflows.syntax: the conditions page's 50, and the
 # bounds of Google's JSON schema, GoogleCloudPlatform/workflows-samples jsonschema/workflows.json) ---
 
 

@@ -29,7 +29,7 @@ from .expressions import FunctionRef, check_int, is_number, json_safe, to_displa
 from .re2 import RE2Error, compile_re2
 from .re2 import matches as re2_matches
 
-log = logging.getLogger("retrain.workflows.sys.log")
+log = logging.getLogger("cloudworkflows.sys.log")
 
 
 class Runtime(Protocol):

@@ -50,7 +50,7 @@ from .expressions import (
 from .stdlib import FUNCTIONS, POLICIES, RetryPolicy, resolve_object
 from .syntax import Definition, ForSpec, RetrySpec, Step, Subworkflow, Target, load_source
 
-log = logging.getLogger("retrain.workflows.engine")
+log = logging.getLogger("cloudworkflows.engine")
 
 # System limits from Google's quotas page (cloud.google.com/workflows/quotas, "System limits"; read in its
 # French rendering): "Profondeur maximale de la pile d'appel ... 20" (subworkflows calling subworkflows,

@@ -1,4 +1,4 @@
-"""A local Workflow Executions service: the API v1 over gRPC (:mod:`retrain.workflows.grpc_service`,
+"""A local Workflow Executions service: the API v1 over gRPC (:mod:`cloudworkflows.grpc_service`,
 what ``ExecutionsClient`` speaks) and the shape of its REST API over HTTP (callbacks included).
 
 ``retrain.adapters.workflows.WorkflowsExecutions`` talks to this exactly as it talks to
@@ -24,7 +24,7 @@ from .callbacks import CallbackHub
 from .engine import ConnectorRegistry, Workflow, error_context, load_workflow
 from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, error, format_error
 
-log = logging.getLogger("retrain.workflows.server")
+log = logging.getLogger("cloudworkflows.server")
 
 #: The Executions API's documented limit on ``Execution.argument`` (a JSON string): 32 KB.
 MAX_ARGUMENT_BYTES = 32 * 1024
@@ -135,7 +135,7 @@ class ExecutionsServer:
 
     def start(self) -> ExecutionsServer:
         if self._grpc is None:
-            from retrain.workflows.grpc_service import serve
+            from cloudworkflows.grpc_service import serve
 
             self._grpc, self.grpc_target = serve(self, str(self._httpd.server_address[0]))
         if self._serve_thread is None:

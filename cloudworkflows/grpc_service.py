@@ -3,7 +3,7 @@ speaks (its only transport is gRPC).
 
 A generic handler serves ``google.cloud.workflows.executions.v1.Executions`` with the package's own
 request and response types (their ``deserialize`` / ``serialize``), so the real client talks to the
-local :class:`~retrain.workflows.server.ExecutionsServer` exactly as to workflowexecutions.googleapis.com.
+local :class:`~cloudworkflows.server.ExecutionsServer` exactly as to workflowexecutions.googleapis.com.
 The REST side stays: callbacks are plain HTTP POSTs to URLs the executions hand out.
 """
 
@@ -18,7 +18,7 @@ import grpc
 from google.cloud.workflows.executions_v1 import types
 
 if TYPE_CHECKING:
-    from retrain.workflows.server import ExecutionsServer
+    from cloudworkflows.server import ExecutionsServer
 
 SERVICE = "google.cloud.workflows.executions.v1.Executions"
 
