@@ -249,52 +249,9 @@ def write_shard(
             return cast(dict[str, Any], done)
 
     dtype = tok.dtype
-    itemsize = np.dtype(dtype).itemsize
-    parts.sort(key=lambda p: (p.input_index, p.first_offset))
-    per_key: dict[str, dict[str, int]] = {}
-    outputs: dict[str, str] = {}
-    documents = 0
-    for k, key in enumerate(job.json_keys):
-        prefix = f"{spec.prefix}_{key}_document"
-        with objects.open_write(prefix + ".bin") as out:
-            for p in parts:
-                data = objects.read_bytes(p.uris[k])
-                want = int(p.doc_lengths[k].astype(np.int64).sum()) * itemsize
-                if len(data) != want:
-                    raise RuntimeError(f"part {p.uris[k]} holds {len(data)} bytes, expected {want}")
-                out.write(data)
-        dl = np.concatenate([p.doc_lengths[k] for p in parts]) if parts else np.zeros(0, np.int32)
-        objects.write_bytes(prefix + ".idx", document_index(dtype, dl))
-        documents = int(dl.size)
-        per_key[key] = {
-            "documents": documents,
-            "sequences": int(np.count_nonzero(dl)),
-            "tokens": int(dl.astype(np.int64).sum()),
-        }
-        outputs[key] = prefix
-
-    uris = {i: u for i, u, _ in spec.inputs}
-    line_base: dict[tuple[int, int], int] = {}
-    for i in sorted({s.input_index for s in stats}):
-        base = 0
-        for s in sorted((s for s in stats if s.input_index == i), key=lambda s: s.start):
-            line_base[(i, s.start)] = base
-            base += s.lines
-    rejected.sort(key=lambda r: (r.input_index, r.offset))
-    reasons: dict[str, int] = {}
-    lines = []
-    for r in rejected:
-        reasons[r.reason] = reasons.get(r.reason, 0) + 1
-        line = (
-            None
-            if r.line_in_split is None
-            else line_base.get((r.input_index, r.split_start), 0) + r.line_in_split + 1
-        )
-        lines.append(json.dumps(r.to_json(uris[r.input_index], line)) + "\n")
-    objects.write_bytes(
-        spec.prefix + "_quarantine.jsonl", "".join(lines).encode("utf-8"), "application/jsonl"
-    )
-
+    per_key, outputs = _concatenate(job, spec.prefix, parts, dtype)
+    documents = list(per_key.values())[-1]["documents"] if per_key else 0  # every key has as many
+    reasons = _write_quarantine(spec, rejected, stats)
     input_records = sum(s.records for s in stats)
     if input_records != documents + len(rejected):
         raise RuntimeError(
@@ -324,6 +281,62 @@ def write_shard(
         for u in p.uris:
             objects.delete(u)
     return report
+
+
+def _concatenate(
+    job: Job, prefix: str, parts: list[Part], dtype: Any
+) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """Each key's parts, in input order, as one Megatron dataset ``{prefix}_{key}_document``: its counts
+    and its prefix, by key.  A part whose bytes are not its documents' tokens fails the shard."""
+    itemsize = np.dtype(dtype).itemsize
+    parts.sort(key=lambda p: (p.input_index, p.first_offset))
+    per_key: dict[str, dict[str, int]] = {}
+    outputs: dict[str, str] = {}
+    for k, key in enumerate(job.json_keys):
+        out_prefix = f"{prefix}_{key}_document"
+        with objects.open_write(out_prefix + ".bin") as out:
+            for p in parts:
+                data = objects.read_bytes(p.uris[k])
+                want = int(p.doc_lengths[k].astype(np.int64).sum()) * itemsize
+                if len(data) != want:
+                    raise RuntimeError(f"part {p.uris[k]} holds {len(data)} bytes, expected {want}")
+                out.write(data)
+        dl = np.concatenate([p.doc_lengths[k] for p in parts]) if parts else np.zeros(0, np.int32)
+        objects.write_bytes(out_prefix + ".idx", document_index(dtype, dl))
+        per_key[key] = {
+            "documents": int(dl.size),
+            "sequences": int(np.count_nonzero(dl)),
+            "tokens": int(dl.astype(np.int64).sum()),
+        }
+        outputs[key] = out_prefix
+    return per_key, outputs
+
+
+def _write_quarantine(spec: ShardSpec, rejected: list[Rejected], stats: list[SplitStats]) -> dict[str, int]:
+    """The shard's quarantined records, each with its object and its line in it (the splits' line counts
+    give each split's first line), in ``{prefix}_quarantine.jsonl``; their count by reason."""
+    uris = {i: u for i, u, _ in spec.inputs}
+    line_base: dict[tuple[int, int], int] = {}
+    for i in sorted({s.input_index for s in stats}):
+        base = 0
+        for s in sorted((s for s in stats if s.input_index == i), key=lambda s: s.start):
+            line_base[(i, s.start)] = base
+            base += s.lines
+    rejected.sort(key=lambda r: (r.input_index, r.offset))
+    reasons: dict[str, int] = {}
+    lines = []
+    for r in rejected:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        line = (
+            None
+            if r.line_in_split is None
+            else line_base.get((r.input_index, r.split_start), 0) + r.line_in_split + 1
+        )
+        lines.append(json.dumps(r.to_json(uris[r.input_index], line)) + "\n")
+    objects.write_bytes(
+        spec.prefix + "_quarantine.jsonl", "".join(lines).encode("utf-8"), "application/jsonl"
+    )
+    return reasons
 
 
 class WriteIndexedDataset(beam.PTransform):
