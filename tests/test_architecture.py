@@ -223,7 +223,6 @@ OVER_BUDGET = {
     "cloudworkflows/server.py:ExecutionsServer": 377,
     "cloudworkflows/server.py:ExecutionsServer._handler_class": 103,
     "retrain/train/standin.py:_train": 140,
-    "retrain/train/bridge_standin.py:_train": 91,
     "retrain/tokenize/pipeline.py:tokenize_incremental": 106,
 }
 

@@ -115,6 +115,24 @@ def _blend_list(entry: Any) -> list[Any]:
     return [item for pair in zip(weights, prefixes, strict=True) for item in pair]
 
 
+def _shape(cfg: Any, vocab: int, seed: int) -> Shape:
+    """The model's and the batches' shape, as the recipe's config names them."""
+    opt = cfg.optimizer
+    return Shape(
+        vocab=vocab,
+        seq_length=int(cfg.dataset.seq_length),
+        micro_batch_size=int(cfg.train.micro_batch_size),
+        global_batch_size=int(cfg.train.global_batch_size),
+        model_parallel=int(cfg.model.tensor_model_parallel_size)
+        * int(cfg.model.pipeline_model_parallel_size),
+        seed=seed,
+        weight_decay=float(opt.weight_decay),
+        betas=(float(opt.adam_beta1), float(opt.adam_beta2)),
+        val_batches=int(cfg.validation.eval_iters),
+        clip=float(opt.clip_grad or 0),
+    )
+
+
 def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     t0 = time.time()
     save_dir, load_dir = Path(str(cfg.checkpoint.save)), Path(str(cfg.checkpoint.load))
@@ -128,19 +146,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     iters = int(cfg.train.train_iters)
     opt = cfg.optimizer
     schedule = Schedule(float(opt.lr), float(opt.min_lr), int(cfg.scheduler.lr_warmup_iters), iters)
-    shape = Shape(
-        vocab=vocab,
-        seq_length=int(cfg.dataset.seq_length),
-        micro_batch_size=int(cfg.train.micro_batch_size),
-        global_batch_size=int(cfg.train.global_batch_size),
-        model_parallel=int(cfg.model.tensor_model_parallel_size)
-        * int(cfg.model.pipeline_model_parallel_size),
-        seed=seed,
-        weight_decay=float(opt.weight_decay),
-        betas=(float(opt.adam_beta1), float(opt.adam_beta2)),
-        val_batches=int(cfg.validation.eval_iters),
-        clip=float(opt.clip_grad or 0),
-    )
+    shape = _shape(cfg, vocab, seed)
     loop = Loop(torch, gpt, dist, shape, train_streams, valid_streams)
     step, consumed, pretrained = 0, 0, False
     base = Path(str(cfg.checkpoint.pretrained_checkpoint)) if cfg.checkpoint.pretrained_checkpoint else None
