@@ -129,8 +129,8 @@ def through_the_stack(n: int, work: Path) -> int:
     from retrain.adapters.workflows import WorkflowsExecutions
     from retrain.cli import follow
     from retrain.deployment import local_settings
-    from retrain.local.landing import drop
-    from retrain.local.stack import LocalStack
+    from retrain_local.landing import drop
+    from retrain_local.stack import LocalStack
 
     files = []
     for i in range(n):

@@ -44,9 +44,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrain.local import emulators, processes
-from retrain.local.landing import finalized_event
-from retrain.local.stack import FUNCTIONS_SOURCE
+from retrain_local import emulators, processes
+from retrain_local.landing import finalized_event
+from retrain_local.stack import FUNCTIONS_SOURCE
 
 # Served as functions/main.py serves on_object_finalized: on the framework's ASGI stack, body on its executor.
 NOOP = """

@@ -75,7 +75,7 @@ def reach(
         _warn_of_overrides(target)
         yield target.settings()
         return
-    from retrain.local.stack import attach, ledger_access
+    from retrain_local.stack import attach, ledger_access
 
     settings = local()
     if running:
@@ -293,8 +293,8 @@ REDELIVERY_WAIT_S = 120.0
 
 def cmd_demo(args: argparse.Namespace) -> int:
     local_only(args)
-    from retrain.local.landing import data_files, drop
-    from retrain.local.stack import LocalStack
+    from retrain_local.landing import data_files, drop
+    from retrain_local.stack import LocalStack
 
     # SIGTERM (timeout, CI, kill) unwinds like Ctrl-C, so the stack below is stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -378,7 +378,7 @@ def _showing_events(settings: config.Settings, since: datetime) -> Iterator[_Eve
 def _iam_line(stack: Any) -> tuple[int, str]:
     """The stack's IAM in one line: calls allowed and refused, grants no call used (the whole report is
     written at stop, ``iam-report.json``); and how many calls were refused."""
-    from retrain.local.stack import IAM_REPORT
+    from retrain_local.stack import IAM_REPORT
 
     guard = stack.guard
     unused = sum(len(e["unused"]) for e in guard.least_privilege().values())
@@ -453,7 +453,7 @@ def _dataset_report(settings: config.Settings, dataset: str, output: str | None)
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The body of ``retrain up``: run the stack until SIGTERM/SIGINT."""
-    from retrain.local.stack import LocalStack
+    from retrain_local.stack import LocalStack
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -473,7 +473,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _stack_alive(path: Path) -> int | None:
     """The pid of the stack that wrote ``path`` when it still runs, else None."""
-    from retrain.local.stack import Endpoints
+    from retrain_local.stack import Endpoints
 
     try:
         pid = Endpoints.load(path).pid
@@ -484,8 +484,8 @@ def _stack_alive(path: Path) -> int | None:
 
 def _clean_up_after_a_crash(state_dir: Path) -> None:
     """Stop what a stack that died left running (recorded in its process registry)."""
-    from retrain.local.processes import stop_recorded
-    from retrain.local.stack import PROCESS_REGISTRY
+    from retrain_local.processes import stop_recorded
+    from retrain_local.stack import PROCESS_REGISTRY
 
     stopped = stop_recorded(state_dir / PROCESS_REGISTRY)
     if stopped:
@@ -495,7 +495,7 @@ def _clean_up_after_a_crash(state_dir: Path) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     local_only(args)
-    from retrain.local.stack import stack_file
+    from retrain_local.stack import stack_file
 
     settings = stack_settings()
     path = stack_file(settings)
@@ -533,7 +533,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop the background stack, and whatever it started even if it died without stopping it."""
     local_only(args)
-    from retrain.local.stack import stack_file
+    from retrain_local.stack import stack_file
 
     path = stack_file(stack_settings())
     pid = _stack_alive(path) if path.exists() else None
@@ -559,8 +559,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_drop(args: argparse.Namespace) -> int:
     local_only(args)
-    from retrain.local.landing import data_files, drop
-    from retrain.local.stack import attach
+    from retrain_local.landing import data_files, drop
+    from retrain_local.stack import attach
 
     settings = stack_settings()
     ep = attach(settings)
@@ -765,7 +765,7 @@ def _split_target(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _attach_if_a_local_stack_runs() -> None:
-    from retrain.local.stack import attach, stack_file
+    from retrain_local.stack import attach, stack_file
 
     settings = stack_settings()
     if stack_file(settings).exists() and _stack_alive(stack_file(settings)) is not None:

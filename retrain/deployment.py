@@ -59,12 +59,12 @@ SCALED_PERIODS = (
     "scale_down_delay_s",
 )
 #: The local stand-in of the NeMo 24.12 image (``nvcr.io/nvidia/nemo:24.12`` in the deployment), which
-#: ``retrain.local.images`` resolves to the cluster twin's local command.
+#: ``retrain_local.images`` resolves to the cluster twin's local command.
 NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
 #: The local stand-in of a NeMo Framework image with Megatron-Bridge (``nvcr.io/nvidia/nemo:26.08``).
 BRIDGE_STANDIN = "retrain.local/megatron-bridge-standin"
 #: What the local stack plays differently, and why: each training image is its stand-in (the same
-#: command, run by the cluster twin as local processes; ``retrain.local.images``), and sequences are
+#: command, run by the cluster twin as local processes; ``retrain_local.images``), and sequences are
 #: short enough for two CPU cores to train in seconds.
 LOCAL_STAND_INS = {
     "RETRAIN_IMAGE": NEMO_STANDIN,

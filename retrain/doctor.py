@@ -1,7 +1,7 @@
 """``retrain doctor``: what a project needs for a DWS run, checked before anything is spent, with fixes.
 
 Checked against the deployment a target names (Google's APIs, Application Default Credentials) or the
-local stack (the same reads served by its GKE API front, ``retrain.local.gke_api``):
+local stack (the same reads served by its GKE API front, ``retrain_local.gke_api``):
 
 - the APIs the bootstrap stage enables are enabled (Service Usage ``services.list``);
 - the region's **preemptible** GPU quota covers a run's nodes: "All VMs provisioned by Provisioning

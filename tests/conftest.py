@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cloudworkflows import ExecutionsServer
-from retrain.local import emulators, processes
+from retrain_local import emulators, processes
 
 pytest_plugins = ("pytester",)
 
@@ -159,7 +159,7 @@ def _every_object_accounted_for(request: pytest.FixtureRequest) -> Iterator[None
     """Every test that drove a local stack ends with its audit (``retrain audit``): a test that loses an
     object fails, whatever it was testing."""
     yield
-    from retrain.local.stack import LocalStack
+    from retrain_local.stack import LocalStack
 
     stacks = [v for v in request.node.funcargs.values() if isinstance(v, LocalStack)]
     if stacks and not getattr(request.node, "rep_call_failed", False):
@@ -222,7 +222,7 @@ def gcs_host(emulator_dir: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def bigquery_host(emulator_dir: Path, gcs_host: str) -> Iterator[str]:
     """BIGQUERY_EMULATOR_HOST of bqemulator: an optional tier, skipped where it is not installed. The
-    files its jobs export land in the storage emulator (``retrain.local.bigquery_gcs``)."""
+    files its jobs export land in the storage emulator (``retrain_local.bigquery_gcs``)."""
     if emulators.bqemulator_path() is None:
         pytest.skip("bqemulator is not installed (scripts/test installs it in .tools/bqemulator)")
     yield from _serve(emulators.bigquery, emulator_dir, "BIGQUERY_EMULATOR_HOST", needs_java=False)
@@ -262,7 +262,7 @@ def serve_function(
     """serve(target, **env): the function with the emulators, its own project and buckets (landing
     ``land-PROJECT`` unless RETRAIN_LANDING_BUCKET says otherwise), runs starting held executions."""
     from retrain.adapters import objects
-    from retrain.local.stack import function_server
+    from retrain_local.stack import function_server
 
     started: list[emulators.ManagedProcess] = []
 

@@ -20,11 +20,11 @@ from retrain.cli import follow
 from retrain.deployment import local_settings
 from retrain.domain.runs import FailureKind, Run, now_iso
 from retrain.k8s.render import RUN_ID_ANNOTATION
-from retrain.local import emulators
-from retrain.local.envtest import envtest_unavailable_reason
-from retrain.local.iam import RUNTIME_POLICY
-from retrain.local.landing import drop
-from retrain.local.stack import LocalStack
+from retrain_local import emulators
+from retrain_local.envtest import envtest_unavailable_reason
+from retrain_local.iam import RUNTIME_POLICY
+from retrain_local.landing import drop
+from retrain_local.stack import LocalStack
 
 
 def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Iterator[LocalStack]:

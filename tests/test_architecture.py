@@ -11,6 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RETRAIN = REPO / "retrain"
 INTERPRETER = REPO / "cloudworkflows"
+LOCAL = REPO / "retrain_local"
 
 
 def imports(path: Path) -> set[str]:
@@ -60,23 +61,14 @@ def test_adapters_are_built_only_in_the_composition_root() -> None:
 
 
 def test_only_the_operators_cli_reaches_into_the_local_stack() -> None:
-    """The local stack (twins, stand-ins, emulators) is scaffolding: what deploys never imports it, so a
-    deployment reading infra/ does not drag in the twins, and the stack can change without touching it.
-    The stack imports the deployment, never the other way round."""
+    """The local stack (``retrain_local``: twins, emulators, fronts) is scaffolding: what deploys never
+    imports it, so a deployment reading infra/ does not drag in the twins, and the stack can change
+    without touching it.  The stack imports the deployment, never the other way round."""
     for path in sorted(RETRAIN.rglob("*.py")):
         rel = path.relative_to(RETRAIN)
-        if rel.parts[0] == "local" or rel.as_posix() == "cli.py":
+        if rel.as_posix() == "cli.py":
             continue
-        tree = ast.parse(path.read_text())
-        named = {  # `from retrain import local` names the package as a name, not a module
-            f"retrain.{a.name}"
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module == "retrain"
-            for a in node.names
-        }
-        reached = sorted(
-            m for m in imports(path) | named if m == "retrain.local" or m.startswith("retrain.local.")
-        )
+        reached = sorted(m for m in imports(path) if m.split(".")[0] == LOCAL.name)
         assert reached == [], f"{rel} imports {reached}"
 
 
@@ -127,11 +119,12 @@ def _runtime_imports(path: Path, package: str, known: set[str]) -> set[str]:
     return out - {""}
 
 
-def import_cycles(root: Path = RETRAIN) -> list[list[str]]:
-    """Groups of the package's modules that import each other in a circle (Tarjan's strongly connected
-    components of more than one module).  Not counted: a package and its own modules (an ``__init__``
-    that imports its modules, lazily or not, to offer them, as ``retrain.trainers`` does its profiles)."""
-    files = {_module_name(p, root.parent): p for p in root.rglob("*.py")}
+def import_cycles(*roots: Path) -> list[list[str]]:
+    """Groups of the packages' modules (``roots``; retrain's by default) that import each other in a
+    circle (Tarjan's strongly connected components of more than one module).  Not counted: a package and
+    its own modules (an ``__init__`` that imports its modules, lazily or not, to offer them, as
+    ``retrain.trainers`` does its profiles)."""
+    files = {_module_name(p, root.parent): p for root in roots or (RETRAIN,) for p in root.rglob("*.py")}
     graph = {
         name: {
             d
@@ -175,22 +168,18 @@ def import_cycles(root: Path = RETRAIN) -> list[list[str]]:
 def test_no_two_modules_import_each_other_even_lazily() -> None:
     """A circle (a CLI inside a library importing the composition root that builds it, two local
     services each reaching into the other) means neither can be read, tested or moved alone."""
-    assert import_cycles() == []
-    assert import_cycles(INTERPRETER) == []
+    assert import_cycles(RETRAIN, LOCAL, INTERPRETER) == []
 
 
 def test_the_workflows_interpreter_is_a_package_of_its_own() -> None:
-    """The interpreter (``cloudworkflows``) runs any workflow and knows nothing of retrain; of retrain,
-    only the local stack runs it (what deploys calls Google's executions service, whatever serves it)."""
+    """The interpreter (``cloudworkflows``) runs any workflow and knows nothing of retrain; only the local
+    stack runs it (what deploys calls Google's executions service, whatever serves it)."""
     for path in sorted(INTERPRETER.rglob("*.py")):
-        reached = sorted(m for m in imports(path) if m == "retrain" or m.startswith("retrain."))
+        reached = sorted(m for m in imports(path) if m.split(".")[0] in (RETRAIN.name, LOCAL.name))
         assert reached == [], f"{path.relative_to(REPO)} imports {reached}"
     for path in sorted(RETRAIN.rglob("*.py")):
-        rel = path.relative_to(RETRAIN)
-        if rel.parts[0] == "local":
-            continue
         reached = sorted(m for m in imports(path) if m.split(".")[0] == INTERPRETER.name)
-        assert reached == [], f"{rel} imports {reached}"
+        assert reached == [], f"{path.relative_to(REPO)} imports {reached}"
 
 
 def test_a_circle_is_found_through_a_lazy_import_but_not_through_type_checking(tmp_path: Path) -> None:
@@ -218,7 +207,7 @@ OVER_BUDGET = {
     "retrain/k8s/render.py:render_jobset": 127,
     "retrain/config.py:Settings": 328,  # one typed place for every setting, each documented
     # debt
-    "retrain/local/stack.py:LocalStack": 493,
+    "retrain_local/stack.py:LocalStack": 493,
     "cloudworkflows/engine.py:_Execution": 479,
     "cloudworkflows/server.py:ExecutionsServer": 377,
     "cloudworkflows/server.py:ExecutionsServer._handler_class": 103,
@@ -252,7 +241,7 @@ def unit_sizes(root: Path = RETRAIN) -> dict[str, int]:
 def test_no_unit_grows_past_its_budget() -> None:
     """No function over about 80 lines and no class over about 300, but those listed, none of which grows;
     one that shrank within the budget leaves the list."""
-    sizes = unit_sizes() | unit_sizes(INTERPRETER)
+    sizes = unit_sizes() | unit_sizes(LOCAL) | unit_sizes(INTERPRETER)
     grown = {k: (n, OVER_BUDGET.get(k)) for k, n in sizes.items() if n > OVER_BUDGET.get(k, 0)}
     assert grown == {}, (
         "past the budget (lines, listed): split it, or say in OVER_BUDGET why it reads best whole"

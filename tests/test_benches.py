@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from retrain.local import emulators
+from retrain_local import emulators
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """A watched BigQuery table's new rows become landed objects and a run, through bounded EXPORT DATA jobs:
 the BigQuery emulator (optional tier; its exported files reach the GCS emulator through
-retrain.local.bigquery_gcs), the real Firestore and GCS emulators, and the trigger served by
+retrain_local.bigquery_gcs), the real Firestore and GCS emulators, and the trigger served by
 functions-framework, fed the recorded audit-log deliveries of tests/events/bigquery.  What a write's
 handler leaves unfinished, the Scheduler's tick (Ingest.sweep) finishes."""
 

@@ -14,7 +14,7 @@ import requests
 
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
-from retrain.local.landing import upload
+from retrain_local.landing import upload
 
 if TYPE_CHECKING:
     from conftest import ServedFunction

@@ -16,10 +16,10 @@ import pytest
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.deployment import LOCAL_PROJECT
 from retrain.domain.runs import Run, RunStatus
-from retrain.local import emulators
-from retrain.local.envtest import envtest_unavailable_reason
-from retrain.local.stack import Endpoints
 from retrain.trainers.hydra import hydra_string
+from retrain_local import emulators
+from retrain_local.envtest import envtest_unavailable_reason
+from retrain_local.stack import Endpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
@@ -229,8 +229,8 @@ def test_a_stack_killed_in_training_leaves_nothing_and_the_next_up_ends_the_run(
     zero nodes, and the next drop trains."""
     import signal
 
-    from retrain.local import processes
-    from retrain.local.stack import PROCESS_REGISTRY
+    from retrain_local import processes
+    from retrain_local.stack import PROCESS_REGISTRY
 
     for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
         if reason:

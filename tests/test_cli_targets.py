@@ -31,9 +31,9 @@ from stack_support import (
 from retrain import config
 from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-from retrain.local.cluster import Faults
-from retrain.local.landing import drop
-from retrain.local.stack import LocalStack
+from retrain_local.cluster import Faults
+from retrain_local.landing import drop
+from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]

@@ -371,7 +371,7 @@ def _settings_used_in_code() -> set[str]:
     """Settings fields read somewhere (``settings.x``, ``s.x``, ``self.x`` in config's properties)."""
     names = {f.name for f in fields(config.Settings)}
     used = set()
-    for path in (REPO / "retrain").rglob("*.py"):
+    for path in [*(REPO / "retrain").rglob("*.py"), *(REPO / "retrain_local").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in names:
                 used.add(node.attr)
@@ -691,7 +691,7 @@ def test_the_workflows_storage_calls_are_methods_of_the_json_api() -> None:
     """Every ``http.*`` call of workflows/retrain.yaml to Cloud Storage is a method of the storage v1
     discovery document: its verb and path, query parameters it declares, a body of its request schema,
     and an OAuth2 scope it accepts; and the local stack routes that origin to its storage front."""
-    from retrain.local.storage_front import STORAGE_API
+    from retrain_local.storage_front import STORAGE_API
 
     googleapiclient = pytest.importorskip("googleapiclient")
     docs = Path(googleapiclient.__file__).parent / "discovery_cache" / "documents"

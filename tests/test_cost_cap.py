@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from stack_support import assert_released, module_stack, run_with
 
-from retrain.local.cluster import Faults
-from retrain.local.stack import LocalStack
+from retrain_local.cluster import Faults
+from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

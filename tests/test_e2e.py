@@ -16,9 +16,9 @@ import pytest
 
 from retrain.deployment import Deployment
 from retrain.k8s.render import run_account_name, run_principal
-from retrain.local import emulators
-from retrain.local.envtest import envtest_unavailable_reason
-from retrain.local.iam import RUNTIME_POLICY
+from retrain_local import emulators
+from retrain_local.envtest import envtest_unavailable_reason
+from retrain_local.iam import RUNTIME_POLICY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

@@ -32,8 +32,8 @@ from retrain.cancel import request_cancel
 from retrain.cli import operator_identity
 from retrain.domain.runs import FailureKind, Run
 from retrain.k8s.render import jobset_name
-from retrain.local.cluster import Faults
-from retrain.local.stack import LocalStack
+from retrain_local.cluster import Faults
+from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
@@ -82,7 +82,7 @@ def test_a_file_dropped_while_the_object_function_is_down_trains_once_it_is_back
     dataset = new_dataset()
     path = tmp_path / "数据.jsonl"
     path.write_text("\n".join(unique_lines()) + "\n")
-    from retrain.local.landing import drop
+    from retrain_local.landing import drop
 
     with stack.function_down("on_object_finalized"):
         dropped = drop(stack.settings, stack.endpoints.ingest_function, [path], dataset=dataset)

@@ -16,7 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from retrain.deploy import _imports, function_modules
-from retrain.local.stack import AS_DEPLOYED, deployed_functions_source
+from retrain_local.stack import AS_DEPLOYED, deployed_functions_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_a_served_function_imports_the_built_copy_and_nothing_left_out(tmp_path:
     probe = (
         "import retrain, retrain.ingest, retrain.steps, retrain.adapters.cluster, importlib.util as u\n"
         "print(retrain.__file__)\n"
-        "print([m for m in ('retrain.local', 'cloudworkflows', 'retrain.cli') if u.find_spec(m)])\n"
+        "print([m for m in ('retrain_local', 'cloudworkflows', 'retrain.cli') if u.find_spec(m)])\n"
     )
     code = AS_DEPLOYED.replace(
         "runpy.run_module('functions_framework', run_name='__main__', alter_sys=True)", probe

@@ -15,7 +15,7 @@ from stack_support import stored_plan
 from cloudworkflows import ConnectorRegistry, ExecutionsServer, load_workflow
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
-from retrain.local.landing import finalized_event
+from retrain_local.landing import finalized_event
 
 if TYPE_CHECKING:
     from conftest import ServedFunction

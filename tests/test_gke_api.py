@@ -21,7 +21,7 @@ from retrain.adapters.cluster import (
 )
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain.deployment import Deployment
-from retrain.local.gke_api import GkeApiServer, declared_cluster
+from retrain_local.gke_api import GkeApiServer, declared_cluster
 
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 DNS = container_v1.ControlPlaneEndpointsConfig.DNSEndpointConfig

@@ -1,4 +1,4 @@
-"""IAM as infra/ grants it, and the local fronts that enforce it (retrain.local.iam, .identities,
+"""IAM as infra/ grants it, and the local fronts that enforce it (retrain_local.iam, .identities,
 .storage_front, .firestore_front): the policy read from the Terraform, Google's rules for where a
 permission is checked, and refusals shaped as the real APIs shape them, through the real emulators."""
 
@@ -20,11 +20,11 @@ from retrain import config
 from retrain.adapters import credentials, objects
 from retrain.deployment import Deployment
 from retrain.k8s.render import run_account_name, run_principal
-from retrain.local.firestore_front import FirestoreFront
-from retrain.local.iam import Kind, Resource, condition_holds, predefined_roles, storage_object
-from retrain.local.identities import OPERATOR, Deployed, Guard
-from retrain.local.storage_front import StorageFront
 from retrain.ports import ExecutionState
+from retrain_local.firestore_front import FirestoreFront
+from retrain_local.iam import Kind, Resource, condition_holds, predefined_roles, storage_object
+from retrain_local.identities import OPERATOR, Deployed, Guard
+from retrain_local.storage_front import StorageFront
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
@@ -62,8 +62,8 @@ def test_every_role_infra_grants_is_in_the_vendored_dataset_or_is_infra_s_own(de
     assert named >= granted - set(deployed.policy.custom_roles)
     custom = set(deployed.policy.custom_roles)
     unknown = {r for r in granted | named if r not in predefined_roles() and r not in custom}
-    assert not unknown, f"roles infra/ grants that retrain/local/iam_roles.json lacks: {sorted(unknown)}"
-    data = json.loads((ROOT / "retrain/local/iam_roles.json").read_text())
+    assert not unknown, f"roles infra/ grants that retrain_local/iam_roles.json lacks: {sorted(unknown)}"
+    data = json.loads((ROOT / "retrain_local/iam_roles.json").read_text())
     assert set(data["roles"]) == named, "the vendored roles are exactly those infra/ names"
     assert data["source"].startswith("https://github.com/iann0036/iam-dataset") and len(data["commit"]) == 40
 
@@ -236,7 +236,7 @@ def test_the_conditioned_grant_of_old_fails_the_results_listing(
     storage_front: StorageFront, guard: Guard
 ) -> None:
     """The grant infra/ had before the managed folder: objectUser on the bucket, conditioned on runs/."""
-    from retrain.local.iam import Binding
+    from retrain_local.iam import Binding
 
     folder = next(
         b for b in guard.policy.bindings if b.address.endswith("managed_folder_iam_member.functions_runs")
@@ -307,7 +307,7 @@ def test_the_gke_api_describes_the_cluster_only_to_who_may_get_it(
 ) -> None:
     from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, GkeCluster
     from retrain.deployment import local_settings
-    from retrain.local.gke_api import GkeApiServer, declared_cluster
+    from retrain_local.gke_api import GkeApiServer, declared_cluster
 
     project = Resource(Kind.PROJECT, "retrain-local")
     cluster = declared_cluster(Deployment(), "127.0.0.1:1", "-----BEGIN CERTIFICATE-----")
@@ -368,8 +368,8 @@ def test_a_function_serves_only_its_invokers_eventarc_and_its_push_subscription(
 ) -> None:
     from http.server import BaseHTTPRequestHandler
 
-    from retrain.local.http import LoopbackServer
-    from retrain.local.invoker_front import InvokerFront
+    from retrain_local.http import LoopbackServer
+    from retrain_local.invoker_front import InvokerFront
 
     class Echo(BaseHTTPRequestHandler):
         def do_POST(self) -> None:

@@ -31,9 +31,9 @@ from stack_support import (
 from retrain import config
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.k8s.manifests import K8S_DIR, documents
-from retrain.local.iam import Decision
-from retrain.local.identities import Deployed
-from retrain.local.stack import LocalStack
+from retrain_local.iam import Decision
+from retrain_local.identities import Deployed
+from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
@@ -199,7 +199,7 @@ def test_the_functions_without_the_ledger_take_no_event_until_granted(
     with deployed_from(stack, infra):
         path = tmp_path / "a.jsonl"
         path.write_text("\n".join(unique_lines()) + "\n")
-        from retrain.local.landing import drop
+        from retrain_local.landing import drop
 
         dropped = drop(stack.settings, stack.endpoints.ingest_function, [path], dataset=dataset)
         assert dropped.queued == 2  # the object's event and the seal's: neither taken

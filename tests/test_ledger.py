@@ -391,7 +391,7 @@ def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
     from google.api_core.exceptions import ServiceUnavailable
 
     from retrain.adapters.ledger import arrivals
-    from retrain.local.processes import free_port
+    from retrain_local.processes import free_port
 
     monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.setattr(arrivals, "COMMIT_DEADLINE_S", 3.0)

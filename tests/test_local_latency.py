@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from cloudworkflows import ExecutionsServer
-from retrain.local.gcs_emulator import FLUSH_S, FLUSH_SHARE, MAX_FLUSH_PAUSE_S, flush_pause
-from retrain.local.http import LoopbackServer
+from retrain_local.gcs_emulator import FLUSH_S, FLUSH_SHARE, MAX_FLUSH_PAUSE_S, flush_pause
+from retrain_local.http import LoopbackServer
 
 
 class _Reports(BaseHTTPRequestHandler):

@@ -35,9 +35,9 @@ from retrain.contracts import RunManifest
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run, RunStatus
 from retrain.ingest import Ingest
-from retrain.local.cluster import Faults
-from retrain.local.landing import drop
-from retrain.local.stack import LocalStack
+from retrain_local.cluster import Faults
+from retrain_local.landing import drop
+from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from retrain import deploy, pins
-from retrain.local import emulators, processes
+from retrain_local import emulators, processes
 
 REGISTRY = shutil.which("docker-registry")
 needs_registry = pytest.mark.skipif(

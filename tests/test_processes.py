@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
-from retrain.local import emulators, processes
+from retrain_local import emulators, processes
 
 
 @pytest.fixture

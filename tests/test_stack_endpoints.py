@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from retrain.local.stack import Endpoints
+from retrain_local.stack import Endpoints
 
 
 def test_a_stack_file_an_older_retrain_wrote_still_loads(tmp_path: Path) -> None:

@@ -33,10 +33,10 @@ from retrain.cancel import request_cancel
 from retrain.cli import format_run, operator_identity
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import EVAL_SET, FailureKind
-from retrain.local.cluster import Faults
-from retrain.local.iam import Binding, Kind, Resource
-from retrain.local.landing import drop
-from retrain.local.stack import LocalStack
+from retrain_local.cluster import Faults
+from retrain_local.iam import Binding, Kind, Resource
+from retrain_local.landing import drop
+from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
@@ -230,7 +230,7 @@ def test_an_operator_who_may_only_invoke_run_http_cancels_a_run_in_their_own_nam
     """The least operator: ``run.invoker`` on ``run_http`` (infra's ``var.run_http_invokers``), nothing
     else. Their cancel is recorded under the name Cloud Run verified, never one the body claims, and
     the run stops and releases every GPU; the ledger and the run's callback stay out of their reach."""
-    oncall = "user:oncall@retrain.local"
+    oncall = "user:oncall@retrain_local"
     service = stack.guard.deployed.functions["run_http"].service
     invoker = Binding(
         oncall, "roles/run.invoker", Resource(Kind.SERVICE, service), None, "test: var.run_http_invokers"
@@ -247,7 +247,7 @@ def test_an_operator_who_may_only_invoke_run_http_cancels_a_run_in_their_own_nam
         body = {"cancel": run.run_id, "reason": "paged: bad data", "requested_by": "the-ceo"}
         # Cloud Run checks X-Serverless-Authorization when it is there and hands Authorization on as sent:
         # an ID token the caller wrote there themselves names nobody
-        claims = {"iss": "https://accounts.google.com", "email": "ceo@retrain.local", "email_verified": True}
+        claims = {"iss": "https://accounts.google.com", "email": "ceo@retrain_local", "email_verified": True}
         checked = {
             "X-Serverless-Authorization": headers["Authorization"],
             "Authorization": f"Bearer {forwarded_id_token({**claims, 'exp': time.time() + 600})}",
@@ -256,11 +256,11 @@ def test_an_operator_who_may_only_invoke_run_http_cancels_a_run_in_their_own_nam
         assert answer.status_code == 200, answer.text
         assert (
             answer.json()["outcome"] == "requested"
-            and answer.json()["requested_by"] == "oncall@retrain.local"
+            and answer.json()["requested_by"] == "oncall@retrain_local"
         )
         ended = finish(stack, run, 120)
         assert_released(stack, ended, "cancelled")
-        assert ended.reason == "cancelled by oncall@retrain.local: paged: bad data", ended.reason
+        assert ended.reason == "cancelled by oncall@retrain_local: paged: bad data", ended.reason
         assert ended.failure == FailureKind.CANCELLED
         again = requests.post(url, json=body, headers=headers, timeout=60)
         assert again.status_code == 409 and "already ended" in again.json()["error"]

@@ -134,7 +134,7 @@ def torchrun(
     script: Path, args: list[str], nproc: int = 1, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun --nnodes 1 --nproc-per-node N SCRIPT ARGS``, as the JobSet's launcher runs it."""
-    from retrain.local.processes import free_port
+    from retrain_local.processes import free_port
 
     launcher = Path(sys.executable).with_name("torchrun")
     argv = [str(launcher), "--nnodes=1", f"--nproc-per-node={nproc}", "--node-rank=0"]

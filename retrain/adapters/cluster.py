@@ -9,7 +9,7 @@ otherwise. IAM (``container.clusters.get`` and ``.connect``) and Kubernetes RBAC
 decide what the caller may do.
 
 Cloud and local stack differ only by endpoint: ``RETRAIN_CONTAINER_ENDPOINT`` points the client's REST
-transport at the local stack's GKE API (``retrain.local.gke_api``), and the
+transport at the local stack's GKE API (``retrain_local.gke_api``), and the
 caller's local identity (``retrain.adapters.credentials``) stands in for its Google access token, checked
 by the local GKE API and the cluster's front as GKE checks the real one.
 """

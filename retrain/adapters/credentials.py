@@ -6,7 +6,7 @@ Workload Identity).  Against the local stack there are no Google credentials, so
 the local stand-in of an access token for the identity it runs as (``RETRAIN_LOCAL_ACCESS_TOKEN``, set by
 the stack when it starts the process); the adapters present it as a bearer token where Google's clients
 send one (Cloud Storage, the GKE API and the cluster's Kubernetes API, workflow executions), and the
-stack's fronts map it back to the identity and check infra/'s IAM (``retrain.local.iam``).  A part of a
+stack's fronts map it back to the identity and check infra/'s IAM (``retrain_local.iam``).  A part of a
 process that runs as another identity (the cluster twin's Cloud Storage FUSE acting for a pod) says so
 with :func:`acting_as`.  Nothing here is read in the cloud.
 """

@@ -5,7 +5,7 @@ endpoint.  Local paths exist so that the same jobs (tokenize, train) run on file
 
 Against the emulator a caller presents who it is as it would to Google, as a bearer token
 (``retrain.adapters.credentials``), which the local stack's storage front checks against infra/'s IAM
-(``retrain.local.storage_front``).
+(``retrain_local.storage_front``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The local image's stand-in for Megatron-Bridge's ``scripts/training/run_recipe.py``.
 
-In the local Megatron-Bridge image (``retrain.local.images``) this file sits at run_recipe.py's path, so
+In the local Megatron-Bridge image (``retrain_local.images``) this file sits at run_recipe.py's path, so
 the local run executes the command that deploys: the same torchrun launch, the same ``--recipe``,
 ``--mode`` and ``--dataset``, the same trailing overrides, applied to the recipe's config as Bridge
 applies them (:func:`retrain.trainers.megatron_bridge.compose`; an override Bridge would refuse is

@@ -1,7 +1,7 @@
 """The local image's stand-in for NeMo 24.12's ``megatron_gpt_pretraining.py``.
 
 The cluster twin runs the training JobSet's command unchanged; in the local image
-(``retrain.local.images``) this file sits at the NeMo script's path, so the local run executes the exact
+(``retrain_local.images``) this file sits at the NeMo script's path, so the local run executes the exact
 command that deploys: the same torchrun launch and the same Hydra overrides.  It keeps the script's
 contract:
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from retrain.local.envtest import ControlPlane, envtest_unavailable_reason
+from retrain_local.envtest import ControlPlane, envtest_unavailable_reason
 
 _counter = itertools.count()
 
@@ -38,7 +38,7 @@ def api(control_plane: ControlPlane) -> Iterator[Any]:
 @pytest.fixture()
 def namespace(api: Any) -> str:
     """A fresh namespace (with its default ServiceAccount) per test."""
-    from retrain.local.envtest import ensure_service_account
+    from retrain_local.envtest import ensure_service_account
 
     ns = f"t{next(_counter)}"
     ensure_service_account(api, ns)
@@ -52,8 +52,8 @@ def gke_api(control_plane: ControlPlane, project: str, monkeypatch: pytest.Monke
     from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
     from retrain.adapters.credentials import LOCAL_TOKEN_VAR
     from retrain.deployment import Deployment
-    from retrain.local.connectors import KubeEndpoint
-    from retrain.local.gke_api import GkeApiServer
+    from retrain_local.connectors import KubeEndpoint
+    from retrain_local.gke_api import GkeApiServer
 
     kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
     server = GkeApiServer.for_control_plane(Deployment(project=project), kube.server, kube.ca_file).start()

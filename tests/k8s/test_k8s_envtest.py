@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from retrain.local import envtest
+from retrain_local import envtest
 
 
 def test_unavailable_reason_names_where_it_looked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -236,7 +236,7 @@ def test_workflow_rbac_allows_its_connector_calls_and_nothing_more(api: Any, nam
     """The workflow's Google account, as GKE names it to RBAC, may make every gke.request call
     workflows/retrain.yaml makes, in its namespace, and nothing else: IAM gives it only
     container.clusters.get/.connect, so this RBAC is all it may do in the cluster."""
-    from retrain.local.envtest import apply_documents
+    from retrain_local.envtest import apply_documents
 
     docs = rendered("workflow.yaml", namespace)
     apply_documents(api, docs)

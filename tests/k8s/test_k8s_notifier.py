@@ -12,8 +12,8 @@ import pytest
 
 from retrain.k8s.notifier import NOTIFIED_ANNOTATION, Notifier
 from retrain.k8s.render import render_jobset, render_provisioning_request
-from retrain.local.cluster import ClusterTwin
 from retrain.trainers import Command
+from retrain_local.cluster import ClusterTwin
 
 from .waiting import wait_for
 

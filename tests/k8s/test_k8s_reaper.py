@@ -21,9 +21,9 @@ from retrain.k8s.render import (
     render_run_account,
     run_account_name,
 )
-from retrain.local.envtest import ControlPlane
-from retrain.local.gke_api import GkeApiServer
 from retrain.trainers import Command
+from retrain_local.envtest import ControlPlane
+from retrain_local.gke_api import GkeApiServer
 
 pytestmark = [pytest.mark.envtest, pytest.mark.emulators]
 

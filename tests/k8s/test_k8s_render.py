@@ -25,9 +25,9 @@ from retrain.k8s.render import (
     run_account_name,
 )
 from retrain.k8s.schema import load_crds, validate, validate_resource
-from retrain.local.envtest import crds_dir
 from retrain.plan import render_training, training_plan
 from retrain.trainers import PlanError, TokenizerFiles
+from retrain_local.envtest import crds_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from retrain.k8s.render import render_jobset, render_provisioning_request
-from retrain.local.cluster import ClusterTwin, Faults
 from retrain.trainers import Command
+from retrain_local.cluster import ClusterTwin, Faults
 
 from .waiting import wait_for
 

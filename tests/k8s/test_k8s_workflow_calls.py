@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from cloudworkflows import ConnectorRegistry, WorkflowError, load_workflow
-from retrain.local.connectors import KubeEndpoint, gke_request_binding
-from retrain.local.envtest import ControlPlane
+from retrain_local.connectors import KubeEndpoint, gke_request_binding
+from retrain_local.envtest import ControlPlane
 
 pytestmark = pytest.mark.envtest
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
@@ -135,7 +135,7 @@ def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
 
     from retrain.deployment import Deployment
     from retrain.k8s.manifests import render
-    from retrain.local.envtest import apply_documents, ensure_service_account
+    from retrain_local.envtest import apply_documents, ensure_service_account
 
     values = dataclasses.replace(Deployment().manifest_values(), namespace=namespace)
     apply_documents(api, list(yaml.safe_load_all(render(values)["workflow.yaml"])))
@@ -231,9 +231,9 @@ def test_a_run_s_pods_write_only_under_their_own_folder_and_only_while_it_runs(
     from retrain.deployment import Deployment
     from retrain.k8s.manifests import render
     from retrain.k8s.render import render_run_account, run_account_name, run_principal
-    from retrain.local.envtest import apply_documents
-    from retrain.local.identities import OPERATOR, Caller, Deployed, Guard
-    from retrain.local.storage_front import STORAGE_API, StorageFront
+    from retrain_local.envtest import apply_documents
+    from retrain_local.identities import OPERATOR, Caller, Deployed, Guard
+    from retrain_local.storage_front import STORAGE_API, StorageFront
 
     deployment = Deployment()
     settings = deployment.settings()

@@ -33,11 +33,11 @@ from retrain.domain.transitions import RunEnd
 from retrain.ingest import Action, Ingest
 from retrain.k8s.notifier import message_for, terminal_state
 from retrain.k8s.render import JOBSET_API, render_jobset
-from retrain.local import delivery
-from retrain.local.gke_api import GkeApiServer
-from retrain.local.processes import free_port, start_on_a_free_port
-from retrain.local.stack import function_server
 from retrain.trainers import Command
+from retrain_local import delivery
+from retrain_local.gke_api import GkeApiServer
+from retrain_local.processes import free_port, start_on_a_free_port
+from retrain_local.stack import function_server
 
 pytestmark = [pytest.mark.envtest, pytest.mark.emulators]
 

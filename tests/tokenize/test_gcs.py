@@ -155,8 +155,8 @@ def test_what_the_emulator_took_survives_its_stop_and_restart(tmp_path, monkeypa
     """The emulator writes its metadata behind the requests (a write costs the same in a full bucket): a
     stop (SIGTERM, as the stack stops it) still leaves every object and noncurrent version for the next
     start, however soon after the writes it comes."""
-    from retrain.local import emulators
-    from retrain.local.processes import start_on_a_free_port
+    from retrain_local import emulators
+    from retrain_local.processes import start_on_a_free_port
 
     proc, host = start_on_a_free_port(lambda port: emulators.gcs(tmp_path, port))
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)

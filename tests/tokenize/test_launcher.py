@@ -16,7 +16,7 @@ from retrain.adapters import objects
 from retrain.contracts import RunManifest
 from retrain.deployment import Deployment
 from retrain.domain.events import ObjectVersion
-from retrain.local.dataflow import LocalDataflow
+from retrain_local.dataflow import LocalDataflow
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 

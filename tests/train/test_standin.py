@@ -160,7 +160,7 @@ def test_the_stand_in_launcher_starts_ranks_as_torchrun_does(tmp_path: Path) -> 
         "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_PORT')\n"
         "Path(sys.argv[1], os.environ['RANK']).write_text(' '.join(os.environ[k] for k in keys))\n"
     )
-    argv = [sys.executable, "-m", "retrain.local.torchrun", "--nnodes=2", "--nproc-per-node=2"]
+    argv = [sys.executable, "-m", "retrain_local.torchrun", "--nnodes=2", "--nproc-per-node=2"]
     argv += ["--node-rank=1", "--master-addr=127.0.0.1", "--master-port=1234", str(script), str(tmp_path)]
     assert subprocess.run(argv, cwd=REPO, env=child_env(), timeout=60).returncode == 0
     assert (tmp_path / "2").read_text() == "2 0 4 2 1 1234" and (

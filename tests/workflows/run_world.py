@@ -3,7 +3,7 @@ milliseconds: the GKE control plane (DWS, the JobSet controller and the autoscal
 plays them, reduced to what the workflow reads), Dataflow, the run_step function, Cloud Storage (the
 tokenize report, the run's managed folder), the run record in Firestore and Pub/Sub.  Each is the
 interpreter's connector for it, or, for the workflow's ``http.*`` calls, an in-process server; each
-answers in the shape the local stack's real part answers (``retrain.local.connectors``: ``{body, code,
+answers in the shape the local stack's real part answers (``retrain_local.connectors``: ``{body, code,
 headers}``, a 404 or 409 as an HttpError map).  What the cluster or an operator does happens at the
 virtual time the :class:`Scenario` gives it.
 
@@ -52,9 +52,9 @@ from retrain.contracts import (
 from retrain.deployment import Deployment
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run
-from retrain.local.dataflow import check_parameters
-from retrain.local.http import LoopbackServer
 from retrain.plan import workflow_argument
+from retrain_local.dataflow import check_parameters
+from retrain_local.http import LoopbackServer
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
 RUN_ID = "books-20261128-040000-abc123"
@@ -181,7 +181,7 @@ class _Kube:
         if request is not None and request["metadata"]["uid"] == uid:
             revoked = {"type": "CapacityRevoked", "status": "True", "reason": "Revoked"}
             request["status"]["conditions"].append({**revoked, "message": "preempted"})
-            self.nodes = []  # preempted: the nodes go with it (retrain.local.cluster, revoke)
+            self.nodes = []  # preempted: the nodes go with it (retrain_local.cluster, revoke)
 
     def _end_training(self, path: str, jobset: dict[str, Any]) -> None:
         if self.objects.get(path) is not jobset:
@@ -216,7 +216,7 @@ class _Dataflow:
         self.cancelled_at: float | None = None
 
     def launch(self, args: dict[str, Any], _: dict[str, Any]) -> Any:
-        """Refused as the local launcher refuses (retrain.local.dataflow): a spec that is not the
+        """Refused as the local launcher refuses (retrain_local.dataflow): a spec that is not the
         deployed template's, parameters its metadata does not declare, an environment left out."""
         launch = args["body"]["launchParameter"]
         uri, spec = _deployment().template_spec()
@@ -438,7 +438,7 @@ class World:
         return 200, asdict(Finished(0 if self.record.get("status") == "succeeded" else 40))
 
     def _folder(self, method: str, path: str, query: str) -> tuple[int, dict[str, Any]]:
-        """Cloud Storage's managed folders of the artifacts bucket (``retrain.local.storage_front``): a
+        """Cloud Storage's managed folders of the artifacts bucket (``retrain_local.storage_front``): a
         second create is a 409, a policy set on or a delete of a folder that is not there a 404."""
         self.folders.append((method, path))
         bucket = f"/storage/v1/b/{self.argument['artifacts_bucket']}/managedFolders"

@@ -55,7 +55,7 @@ def enqueue(project: str, headers: Mapping[str, str], body: bytes) -> None:
     """Hand an undelivered event to the twin (the stack's delivery loop delivers it)."""
     from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
-    from retrain.local.delivery import ensure_topic
+    from retrain_local.delivery import ensure_topic
 
     publisher = pubsub_v1.PublisherClient(
         publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
@@ -81,7 +81,7 @@ class Redelivery:
     def start(self) -> Redelivery:
         from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
-        from retrain.local.delivery import ensure_topic
+        from retrain_local.delivery import ensure_topic
 
         self._publisher = pubsub_v1.PublisherClient()
         self._subscriber = pubsub_v1.SubscriberClient()

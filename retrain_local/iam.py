@@ -291,7 +291,7 @@ class Policy:
             return self.custom_roles[role]
         roles = predefined_roles()
         if role not in roles:
-            raise KeyError(f"role {role} is in no vendored dataset (retrain/local/iam_roles.json)")
+            raise KeyError(f"role {role} is in no vendored dataset (retrain_local/iam_roles.json)")
         return roles[role]
 
     def check(self, member: str, permission: str, resource: Resource) -> Decision:

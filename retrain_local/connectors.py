@@ -3,9 +3,9 @@
 Each binding receives the connector's documented arguments and answers in the documented shape, so
 workflows/retrain.yaml runs unchanged: Firestore and GCS calls go to their emulators through the same
 REST/JSON APIs, ``gke.request`` goes to the real kube-apiserver, node-pool sizing goes to the cluster
-twin, and a Dataflow flex-template launch goes through the launcher's contract (``retrain.local.dataflow``).
+twin, and a Dataflow flex-template launch goes through the launcher's contract (``retrain_local.dataflow``).
 
-Every call is made as the workflow's service account (a :class:`retrain.local.identities.Caller`): a
+Every call is made as the workflow's service account (a :class:`retrain_local.identities.Caller`): a
 connector Google would refuse for want of a permission raises the connector's ``HttpError`` 403, its
 body the API's ``PERMISSION_DENIED`` naming the permission and the resource.
 """
@@ -26,10 +26,10 @@ from google.api_core.exceptions import NotFound
 from cloudworkflows import ConnectorRegistry, WorkflowError, http_error
 from cloudworkflows.stdlib import send
 from retrain.adapters import credentials, objects
-from retrain.local.dataflow import LocalDataflow
-from retrain.local.iam import Kind, Resource
-from retrain.local.identities import Caller
-from retrain.local.identities import connector_require as require
+from retrain_local.dataflow import LocalDataflow
+from retrain_local.iam import Kind, Resource
+from retrain_local.identities import Caller
+from retrain_local.identities import connector_require as require
 
 Args = dict[str, Any]
 
@@ -149,7 +149,7 @@ def gke_request_binding(
     kube: KubeEndpoint, as_user: str | None = None, caller: Caller | None = None
 ) -> Callable[[Args, Args], Any]:
     """``gke.request`` against the local API server with ``kube.token``: in the stack, the workflow's
-    own token at the cluster's front (``retrain.local.kube_front``), which maps it to the workflow's
+    own token at the cluster's front (``retrain_local.kube_front``), which maps it to the workflow's
     account as GKE does; with ``as_user``, made as that user by Kubernetes impersonation
     (``Impersonate-User``), for tests of a bare control plane.  Either way RBAC decides.
 

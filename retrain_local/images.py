@@ -5,12 +5,12 @@ mounted at their paths.  The twin runs the command as a local process instead, s
 it provides -- files at container paths (:attr:`LocalImage.files`) and executables first on ``PATH``
 (:attr:`LocalImage.path`) -- and every container path that the command, its arguments or its
 environment names is translated to the host path standing for it: an image file, a pod's emptyDir
-folder, or the folder standing for a Cloud Storage FUSE mount (:mod:`retrain.local.gcsfuse`).
+folder, or the folder standing for a Cloud Storage FUSE mount (:mod:`retrain_local.gcsfuse`).
 
 The local stack plays the deployment's training images with :data:`NEMO_STANDIN` (NeMo's pre-training
 script is :mod:`retrain.train.standin`) and :data:`BRIDGE_STANDIN` (Megatron-Bridge's run_recipe.py is
 :mod:`retrain.train.bridge_standin`); in both ``torchrun`` is PyTorch's own (or, without PyTorch, the
-stand-in launcher :mod:`retrain.local.torchrun`).  :data:`HOST` runs commands as they are (tests).
+stand-in launcher :mod:`retrain_local.torchrun`).  :data:`HOST` runs commands as they are (tests).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from retrain.deployment import BRIDGE_STANDIN, NEMO_STANDIN
 from retrain.trainers import megatron_bridge, nemo
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 #: Commands run on the host as they are (no file is translated).
 HOST = "local"
@@ -61,7 +61,7 @@ def _launcher_dir(workdir: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     shim = folder / "torchrun"
     shim.write_text(
-        f"#!{sys.executable}\nfrom retrain.local.torchrun import main\nraise SystemExit(main())\n"
+        f"#!{sys.executable}\nfrom retrain_local.torchrun import main\nraise SystemExit(main())\n"
     )
     shim.chmod(0o755)
     return str(folder)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain.deployment import Deployment
-from retrain.local.http import LoopbackServer
+from retrain_local.http import LoopbackServer
 
 
 def declared_cluster(deployment: Deployment, endpoint: str, ca_pem: str) -> Any:

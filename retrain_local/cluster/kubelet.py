@@ -1,7 +1,7 @@
 """The kubelet's part: a pod bound to a twin node runs each container's ``command + args`` as a local
-process (in its own process group) from the container's local image (:mod:`retrain.local.images`).
+process (in its own process group) from the container's local image (:mod:`retrain_local.images`).
 Container paths are translated to host paths, Cloud Storage FUSE volumes are host folders written back to
-the bucket (:mod:`retrain.local.gcsfuse`), torchrun's rendezvous variables point at 127.0.0.1, and the pod's
+the bucket (:mod:`retrain_local.gcsfuse`), torchrun's rendezvous variables point at 127.0.0.1, and the pod's
 status is written through its status subresource."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 from google.api_core.exceptions import Forbidden
 
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-from retrain.local import processes
-from retrain.local.cluster.faults import Faults
-from retrain.local.cluster.status import timestamp
-from retrain.local.gcsfuse import DRIVER as GCSFUSE_DRIVER
-from retrain.local.gcsfuse import FuseMount, named_paths
-from retrain.local.images import LocalImage, translate
+from retrain_local import processes
+from retrain_local.cluster.faults import Faults
+from retrain_local.cluster.status import timestamp
+from retrain_local.gcsfuse import DRIVER as GCSFUSE_DRIVER
+from retrain_local.gcsfuse import FuseMount, named_paths
+from retrain_local.images import LocalImage, translate
 
 log = logging.getLogger(__name__)
 

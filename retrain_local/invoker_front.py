@@ -33,9 +33,9 @@ from typing import Any
 import requests
 
 from retrain.caller import SERVERLESS_AUTHORIZATION, forwarded_id_token
-from retrain.local.http import LoopbackServer
-from retrain.local.iam import Decision, Kind, Resource
-from retrain.local.identities import Guard
+from retrain_local.http import LoopbackServer
+from retrain_local.iam import Decision, Kind, Resource
+from retrain_local.identities import Guard
 
 log = logging.getLogger("retrain.iam")
 

@@ -5,7 +5,7 @@ email as the username; it then authorizes with IAM *or* RBAC ("Identity and Acce
 and Kubernetes RBAC work in concert ... an entity needs permissions at either level",
 cloud.google.com/kubernetes-engine/docs/concepts/access-control).  Locally this front does the same in
 front of the envtest kube-apiserver (which runs with ``--authorization-mode=RBAC``): it maps a local
-token to its member (``retrain.local.identities.Guard``), relays the call with the control plane's
+token to its member (``retrain_local.identities.Guard``), relays the call with the control plane's
 admin token and ``Impersonate-User: <email>``, so RBAC (the Roles of ``k8s/``) decides; the project's
 owner holds ``container.*`` through IAM, and is relayed as the administrator.  Kubernetes service
 accounts (the notifier, the trainer) reach the API server directly with their own tokens, as pods do.
@@ -26,8 +26,8 @@ from typing import Any
 
 import requests
 
-from retrain.local.http import LoopbackServer
-from retrain.local.identities import Guard
+from retrain_local.http import LoopbackServer
+from retrain_local.identities import Guard
 
 log = logging.getLogger("retrain.iam")
 

@@ -10,7 +10,7 @@ import secrets
 import time
 from typing import Any
 
-from retrain.local.cluster.status import timestamp
+from retrain_local.cluster.status import timestamp
 
 log = logging.getLogger(__name__)
 

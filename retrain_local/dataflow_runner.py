@@ -1,4 +1,4 @@
-"""The Beam runner a launched program's pipeline meets locally (``retrain.local.dataflow.RUNNER``)."""
+"""The Beam runner a launched program's pipeline meets locally (``retrain_local.dataflow.RUNNER``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-from retrain.local.dataflow import JOB_FILE_VAR
+from retrain_local.dataflow import JOB_FILE_VAR
 
 
 class LaunchedJobRunner(FnApiRunner):

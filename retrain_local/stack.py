@@ -7,7 +7,7 @@
   ──push──▶ functions-framework (on_jobset_event) ──callback──▶ the waiting execution.
 
 Every part runs as the identity infra/ deploys it with, and every call is checked against infra/'s IAM
-and k8s/'s RBAC (``retrain.local.identities``): Cloud Storage and Firestore behind fronts that check each
+and k8s/'s RBAC (``retrain_local.identities``): Cloud Storage and Firestore behind fronts that check each
 call, each function behind Cloud Run's invoker check, the cluster's API behind GKE's front, and the
 executions service, the GKE API, the workflow's connectors and the notifier checking their callers.
 
@@ -42,28 +42,28 @@ from retrain.deployment import (
     ManifestValues,
     ScheduledJob,
 )
-from retrain.local import delivery, emulators, processes
-from retrain.local.connectors import KubeEndpoint, LocalDataflow, local_registry
-from retrain.local.firestore_front import FirestoreFront
-from retrain.local.gke_api import GkeApiServer
-from retrain.local.iam import Kind, Resource
-from retrain.local.identities import OPERATOR, Caller, Deployed, Guard
-from retrain.local.invoker_front import InvokerFront
-from retrain.local.kube_front import KubeFront
-from retrain.local.pubsub_front import PubSubFront
-from retrain.local.storage_front import STORAGE_API, StorageFront
+from retrain_local import delivery, emulators, processes
+from retrain_local.connectors import KubeEndpoint, LocalDataflow, local_registry
+from retrain_local.firestore_front import FirestoreFront
+from retrain_local.gke_api import GkeApiServer
+from retrain_local.iam import Kind, Resource
+from retrain_local.identities import OPERATOR, Caller, Deployed, Guard
+from retrain_local.invoker_front import InvokerFront
+from retrain_local.kube_front import KubeFront
+from retrain_local.pubsub_front import PubSubFront
+from retrain_local.storage_front import STORAGE_API, StorageFront
 
 log = logging.getLogger("retrain.stack")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 FUNCTIONS_SOURCE = REPO_ROOT / "functions" / "main.py"
 WORKFLOW_FILE = REPO_ROOT / "workflows" / "retrain.yaml"
 
 Progress = Callable[[str], None]
 
-#: Where the stack records every process it starts (retrain.local.processes).
+#: Where the stack records every process it starts (retrain_local.processes).
 PROCESS_REGISTRY = "processes.jsonl"
-#: Where a stopped stack leaves who used which permission, and every refusal (retrain.local.identities).
+#: Where a stopped stack leaves who used which permission, and every refusal (retrain_local.identities).
 IAM_REPORT = "iam-report.json"
 #: The ledger is exported this often (and at a clean stop): a crash of the stack loses at most this much.
 LEDGER_EXPORT_S = 5.0
@@ -211,7 +211,7 @@ def function_server(
 
 def parse_faults(spec: str) -> Any:
     """``provisioning=fail,crash_pod_once=true`` -> the cluster twin's Faults (fields typed from it)."""
-    from retrain.local.cluster import Faults
+    from retrain_local.cluster import Faults
 
     values: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -300,7 +300,7 @@ class LocalStack:
     paused_jobs: set[str] = field(default_factory=set)
     """Scheduler jobs (``var.scheduler_jobs`` keys) whose ticks are skipped while named here."""
     redelivery: Any = None
-    """Eventarc's twin for events that missed their first attempt (``retrain.local.eventarc.Redelivery``:
+    """Eventarc's twin for events that missed their first attempt (``retrain_local.eventarc.Redelivery``:
     its ``delivered`` counts them)."""
     _procs: list[emulators.ManagedProcess] = field(default_factory=list)
     _closers: list[Callable[[], None]] = field(default_factory=list)
@@ -313,7 +313,7 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         if self.deployment is None:
-            from retrain.local.images import tokenize_standin
+            from retrain_local.images import tokenize_standin
 
             self.deployment = Deployment(
                 project=self.settings.project, variables={"dataflow_image": tokenize_standin()}
@@ -395,7 +395,7 @@ class LocalStack:
         processes.use(self.state_dir / PROCESS_REGISTRY)
         self._closers.append(lambda: processes.use(None))
         self.endpoints.pid = os.getpid()
-        from retrain.local.envtest import envtest_unavailable_reason
+        from retrain_local.envtest import envtest_unavailable_reason
 
         reason = emulators.java_emulators_unavailable_reason() or envtest_unavailable_reason()
         if reason:
@@ -438,7 +438,7 @@ class LocalStack:
     def _start_control_plane(self) -> tuple[Any, KubeEndpoint, KubeFront, GkeApiServer]:
         """kube-apiserver and etcd with the CRDs, GKE's front of it, and the GKE API that finds the cluster
         (retrain.adapters.cluster): that front as its endpoint, node pools as infra/platform declares them."""
-        from retrain.local.envtest import ControlPlane
+        from retrain_local.envtest import ControlPlane
 
         self.progress("starting the Kubernetes control plane (kube-apiserver + etcd, CRDs)")
         s, guard = self.settings, self.guard
@@ -478,8 +478,8 @@ class LocalStack:
     def _start_cluster(self, api: Any, gke_api: GkeApiServer, child_env: dict[str, str]) -> ManifestValues:
         """What Terraform applies in the cluster, and the cluster twin, within the pool's bounds."""
         from retrain.k8s.manifests import documents
-        from retrain.local.cluster import ClusterTwin
-        from retrain.local.envtest import apply_documents
+        from retrain_local.cluster import ClusterTwin
+        from retrain_local.envtest import apply_documents
 
         self.progress("starting the cluster twin (DWS provisioner, JobSet controller, kubelet)")
         s = self.settings
@@ -637,7 +637,7 @@ class LocalStack:
         letters go), the Scheduler twin, and Eventarc's redelivery."""
         from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
-        from retrain.local.eventarc import Redelivery
+        from retrain_local.eventarc import Redelivery
 
         s, guard = self.settings, self.guard
         subscriber = pubsub_v1.SubscriberClient()

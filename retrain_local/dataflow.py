@@ -30,20 +30,20 @@ from google.api_core.exceptions import NotFound
 
 from cloudworkflows import WorkflowError, http_error
 from retrain.adapters import credentials, objects
-from retrain.local import processes
-from retrain.local.iam import Kind, Resource
-from retrain.local.identities import Caller, connector_require
+from retrain_local import processes
+from retrain_local.iam import Kind, Resource
+from retrain_local.identities import Caller, connector_require
 
 Args = dict[str, Any]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The template's program, as the launcher image runs it (dataflow/Dockerfile's FLEX_TEMPLATE_PYTHON_PY_FILE).
 TEMPLATE_PROGRAM = REPO_ROOT / "dataflow" / "main.py"
 #: Where LaunchedJobRunner leaves the job file (what the launcher would submit).
 JOB_FILE_VAR = "RETRAIN_LOCAL_DATAFLOW_JOB_FILE"
 #: The runner a launched program's pipeline meets locally (``--runner``), by name: importing Beam costs a
 #: second, which every `retrain` command that reaches the stack would pay.
-RUNNER = "retrain.local.dataflow_runner.LaunchedJobRunner"
+RUNNER = "retrain_local.dataflow_runner.LaunchedJobRunner"
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -1,8 +1,8 @@
 """Cloud Storage's permission check, in front of the local storage emulator.
 
 Every JSON API call names who makes it (a bearer token: the local stand-in of an access token, one per
-deployed identity, ``retrain.local.identities``) and is checked against infra/'s IAM
-(``retrain.local.iam``) for the permission Google checks it for, on the resource Google checks it on
+deployed identity, ``retrain_local.identities``) and is checked against infra/'s IAM
+(``retrain_local.iam``) for the permission Google checks it for, on the resource Google checks it on
 ("IAM permissions for JSON methods", cloud.google.com/storage/docs/access-control/iam-json):
 
 =====================================  =============================================================
@@ -28,7 +28,7 @@ their names, and the policies ``setIamPolicy`` sets, which join the guard's poli
 and leave it when the folder is deleted.
 
 A refused call answers as Cloud Storage does, 403 naming the caller, the permission and the resource;
-the :class:`retrain.local.identities.Guard` logs it and counts what is used.  A call the front cannot map
+the :class:`retrain_local.identities.Guard` logs it and counts what is used.  A call the front cannot map
 is refused, never passed through.
 """
 
@@ -47,9 +47,9 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from retrain.local.http import LoopbackServer
-from retrain.local.iam import RUNTIME_POLICY, Decision, Kind, Resource, storage_object
-from retrain.local.identities import Guard
+from retrain_local.http import LoopbackServer
+from retrain_local.iam import RUNTIME_POLICY, Decision, Kind, Resource, storage_object
+from retrain_local.identities import Guard
 
 log = logging.getLogger("retrain.iam")
 

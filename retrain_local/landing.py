@@ -3,7 +3,7 @@
 gcp-storage-emulator has no notifications, so after each upload the event is made here, shaped as
 Eventarc delivers it: binary content mode, ``ce-*`` headers (percent-encoded as the CloudEvents HTTP
 binding says, so any object name travels), and the object's GCS JSON resource (StorageObjectData) as
-the body; it is delivered as Eventarc delivers it (``retrain.local.eventarc``): now, or again until the
+the body; it is delivered as Eventarc delivers it (``retrain_local.eventarc``): now, or again until the
 function takes it.
 """
 
@@ -24,7 +24,7 @@ from retrain.domain.datasets import DATASET_RULE, is_dataset_name
 from retrain.domain.errors import Rejected
 from retrain.domain.events import GCS_FINALIZED, GCS_SOURCE_PREFIX, check_object_name, encode_header_value
 from retrain.domain.runs import now_iso
-from retrain.local import eventarc
+from retrain_local import eventarc
 
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
 log = logging.getLogger(__name__)

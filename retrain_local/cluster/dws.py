@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from retrain.local.cluster.faults import Faults
-from retrain.local.cluster.nodes import NODEPOOL_LABEL, NodePool
-from retrain.local.cluster.status import is_true, set_condition
+from retrain_local.cluster.faults import Faults
+from retrain_local.cluster.nodes import NODEPOOL_LABEL, NodePool
+from retrain_local.cluster.status import is_true, set_condition
 
 PR_GROUP, PR_VERSION, PR_PLURAL = "autoscaling.x-k8s.io", "v1", "provisioningrequests"
 

@@ -8,7 +8,7 @@ to through Workload Identity, or as that account's own principal where it maps t
 :meth:`Guard.workload_member`), the CLI as the operator.  The stack gives
 each part a token of its own (:meth:`Guard.token`; a process is handed only its own), and every front maps
 the token back to the member and asks :meth:`Guard.check`, which evaluates infra/'s IAM
-(``retrain.local.iam``), logs each refusal (who was refused what) and counts each permission used, from
+(``retrain_local.iam``), logs each refusal (who was refused what) and counts each permission used, from
 which least privilege is measured (:meth:`Guard.least_privilege`).
 
 ``RETRAIN_LOCAL_IAM=off`` (``Settings.local_iam``) keeps the identities and the log but refuses nothing:
@@ -29,13 +29,13 @@ from typing import Any
 
 from retrain.hcl import LOCAL_PROJECT_NUMBER
 from retrain.k8s.render import run_principal
-from retrain.local.iam import Binding, Decision, Kind, Policy, Resource, policy_of
+from retrain_local.iam import Binding, Decision, Kind, Policy, Resource, policy_of
 
 log = logging.getLogger("retrain.iam")
 
 #: The operator: whoever deployed the project and runs the CLI.  infra/ grants it nothing; it owns the
 #: project (``roles/owner``), so it holds every permission (cloud.google.com/iam/docs/roles-overview#basic).
-OPERATOR = "user:operator@retrain.local"
+OPERATOR = "user:operator@retrain_local"
 
 #: What the local stack cannot exercise, by permission prefix, and why (the least-privilege report
 #: lists these grants apart: unused here says nothing about the cloud).

@@ -19,8 +19,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from retrain.adapters import objects
-from retrain.local.http import LoopbackServer
-from retrain.local.processes import ManagedProcess, PortTaken, free_port
+from retrain_local.http import LoopbackServer
+from retrain_local.processes import ManagedProcess, PortTaken, free_port
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The cluster twin: GKE's data plane for a real API server (:mod:`retrain.local.envtest`), as three
+"""The cluster twin: GKE's data plane for a real API server (:mod:`retrain_local.envtest`), as three
 controllers over one node pool (:mod:`.nodes`): the DWS provisioner with the autoscaler (:mod:`.dws`) and
 the JobSet controller with the scheduler (:mod:`.jobset`), reconciled in turn on one loop, and the kubelet
 (:mod:`.kubelet`), which runs the pods the JobSet controller binds.
@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from retrain.local.cluster.dws import DwsProvisioner
-from retrain.local.cluster.faults import Faults
-from retrain.local.cluster.jobset import JobSetController
-from retrain.local.cluster.kubelet import Kubelet, Pod
-from retrain.local.cluster.nodes import NodePool
-from retrain.local.images import LocalImage, local_images
+from retrain_local.cluster.dws import DwsProvisioner
+from retrain_local.cluster.faults import Faults
+from retrain_local.cluster.jobset import JobSetController
+from retrain_local.cluster.kubelet import Kubelet, Pod
+from retrain_local.cluster.nodes import NodePool
+from retrain_local.images import LocalImage, local_images
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ClusterTwin:
             self._faults = self.dws.faults = self.jobsets.faults = self.kubelet.faults = faults
 
     def start(self) -> ClusterTwin:
-        from retrain.local.envtest import ensure_service_account
+        from retrain_local.envtest import ensure_service_account
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         ensure_service_account(self.api, self.namespace)

@@ -3,7 +3,7 @@
 A client library pointed at an emulator presents no identity of its own (Firestore's always sends
 ``Authorization: Bearer owner``; Pub/Sub's sends nothing), so each identity is given its own endpoint
 (:meth:`GrpcFront.endpoint`, the ``*_EMULATOR_HOST`` of that identity's processes) and every call
-arriving there is checked, by :class:`retrain.local.identities.Guard`, for what Google requires of
+arriving there is checked, by :class:`retrain_local.identities.Guard`, for what Google requires of
 its method before it is relayed.  A method the front does not know is refused, never relayed unchecked.
 """
 
@@ -15,8 +15,8 @@ from concurrent import futures
 
 import grpc
 
-from retrain.local.iam import Resource
-from retrain.local.identities import Guard
+from retrain_local.iam import Resource
+from retrain_local.identities import Guard
 
 
 class GrpcFront:

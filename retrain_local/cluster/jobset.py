@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrain.local.cluster.faults import Faults
-from retrain.local.cluster.kubelet import FUSE_SYNC_S, Kubelet, Pod, Rendezvous
-from retrain.local.cluster.nodes import GPU, NODEPOOL_LABEL, NodePool
-from retrain.local.cluster.status import is_true, set_condition
-from retrain.local.processes import free_port
+from retrain_local.cluster.faults import Faults
+from retrain_local.cluster.kubelet import FUSE_SYNC_S, Kubelet, Pod, Rendezvous
+from retrain_local.cluster.nodes import GPU, NODEPOOL_LABEL, NodePool
+from retrain_local.cluster.status import is_true, set_condition
+from retrain_local.processes import free_port
 
 log = logging.getLogger(__name__)
 

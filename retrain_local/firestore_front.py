@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from retrain.local.grpc_front import GrpcFront
-from retrain.local.iam import Kind, Resource
-from retrain.local.identities import Guard
+from retrain_local.grpc_front import GrpcFront
+from retrain_local.iam import Kind, Resource
+from retrain_local.identities import Guard
 
 READS = {
     "GetDocument": ("datastore.entities.get",),

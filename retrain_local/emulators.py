@@ -16,10 +16,10 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from retrain.local.processes import EmulatorError, ManagedProcess
+from retrain_local.processes import EmulatorError, ManagedProcess
 
 if TYPE_CHECKING:
-    from retrain.local.bigquery_gcs import ExportsProxy
+    from retrain_local.bigquery_gcs import ExportsProxy
 
 
 def sdk_platform_dir() -> Path | None:
@@ -125,14 +125,14 @@ def pubsub(state_dir: Path, port: int) -> tuple[ManagedProcess, str]:
 
 
 def gcs(state_dir: Path, port: int) -> tuple[ManagedProcess, str]:
-    """gcp-storage-emulator (``retrain.local.gcs_emulator``: a gone generation is a 404, as on Cloud
+    """gcp-storage-emulator (``retrain_local.gcs_emulator``: a gone generation is a 404, as on Cloud
     Storage), storing objects under ``state_dir/gcs``; returns it and STORAGE_EMULATOR_HOST."""
     proc = ManagedProcess(
         "gcs-emulator",
         [
             sys.executable,
             "-m",
-            "retrain.local.gcs_emulator",
+            "retrain_local.gcs_emulator",
             "start",
             "--host",
             "127.0.0.1",
@@ -151,7 +151,7 @@ def bqemulator_path() -> Path | None:
     """The ``bqemulator`` CLI: ``RETRAIN_BQEMULATOR``, else the copy scripts/test installs in .tools/."""
     configured = os.environ.get("RETRAIN_BQEMULATOR")
     candidates = [Path(configured)] if configured else []
-    candidates.append(Path(__file__).resolve().parents[2] / ".tools" / "bqemulator" / "bin" / "bqemulator")
+    candidates.append(Path(__file__).resolve().parents[1] / ".tools" / "bqemulator" / "bin" / "bqemulator")
     return next((c for c in candidates if c.is_file()), None)
 
 
@@ -159,7 +159,7 @@ def bigquery(state_dir: Path, port: int, project: str = "retrain-local") -> tupl
     """bqemulator (an optional tier: scripts/test installs it with duckdb 1.5.5 and its spatial
     extension from PyPI wheels, so it never downloads anything), behind the proxy that puts the files
     its jobs export into the storage emulator; returns it and BIGQUERY_EMULATOR_HOST."""
-    from retrain.local.bigquery_gcs import ExportsProxy
+    from retrain_local.bigquery_gcs import ExportsProxy
 
     cli = bqemulator_path()
     if cli is None:

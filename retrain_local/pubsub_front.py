@@ -10,8 +10,8 @@ functions only publish (the run events of :class:`retrain.adapters.events.PubSub
 
 from __future__ import annotations
 
-from retrain.local.grpc_front import GrpcFront
-from retrain.local.iam import Kind, Resource
+from retrain_local.grpc_front import GrpcFront
+from retrain_local.iam import Kind, Resource
 
 
 class PubSubFront(GrpcFront):

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from retrain.k8s.schema import load_crds
-from retrain.local import processes
+from retrain_local import processes
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
 BINARIES = ("kube-apiserver", "etcd")
 
