@@ -13,7 +13,7 @@ measured as the run meets it:
   would be with one blend entry per object (no packs: the limit this bench exists for);
 * record: the run record's training fields (command and blend; Firestore allows 1 MiB a document);
 * data start-up: the stand-in trainer's reading of every dataset of the blend before its first step
-  (``retrain.train.data.load_blend``), what Megatron's index building scales with, and what it would
+  (``retrain_local.train.data.load_blend``), what Megatron's index building scales with, and what it would
   be with one dataset per object.
 The 100-object run is the baseline: the last lines print each figure's ratio 10,000 / 100 (the goal is
 within 3x).  Times are medians of --repeat; the machine is shared and noisy.
@@ -44,8 +44,8 @@ from retrain import config
 from retrain.contracts import Handover
 from retrain.plan import render_training, shard_root, training_plan
 from retrain.tokenize import tokenize_incremental
-from retrain.train.data import load_blend
 from retrain.trainers import TokenizerFiles
+from retrain_local.train.data import load_blend
 
 TEXT = " ".join(f"word{i % 997}" for i in range(400_000))
 

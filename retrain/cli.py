@@ -39,7 +39,7 @@ def stack_settings() -> config.Settings:
 
 def local_settings() -> config.Settings:
     """Settings for the local stack; says so when the stand-in trainer will only check the data."""
-    from retrain.train import torch_available
+    from retrain_local.train import torch_available
 
     if not torch_available():
         _say(

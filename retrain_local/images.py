@@ -8,8 +8,8 @@ environment names is translated to the host path standing for it: an image file,
 folder, or the folder standing for a Cloud Storage FUSE mount (:mod:`retrain_local.gcsfuse`).
 
 The local stack plays the deployment's training images with :data:`NEMO_STANDIN` (NeMo's pre-training
-script is :mod:`retrain.train.standin`) and :data:`BRIDGE_STANDIN` (Megatron-Bridge's run_recipe.py is
-:mod:`retrain.train.bridge_standin`); in both ``torchrun`` is PyTorch's own (or, without PyTorch, the
+script is :mod:`retrain_local.train.standin`) and :data:`BRIDGE_STANDIN` (Megatron-Bridge's run_recipe.py is
+:mod:`retrain_local.train.bridge_standin`); in both ``torchrun`` is PyTorch's own (or, without PyTorch, the
 stand-in launcher :mod:`retrain_local.torchrun`).  :data:`HOST` runs commands as they are (tests).
 """
 
@@ -70,7 +70,7 @@ def _launcher_dir(workdir: Path) -> str:
 def local_images(workdir: Path) -> dict[str, LocalImage]:
     """The images the twin can run, by name."""
     launcher = (_launcher_dir(workdir),)
-    train = REPO / "retrain" / "train"
+    train = REPO / "retrain_local" / "train"
     nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher)
     bridge_image = LocalImage(
         files={megatron_bridge.RUN_RECIPE: str(train / "bridge_standin.py")}, path=launcher

@@ -61,7 +61,7 @@ def bucket(gcs_host: str, tmp_path: Path) -> str:
             "--nproc-per-node=1",
             "--master-addr=127.0.0.1",
             f"--master-port={free_port()}",
-            str(REPO / "retrain" / "train" / "standin.py"),
+            str(REPO / "retrain_local" / "train" / "standin.py"),
             *nemo_args(local, BLEND, steps=10, run_id="base"),
         ],
         env=child_env(),

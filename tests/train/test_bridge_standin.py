@@ -14,7 +14,7 @@ from training_support import write_dataset as write_megatron
 
 from retrain.tensorboard import read_scalars
 
-STANDIN = REPO / "retrain" / "train" / "bridge_standin.py"
+STANDIN = REPO / "retrain_local" / "train" / "bridge_standin.py"
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
 BLEND = [1.0, "gs://b/shards/p/data_text_document"]
 

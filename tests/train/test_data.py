@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from training_support import REPO, random_documents, write_dataset
 
-from retrain.train.data import DataError, WindowSampler, load_blend, parse_blend, split_streams
+from retrain_local.train.data import DataError, WindowSampler, load_blend, parse_blend, split_streams
 
 
 def test_parse_blend_prefixes_alone_get_equal_weights() -> None:
@@ -61,7 +61,7 @@ def test_short_streams_are_read_circularly(tmp_path: Path) -> None:
 
 
 def test_the_data_check_counts_a_good_blend_and_names_a_bad_one(tmp_path: Path) -> None:
-    from retrain.train.datacheck import check
+    from retrain_local.train.datacheck import check
 
     a = write_dataset(tmp_path / "a", random_documents(3, 100))
     b = write_dataset(tmp_path / "b", random_documents(4, 100, seed=1))
@@ -75,7 +75,7 @@ def test_the_data_check_counts_a_good_blend_and_names_a_bad_one(tmp_path: Path) 
 @pytest.mark.integration
 def test_the_data_side_never_imports_torch() -> None:
     code = (
-        "import sys, retrain.train, retrain.train.datacheck, retrain.train.data; "
-        "retrain.train.torch_available(); assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, retrain_local.train, retrain_local.train.datacheck, retrain_local.train.data; "
+        "retrain_local.train.torch_available(); assert 'torch' not in sys.modules, 'torch imported'"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 
 def test_fresh_model_init_is_normal_002() -> None:
-    from retrain.train.gpt import GPT, GPTConfig
+    from retrain_local.train.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     state = GPT(GPTConfig(vocab_size=4096, seq_len=128, d_model=128, layers=2, heads=4)).state_dict()
@@ -29,7 +29,7 @@ def test_fresh_model_init_is_normal_002() -> None:
 
 
 def test_fused_head_loss_equals_cross_entropy() -> None:
-    from retrain.train.gpt import GPT, GPTConfig
+    from retrain_local.train.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=300, seq_len=16, d_model=32, layers=1, heads=2))
@@ -46,7 +46,7 @@ def test_fused_head_loss_equals_cross_entropy() -> None:
 
 
 def test_checkpoint_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from retrain.train import gpt
+    from retrain_local.train import gpt
 
     path = tmp_path / "ckpt" / "model.pt"
     gpt.save_checkpoint(path, {"step": 20, "w": torch.ones(3)})

@@ -23,7 +23,7 @@ from training_support import torchrun as run_torchrun
 
 from retrain.tensorboard import read_scalars
 
-STANDIN = REPO / "retrain" / "train" / "standin.py"
+STANDIN = REPO / "retrain_local" / "train" / "standin.py"
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
 
 
@@ -169,7 +169,7 @@ def test_the_stand_in_launcher_starts_ranks_as_torchrun_does(tmp_path: Path) -> 
 
 
 def test_checkpoint_names_are_formatted_as_lightning_formats_them() -> None:
-    from retrain.train.standin import checkpoint_name
+    from retrain_local.train.standin import checkpoint_name
 
     template = "megatron_gpt--{val_loss:.2f}-{step}-{consumed_samples}"
     assert (
@@ -181,7 +181,7 @@ def test_checkpoint_names_are_formatted_as_lightning_formats_them() -> None:
 
 def test_the_split_is_megatrons() -> None:
     """Documents are cut into train / validation / test as megatron-core cuts them (when it is here)."""
-    from retrain.train.data import split_documents
+    from retrain_local.train.data import split_documents
 
     config = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_config")
     for n in (0, 1, 2, 3, 10, 37, 1000):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from retrain.train.data import DataError, load_blend
+from retrain_local.train.data import DataError, load_blend
 
 
 def check(data_prefix: list[Any]) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """What the local image runs in place of NeMo: a stand-in of its pre-training script and its parts.
 
-* :mod:`retrain.train.standin`: NeMo 24.12's ``megatron_gpt_pretraining.py`` contract (Hydra overrides,
+* :mod:`retrain_local.train.standin`: NeMo 24.12's ``megatron_gpt_pretraining.py`` contract (Hydra overrides,
   data, exp_manager's layout, TensorBoard events) around a small GPT on PyTorch (CPU);
-* :mod:`retrain.train.gpt`: that GPT, its atomic checkpoints and its process group;
-* :mod:`retrain.train.data`: Megatron blends, document splits and window sampling (no torch);
-* :mod:`retrain.train.datacheck`: the data check done instead of training where PyTorch is missing.
+* :mod:`retrain_local.train.gpt`: that GPT, its atomic checkpoints and its process group;
+* :mod:`retrain_local.train.data`: Megatron blends, document splits and window sampling (no torch);
+* :mod:`retrain_local.train.datacheck`: the data check done instead of training where PyTorch is missing.
 
 Importing this package never imports torch.
 """

@@ -42,8 +42,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from retrain.tensorboard import EventWriter, event_file_name
-from retrain.train.data import load_blend, split_streams
-from retrain.train.loop import (
+from retrain.trainers import PlanError
+from retrain.trainers.hydra import compose
+from retrain.trainers.nemo import CONFIG_DIR, CONFIG_NAME, check_config
+from retrain_local.train.data import load_blend, split_streams
+from retrain_local.train.loop import (
     WHOLE,
     Loop,
     Schedule,
@@ -55,9 +58,6 @@ from retrain.train.loop import (
     vocab_size,
     write_index_mapping,
 )
-from retrain.trainers import PlanError
-from retrain.trainers.hydra import compose
-from retrain.trainers.nemo import CONFIG_DIR, CONFIG_NAME, check_config
 
 LAST = "-last"
 
@@ -82,7 +82,7 @@ def latest_last(checkpoints: Path) -> Path | None:
 
 def data_check(cfg: Any) -> int:
     """Without PyTorch: read and check every dataset of the blend, train nothing."""
-    from retrain.train.datacheck import check
+    from retrain_local.train.datacheck import check
 
     prefix = cfg.model.data.data_prefix
     metrics = check([*prefix.train, *prefix.validation] if OmegaConf.is_dict(prefix) else list(prefix))

@@ -1,10 +1,11 @@
 """The toy GPT's training mechanics, shared by the local stand-ins of both trainer profiles.
 
-Each stand-in (:mod:`retrain.train.standin` for NeMo 24.12, :mod:`retrain.train.bridge_standin` for
-Megatron-Bridge) reads its trainer's own command and keeps its trainer's contract -- where checkpoints
-go and how they are named, what resumes, which TensorBoard tags -- and both train the same model the
-same way: Megatron's batch arithmetic (micro-batches per rank, accumulated to the global batch),
-AdamW with warm-up then cosine decay, validation on the validation split.
+Each stand-in (:mod:`retrain_local.train.standin` for NeMo 24.12,
+:mod:`retrain_local.train.bridge_standin` for Megatron-Bridge) reads its trainer's own command and keeps
+its trainer's contract -- where checkpoints go and how they are named, what resumes, which TensorBoard
+tags -- and both train the same model the same way: Megatron's batch arithmetic (micro-batches per rank,
+accumulated to the global batch), AdamW with warm-up then cosine decay, validation on the validation
+split.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from retrain.train.data import DataError, WindowSampler
+from retrain_local.train.data import DataError, WindowSampler
 
 #: The stand-in's model, whatever the command's architecture says (two CPU cores must train it).
 D_MODEL, LAYERS, HEADS = 64, 2, 4
@@ -191,14 +192,14 @@ def train_or_check(cfg: Any, train: Any, check: Any) -> int:
     """A stand-in's job: ``train(cfg, dist, torch, gpt)`` in torchrun's process group (torn down after),
     or without PyTorch ``check(cfg)`` (the data read and checked, nothing trained); bad data is the
     job's failure message, not a traceback."""
-    from retrain.train import torch_available
+    from retrain_local.train import torch_available
 
     try:
         if not torch_available():
             return int(check(cfg))
         import torch
 
-        from retrain.train import gpt
+        from retrain_local.train import gpt
 
         dist = gpt.init_distributed()
         gpt.configure_threads(None, dist)

@@ -1,5 +1,5 @@
 """A small decoder-only GPT on PyTorch (CPU): the model, its checkpoints and its process group, for the
-local stand-in of NeMo's pre-training script (:mod:`retrain.train.standin`).
+local stand-in of NeMo's pre-training script (:mod:`retrain_local.train.standin`).
 
 The model is GPT-2 shaped at a toy scale (token and learned position embeddings, pre-LN blocks, an
 output head tied to the token embedding).  Checkpoints are saved atomically: a reader (or a restarted

@@ -21,7 +21,7 @@ refused here).  It keeps Bridge's contract:
   steps and at the end, with the tracker files beside them; ``lm loss``, ``lm loss vs samples`` and
   ``learning-rate`` go to TensorBoard in ``logger.tensorboard_dir``.
 
-Like NeMo's stand-in, the model is the toy GPT of :mod:`retrain.train.loop` (the architecture overrides
+Like NeMo's stand-in, the model is the toy GPT of :mod:`retrain_local.train.loop` (the architecture overrides
 are checked, not used), and a run continuing from a pretrained checkpoint first validates it on its own
 validation data (the eval gate compares on the same data; Bridge itself does not).
 """
@@ -37,19 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from retrain.tensorboard import EventWriter, event_file_name
-from retrain.train.data import load_blend, split_streams
-from retrain.train.loop import (
-    WHOLE,
-    Loop,
-    Schedule,
-    Shape,
-    fail,
-    finish,
-    say,
-    train_or_check,
-    vocab_size,
-    write_index_mapping,
-)
 from retrain.trainers import PlanError
 from retrain.trainers.megatron_bridge import (
     SAMPLES_TAG,
@@ -60,6 +47,19 @@ from retrain.trainers.megatron_bridge import (
     checkpoint_folder,
     compose,
     read_recipe_args,
+)
+from retrain_local.train.data import load_blend, split_streams
+from retrain_local.train.loop import (
+    WHOLE,
+    Loop,
+    Schedule,
+    Shape,
+    fail,
+    finish,
+    say,
+    train_or_check,
+    vocab_size,
+    write_index_mapping,
 )
 
 #: Bridge's trackers of the latest checkpoint (checkpointing.py: the first is read first on load).
@@ -82,7 +82,7 @@ def pretrained_weights(path: Path) -> Path | None:
 
 def data_check(cfg: Any) -> int:
     """Without PyTorch: read and check every dataset of the blend, train nothing."""
-    from retrain.train.datacheck import check
+    from retrain_local.train.datacheck import check
 
     per_split = [entry for entry in cfg.dataset.blend_per_split or [] if entry is not None]
     prefixes = [p for entry in per_split for p in entry[0]] or cfg.dataset.data_path
