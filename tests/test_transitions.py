@@ -10,7 +10,7 @@ import typing
 import pytest
 
 from retrain.domain import transitions
-from retrain.domain.runs import Evaluation, FailureKind, Run, RunStatus, TrainingMetrics
+from retrain.domain.runs import Evaluation, FailureKind, Run, RunStatus, TrainingMetrics, Trigger
 from retrain.domain.transitions import (
     HandedOver,
     ManifestRewritten,
@@ -87,3 +87,12 @@ def test_an_empty_run_ends_succeeded_with_no_node_asked_for() -> None:
     )
     assert run.finished_at == run.work_ended_at and run.failure is None
     assert run.reason == "nothing to train: its 2 object(s) are empty"
+
+
+def test_a_retry_recorded_as_earlier_releases_did_and_an_unknown_trigger_still_read() -> None:
+    older = Run.from_dict({"run_id": "ds-3", "dataset": "ds", "trigger": "retry of ds-1"})
+    assert (older.trigger, older.retry_of) == (Trigger.RETRY, "ds-1")
+    newer = Run.from_dict({"run_id": "ds-4", "dataset": "ds", "trigger": "pubsub-push"})
+    assert newer.trigger == Trigger.OTHER
+    now = Run.from_dict({"run_id": "ds-5", "dataset": "ds", "trigger": "retry", "retry_of": "ds-2"})
+    assert (now.trigger, now.retry_of) == (Trigger.RETRY, "ds-2")

@@ -51,6 +51,8 @@ class Trigger(StrEnum):
     """A watched table's new rows were exported and landed."""
     BIGQUERY_EXPORT = "bigquery-export"
     """A BigQuery export job (``EXPORT DATA``) finished writing its files."""
+    OTHER = "other"
+    """Read only: a trigger this release does not know (a newer release wrote it)."""
 
 
 class FailureKind(StrEnum):
@@ -515,12 +517,30 @@ class Run:
     def from_dict(cls, d: Mapping[str, Any]) -> Run:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["status"] = RunStatus(known.get("status", "pending"))
-        known["trigger"] = Trigger(known["trigger"])
+        known["trigger"] = _trigger(known.get("trigger"))
+        if known["trigger"] == Trigger.RETRY and not known.get("retry_of"):
+            known["retry_of"] = str(d.get("trigger", "")).removeprefix(_RETRY_OF) or None
         known["failure"] = _failure_kind(known.get("failure"))
         for name, kind in (("metrics", TrainingMetrics), ("eval", Evaluation)):
             value = known.get(name)
             known[name] = kind.from_dict(value) if isinstance(value, Mapping) and value else None
         return cls(**known)
+
+
+_RETRY_OF = "retry of "
+"""How releases before :attr:`Run.retry_of` recorded a retry's trigger: ``retry of RUN``."""
+
+
+def _trigger(value: Any) -> Trigger:
+    """A record's ``trigger``: ``retry of RUN`` (as earlier releases wrote a retry's) reads as a retry; a
+    trigger this release does not know (a newer release's) as :attr:`Trigger.OTHER`, so that one record
+    never stops every reader of the ledger."""
+    if str(value).startswith(_RETRY_OF):
+        return Trigger.RETRY
+    try:
+        return Trigger(value)
+    except ValueError:
+        return Trigger.OTHER
 
 
 def _failure_kind(value: Any) -> FailureKind | None:
