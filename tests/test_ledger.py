@@ -6,6 +6,7 @@ import dataclasses
 import random
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,7 +18,7 @@ from stack_support import overwrite_run, stored_plan
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.ledger.base import _key
 from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import RunStatus, Trigger
+from retrain.domain.runs import BatchState, RunStatus, Trigger
 from retrain.domain.transitions import RunEnd, RunPlanned
 from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
 
@@ -403,3 +404,21 @@ def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
     # retried with jittered backoff (0.1 s growing by 1.3: the first second is about eight attempts), then
     # given up once the next sleep would pass the deadline
     assert 1.0 < time.monotonic() - started < 6.0
+
+
+def test_a_batch_an_earlier_release_sealed_for_a_retry_still_makes_its_run(
+    ledger: FirestoreLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Earlier releases recorded a retry's trigger as ``retry of RUN``: such a batch, sealed before an
+    upgrade and finished after it (the sweeper finishing a seal a crash cut short), still makes its run,
+    a retry of RUN."""
+    dataset = f"legacy{uuid.uuid4().hex[:6]}"
+    ledger.record_arrival(arrival("r"), dataset, "h-r")
+    finish = ledger.materialize
+    monkeypatch.setattr(ledger, "materialize", lambda batch_id: None)  # the sealer crashed here
+    ledger.seal(dataset, Trigger.MANUAL)
+    (batch,) = [b for b in ledger.batches_in(BatchState.SEALED) if b["dataset"] == dataset]
+    legacy = {"trigger": "retry of ds-older", "retry_of": firestore.DELETE_FIELD}
+    ledger.db.collection("batches").document(batch["batch_id"]).update(legacy)
+    sealed = finish(batch["batch_id"])
+    assert sealed.run is not None and (sealed.run.trigger, sealed.run.retry_of) == (Trigger.RETRY, "ds-older")

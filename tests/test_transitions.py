@@ -10,7 +10,15 @@ import typing
 import pytest
 
 from retrain.domain import transitions
-from retrain.domain.runs import Evaluation, FailureKind, Run, RunStatus, TrainingMetrics, Trigger
+from retrain.domain.runs import (
+    Evaluation,
+    FailureKind,
+    Run,
+    RunStatus,
+    TrainingMetrics,
+    Trigger,
+    read_trigger,
+)
 from retrain.domain.transitions import (
     HandedOver,
     ManifestRewritten,
@@ -96,3 +104,5 @@ def test_a_retry_recorded_as_earlier_releases_did_and_an_unknown_trigger_still_r
     assert newer.trigger == Trigger.OTHER
     now = Run.from_dict({"run_id": "ds-5", "dataset": "ds", "trigger": "retry", "retry_of": "ds-2"})
     assert (now.trigger, now.retry_of) == (Trigger.RETRY, "ds-2")
+    assert read_trigger("retry") == (Trigger.RETRY, None)  # a bare retry names no run
+    assert read_trigger(None) == (Trigger.OTHER, None) and read_trigger("manual") == (Trigger.MANUAL, None)

@@ -517,9 +517,8 @@ class Run:
     def from_dict(cls, d: Mapping[str, Any]) -> Run:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["status"] = RunStatus(known.get("status", "pending"))
-        known["trigger"] = _trigger(known.get("trigger"))
-        if known["trigger"] == Trigger.RETRY and not known.get("retry_of"):
-            known["retry_of"] = str(d.get("trigger", "")).removeprefix(_RETRY_OF) or None
+        known["trigger"], retry_of = read_trigger(known.get("trigger"))
+        known["retry_of"] = known.get("retry_of") or retry_of
         known["failure"] = _failure_kind(known.get("failure"))
         for name, kind in (("metrics", TrainingMetrics), ("eval", Evaluation)):
             value = known.get(name)
@@ -531,16 +530,17 @@ _RETRY_OF = "retry of "
 """How releases before :attr:`Run.retry_of` recorded a retry's trigger: ``retry of RUN``."""
 
 
-def _trigger(value: Any) -> Trigger:
-    """A record's ``trigger``: ``retry of RUN`` (as earlier releases wrote a retry's) reads as a retry; a
-    trigger this release does not know (a newer release's) as :attr:`Trigger.OTHER`, so that one record
-    never stops every reader of the ledger."""
-    if str(value).startswith(_RETRY_OF):
-        return Trigger.RETRY
+def read_trigger(value: Any) -> tuple[Trigger, str | None]:
+    """A stored trigger (a run's, a sealed batch's), and the run it retries if it names one: ``retry of
+    RUN`` (as earlier releases wrote a retry's) reads as a retry of RUN; a trigger this release does not
+    know (a newer release's) as :attr:`Trigger.OTHER`, so that one record never stops every reader."""
+    text = str(value or "")
+    if text.startswith(_RETRY_OF):
+        return Trigger.RETRY, text.removeprefix(_RETRY_OF) or None
     try:
-        return Trigger(value)
+        return Trigger(text), None
     except ValueError:
-        return Trigger.OTHER
+        return Trigger.OTHER, None
 
 
 def _failure_kind(value: Any) -> FailureKind | None:

@@ -509,6 +509,7 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 
 
 _Dumper.add_representer(str, _str)
+_Dumper.add_multi_representer(str, _str)  # a str subclass (a StrEnum) is a string too
 
 
 def to_yaml(obj: dict[str, Any]) -> str:

@@ -338,7 +338,7 @@ class MegatronBridgeProfile:
             DATASET_PRESET,
             *overrides,
         ]
-        return Command(["bash", "-c", LAUNCHER, NAME], args)
+        return Command(["bash", "-c", LAUNCHER, str(NAME)], args)
 
     def validate(self, command: Command) -> None:
         launch = read_launch(command.args)

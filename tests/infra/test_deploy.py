@@ -669,9 +669,9 @@ def test_functions_build_folder_holds_main_requirements_and_the_package(checkout
     }
     assert (built / "retrain" / "ingest" / "starts.py").is_file()
     assert (built / "retrain" / "resources" / "nemo-24.12").is_dir()
-    # What the functions never import stays out: the stand-ins, the tokenizer, the CLI, the deployer (and
-    # the local stack and the interpreter, packages of their own: `top` below).
-    for absent in ("train", "tokenize", "cli.py", "deploy.py", "deployment.py"):
+    # What the functions never import stays out: the tokenizer, the CLI, the deployer (and the local stack
+    # and the interpreter, packages of their own: `top` below).
+    for absent in ("tokenize", "cli.py", "deploy.py", "deployment.py"):
         assert not (built / "retrain" / absent).exists(), absent
     assert not stale.exists()
     top = {p.name for p in built.iterdir()}

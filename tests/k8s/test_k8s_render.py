@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from retrain.deployment import Deployment
-from retrain.domain.runs import Champion
+from retrain.domain.runs import Champion, ProfileName
 from retrain.k8s.render import (
     EXAMPLES,
     TCPX_NETWORKS,
@@ -23,6 +23,7 @@ from retrain.k8s.render import (
     jobset_name,
     render_provisioning_request,
     run_account_name,
+    to_yaml,
 )
 from retrain.k8s.schema import load_crds, validate, validate_resource
 from retrain.plan import render_training, training_plan
@@ -272,6 +273,7 @@ def test_schema_checker_catches_mistakes(crds: list[dict[str, Any]]) -> None:
 def test_example_manifests_are_renderer_output(file: str) -> None:
     text = (REPO / "k8s" / "examples" / file).read_text()
     assert yaml.safe_load(text) == example_jobset(file), "regenerate: python -m retrain.k8s.render"
+    assert text.split("\n", 1)[1] == to_yaml(example_jobset(file))  # what the generator writes, byte for byte
 
 
 def test_the_capacity_request_is_shaped_as_gke_documents_flex_start() -> None:
@@ -294,3 +296,10 @@ def test_the_capacity_request_is_shaped_as_gke_documents_flex_start() -> None:
         {"podTemplateRef": {"name": podtemplate["metadata"]["name"]}, "count": 2}
     ]
     assert request["spec"]["parameters"] == {"maxRunDurationSeconds": "600"}
+
+
+def test_a_string_enum_renders_as_its_string() -> None:
+    """A StrEnum (a profile's name, a status) reaching a manifest is written as its value, not refused."""
+    assert to_yaml({"profile": ProfileName.MEGATRON_BRIDGE, "script": "a\nb\n"}) == (
+        "profile: megatron-bridge\nscript: |\n  a\n  b\n"
+    )

@@ -13,7 +13,7 @@ from google.cloud.firestore_v1.base_query import FieldFilter
 
 from retrain.adapters.ledger.base import CONTENT_CHUNK, THROUGH, FirestoreBase, _first_by_content, _key
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import BatchState, Run, Trigger, new_run_id, now_iso
+from retrain.domain.runs import BatchState, Run, Trigger, new_run_id, now_iso, read_trigger
 from retrain.ports import SealOutcome, SealPreview, SealVerdict
 
 
@@ -80,7 +80,8 @@ class BatchRecords(FirestoreBase):
         held = self._held(dataset, list(first))
         todo = {h: version for h, version in first.items() if h not in held}
         while todo:
-            run = self._pending_run(dataset, batch_id, Trigger(batch["trigger"]), batch.get("retry_of"))
+            trigger, retried = read_trigger(batch.get("trigger"))
+            run = self._pending_run(dataset, batch_id, trigger, batch.get("retry_of") or retried)
             chunk = dict(list(todo.items())[:CONTENT_CHUNK])
             joined, stale = self._join(run, chunk)
             if stale:  # the pending run started meanwhile: the rest goes to the next pending run
