@@ -196,6 +196,13 @@ def main() -> int:
     ap.add_argument("--total-bytes", type=int, default=2_000_000)
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument(
+        "--judge",
+        choices=("all", "bytes"),
+        default="all",
+        help="which ratios decide the exit status: all of them, or the sizes only (at test size, a few "
+        "milliseconds on a shared machine are noise)",
+    )
     args = ap.parse_args()
     if args.stack:
         with tempfile.TemporaryDirectory(prefix="any-size-stack-") as tmp:
@@ -218,9 +225,10 @@ def main() -> int:
     worst = 0.0
     for key in ("handover_s", "answer_bytes", "argument_bytes", "record_bytes", "data_startup_s"):
         ratio = last[key] / base[key]
-        worst = max(worst, ratio)
+        if args.judge == "all" or key.endswith("_bytes"):
+            worst = max(worst, ratio)
         print(f"{key}: {last['objects']:,} objects / {base['objects']:,} objects = {ratio:.2f}x")
-    print(f"worst ratio {worst:.2f}x (goal: within 3x)")
+    print(f"worst ratio {worst:.2f}x of those judged ({args.judge}; goal: within 3x)")
     return 0 if worst <= 3 else 1
 
 
