@@ -113,7 +113,7 @@ def format_run(run: Run) -> str:
     lines = [f"run {run.run_id}  [{run.status}]"]
     for label, value in (
         ("dataset", run.dataset),
-        ("trigger", f"{run.trigger} of {run.retry_of}" if run.retry_of else run.trigger),
+        ("trigger", run.triggered_by),
         ("snapshot", run.snapshot[:16]),
         ("objects", run.objects),
         ("documents", run.documents),

@@ -234,7 +234,7 @@ def render(run: Run, scalars: Sequence[Scalar], openlineage: Sequence[dict[str, 
     command = " ".join(run.command or [])
     about = [
         ("dataset", run.dataset),
-        ("trigger", f"{run.trigger} of {run.retry_of}" if run.retry_of else run.trigger),
+        ("trigger", run.triggered_by),
         ("profile", run.profile),
         ("image", run.image),
     ]

@@ -106,3 +106,9 @@ def test_a_retry_recorded_as_earlier_releases_did_and_an_unknown_trigger_still_r
     assert (now.trigger, now.retry_of) == (Trigger.RETRY, "ds-2")
     assert read_trigger("retry") == (Trigger.RETRY, None)  # a bare retry names no run
     assert read_trigger(None) == (Trigger.OTHER, None) and read_trigger("manual") == (Trigger.MANUAL, None)
+
+
+def test_a_retry_says_which_run_it_re_runs() -> None:
+    retry = Run.from_dict({"run_id": "ds-6", "dataset": "ds", "trigger": "retry", "retry_of": "ds-2"})
+    assert retry.triggered_by == "retry of ds-2"
+    assert Run.from_dict({"run_id": "ds-7", "dataset": "ds", "trigger": "manual"}).triggered_by == "manual"

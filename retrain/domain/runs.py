@@ -485,6 +485,11 @@ class Run:
     """When it ended: every node released (or given up on after the release timeout)."""
 
     @property
+    def triggered_by(self) -> str:
+        """Its trigger for a person: a retry names the run it re-runs (``retry of RUN``)."""
+        return f"{self.trigger} of {self.retry_of}" if self.retry_of else str(self.trigger)
+
+    @property
     def waited_for_capacity_s(self) -> float | None:
         """How long it waited for capacity: from asking DWS until its JobSet was submitted (or, when
         the capacity never came, until it gave up); None when it never asked."""
