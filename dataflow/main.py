@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import sys
 
-from retrain.tokenize.cli import main
+from retrain_tokenize.cli import main
 
 #: template parameter -> CLI flag (None: positional inputs, comma-separated)
 PARAMS = {

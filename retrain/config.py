@@ -39,7 +39,7 @@ class Settings:
     """The project's number: Google may write it where the id stands in resource names (an execution's
     name, hence its callback URLs), so both are recognised; and Workload Identity's principals name the
     project by number (the run's pods, ``WorkflowArgument.run_principal``).  The default is the local
-    stack's (``retrain.hcl.LOCAL_PROJECT_NUMBER``); a deployment sets it (infra/app/main.tf)."""
+    stack's (``retrain_ops.hcl.LOCAL_PROJECT_NUMBER``); a deployment sets it (infra/app/main.tf)."""
     region: str = "us-central1"
     """Region of the workflow, functions, Dataflow jobs and the GKE cluster."""
     landing_bucket: str = "retrain-landing"
@@ -236,7 +236,7 @@ class Settings:
     scale_down_delay_s: float = 600.0
     """Local cluster twin: how long a node stays once unneeded, what a released run's nodes still cost:
     the cluster autoscaler's ``--scale-down-unneeded-time``, 10 minutes by default (kubernetes/
-    autoscaler's FAQ); a period of waiting, so locally 10 s (``retrain.deployment.SCALED_PERIODS``)."""
+    autoscaler's FAQ); a period of waiting, so locally 10 s (``retrain_ops.deployment.SCALED_PERIODS``)."""
     twin_faults: str = ""
     """Local cluster twin: injected faults, e.g. ``provisioning=fail`` or ``crash_pod_once=true``."""
     state_dir: str = ".retrain"

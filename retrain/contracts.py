@@ -347,7 +347,7 @@ class TokenizeReport:
     report itself, which the workflow reads into a variable whatever the run's size."""
     packs: list[dict[str, Any]]
     """The datasets the trainer reads, at most ``--max-packs`` of them whatever the run's size
-    (:mod:`retrain.tokenize.packs`): each ``data_prefix``, ``tokens``, ``shards`` (how many objects' shards it
+    (:mod:`retrain_tokenize.packs`): each ``data_prefix``, ``tokens``, ``shards`` (how many objects' shards it
     concatenates; a pack of one is that shard) and ``written`` (by this job, or reused)."""
     data_prefix_blend: list[Any]
     """Megatron's blend over the packs: ``[weight, prefix, weight, prefix, ...]``, weights proportional to

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from retrain.k8s.schema import load_crds
 from retrain_local import processes
+from retrain_ops.k8s_schema import load_crds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"

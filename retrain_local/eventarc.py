@@ -23,7 +23,7 @@ from typing import Any
 
 import requests
 
-from retrain.deployment import LOCAL_TIME_FACTOR
+from retrain_ops.deployment import LOCAL_TIME_FACTOR
 
 log = logging.getLogger("retrain.eventarc")
 

@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from retrain.deployment import Deployment
 from retrain_local.http import LoopbackServer
+from retrain_ops.deployment import Deployment
 
 
 def declared_cluster(deployment: Deployment, endpoint: str, ca_pem: str) -> Any:
@@ -100,7 +100,7 @@ class GkeApiServer:
     ) -> GkeApiServer:
         """The deployment's cluster with the local control plane at ``server`` (``https://host:port``); the
         project has the APIs the bootstrap enables, and GPU quota for exactly the DWS pool's nodes."""
-        from retrain.doctor import MACHINE_GPUS, PREEMPTIBLE_GPU_QUOTA
+        from retrain_ops.doctor import MACHINE_GPUS, PREEMPTIBLE_GPU_QUOTA
 
         endpoint = server.removeprefix("https://")
         cluster = declared_cluster(deployment, endpoint, Path(ca_file).read_text())

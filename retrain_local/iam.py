@@ -1,7 +1,7 @@
 """Google Cloud IAM as ``infra/`` grants it, for the local stack: may this identity do this, on that?
 
 The policy is read from the deployment itself: every ``*_iam_member`` resource of the platform and app
-stages and the custom roles, evaluated by ``retrain.hcl`` as Terraform would evaluate them.  A role
+stages and the custom roles, evaluated by ``retrain_ops.hcl`` as Terraform would evaluate them.  A role
 expands to its permissions from a vendored copy of Google's predefined roles (``iam_roles.json``: the
 role resources of iann0036/iam-dataset's ``gcp/roles``, its commit and date inside) or from infra's
 custom role.  Bindings apply where Google applies them: a project binding to everything in the project, a
@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from retrain.hcl import LOCAL_PROJECT_NUMBER
+from retrain_ops.hcl import LOCAL_PROJECT_NUMBER
 
 ROLES_FILE = Path(__file__).with_name("iam_roles.json")
 
@@ -244,7 +244,7 @@ _NAMESPACE_SET = re.compile(rf"^principalSet://{_POOL}/namespace/(?P<ns>[^/]+)$"
 
 def _ksa(member: str) -> tuple[str, str, str, str] | None:
     """(project number, workload pool, namespace, KSA) of a Kubernetes service account's principal, in
-    either form (the legacy one names no number: the local project's, ``retrain.hcl``'s)."""
+    either form (the legacy one names no number: the local project's, ``retrain_ops.hcl``'s)."""
     if m := _KSA_PRINCIPAL.match(member):
         return (m["number"], m["pool"], m["ns"], m["ksa"])
     if m := _KSA_LEGACY.match(member):
@@ -353,7 +353,7 @@ def _short(kind: Kind, value: str) -> str:
 
 
 def policy_of(stages: Mapping[str, Any]) -> Policy:
-    """The policy the given Terraform stages (``retrain.hcl.Stage`` by name) declare."""
+    """The policy the given Terraform stages (``retrain_ops.hcl.Stage`` by name) declare."""
     policy = Policy()
     for stage_name, stage in stages.items():
         for body in stage.resources("google_project_iam_custom_role").values():

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retrain.hcl import LOCAL_PROJECT_NUMBER
 from retrain.k8s.render import run_principal
 from retrain_local.iam import Binding, Decision, Kind, Policy, Resource, policy_of
+from retrain_ops.hcl import LOCAL_PROJECT_NUMBER
 
 log = logging.getLogger("retrain.iam")
 
@@ -131,7 +131,7 @@ class Push:
 
 @dataclass(frozen=True)
 class Deployed:
-    """Who runs what, read from the deployment's Terraform (``retrain.deployment.Deployment``)."""
+    """Who runs what, read from the deployment's Terraform (``retrain_ops.deployment.Deployment``)."""
 
     project: str
     functions: dict[str, Function]

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrain.deployment import BRIDGE_STANDIN, NEMO_STANDIN
 from retrain.trainers import megatron_bridge, nemo
+from retrain_ops.deployment import BRIDGE_STANDIN, NEMO_STANDIN
 
 REPO = Path(__file__).resolve().parents[1]
 

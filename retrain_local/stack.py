@@ -35,13 +35,6 @@ from retrain import config
 from retrain.adapters import objects
 from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, pool_size
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-from retrain.deployment import (
-    DWS_BOOKING_WINDOW_S,
-    LOCAL_TIME_FACTOR,
-    Deployment,
-    ManifestValues,
-    ScheduledJob,
-)
 from retrain_local import delivery, emulators, processes
 from retrain_local.connectors import KubeEndpoint, LocalDataflow, local_registry
 from retrain_local.firestore_front import FirestoreFront
@@ -52,6 +45,13 @@ from retrain_local.invoker_front import InvokerFront
 from retrain_local.kube_front import KubeFront
 from retrain_local.pubsub_front import PubSubFront
 from retrain_local.storage_front import STORAGE_API, StorageFront
+from retrain_ops.deployment import (
+    DWS_BOOKING_WINDOW_S,
+    LOCAL_TIME_FACTOR,
+    Deployment,
+    ManifestValues,
+    ScheduledJob,
+)
 
 log = logging.getLogger("retrain.stack")
 
@@ -172,9 +172,9 @@ _built_sources: dict[Path, Path] = {}
 
 
 def deployed_functions_source(folder: Path) -> Path:
-    """The function source as ``retrain deploy`` uploads it (``retrain.deploy.build_functions_source``),
+    """The function source as ``retrain deploy`` uploads it (``retrain_ops.deploy.build_functions_source``),
     built once per process into ``folder``/functions-source."""
-    from retrain.deploy import build_functions_source
+    from retrain_ops.deploy import build_functions_source
 
     folder = folder.resolve()
     if folder not in _built_sources:
@@ -477,9 +477,9 @@ class LocalStack:
 
     def _start_cluster(self, api: Any, gke_api: GkeApiServer, child_env: dict[str, str]) -> ManifestValues:
         """What Terraform applies in the cluster, and the cluster twin, within the pool's bounds."""
-        from retrain.k8s.manifests import documents
         from retrain_local.cluster import ClusterTwin
         from retrain_local.envtest import apply_documents
+        from retrain_ops.manifests import documents
 
         self.progress("starting the cluster twin (DWS provisioner, JobSet controller, kubelet)")
         s = self.settings

@@ -16,8 +16,6 @@ from kubernetes import client
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
-from retrain.cli import follow
-from retrain.deployment import local_settings
 from retrain.domain.runs import FailureKind, Run, now_iso
 from retrain.k8s.render import RUN_ID_ANNOTATION
 from retrain_local import emulators
@@ -25,6 +23,8 @@ from retrain_local.envtest import envtest_unavailable_reason
 from retrain_local.iam import RUNTIME_POLICY
 from retrain_local.landing import drop
 from retrain_local.stack import LocalStack
+from retrain_ops.cli import follow
+from retrain_ops.deployment import local_settings
 
 
 def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Iterator[LocalStack]:
@@ -35,7 +35,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> 
         if reason:
             pytest.skip(reason)
     settings = dataclasses.replace(
-        local_settings({}),  # what the local stack runs on: infra/'s values (retrain.deployment)
+        local_settings({}),  # what the local stack runs on: infra/'s values (retrain_ops.deployment)
         gpus_per_node=1,  # one stand-in rank per node: these runs are about their endings, not training
         steps_per_run=4,
         provision_timeout_s=8,

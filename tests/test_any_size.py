@@ -21,9 +21,9 @@ from stack_support import (
 from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.domain.runs import RunStatus
-from retrain.tokenize import packs
 from retrain_local.landing import drop
 from retrain_local.stack import LocalStack
+from retrain_tokenize import packs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

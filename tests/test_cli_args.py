@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from retrain.cli import build_parser
 from retrain.domain.events import check_object_name
+from retrain_ops.cli import build_parser
 
 
 def test_double_dash_ends_options_so_a_file_may_start_with_a_dash() -> None:
@@ -32,7 +32,7 @@ def test_a_command_that_imports_beam_prints_no_stray_warning() -> None:
     import sys
 
     shown = subprocess.run(
-        [sys.executable, "-m", "retrain.cli", "tokenize", "--help"],
+        [sys.executable, "-m", "retrain_ops.cli", "tokenize", "--help"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -14,12 +14,12 @@ from unittest import mock
 import pytest
 
 from retrain.adapters.ledger import FirestoreLedger
-from retrain.deployment import LOCAL_PROJECT
 from retrain.domain.runs import Run, RunStatus
 from retrain.trainers.hydra import hydra_string
 from retrain_local import emulators
 from retrain_local.envtest import envtest_unavailable_reason
 from retrain_local.stack import Endpoints
+from retrain_ops.deployment import LOCAL_PROJECT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def retrain(args: list[str], state: Path, **settings: str) -> subprocess.Complet
         **settings,
     }
     return subprocess.run(
-        [sys.executable, "-m", "retrain.cli", *args],
+        [sys.executable, "-m", "retrain_ops.cli", *args],
         env=env,
         capture_output=True,
         text=True,

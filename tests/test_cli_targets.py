@@ -63,7 +63,7 @@ def operator(stack: LocalStack, tmp_path: Path) -> dict[str, str]:
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "retrain.cli", *args],
+        [sys.executable, "-m", "retrain_ops.cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -43,10 +43,10 @@ from retrain.contracts import (
     WorkflowArgument,
     field_names,
 )
-from retrain.deployment import Deployment, cron_period_s, local_settings
 from retrain.domain import datasets
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
+from retrain_ops.deployment import Deployment, cron_period_s, local_settings
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "workflows" / "retrain.yaml"
@@ -207,7 +207,7 @@ def test_the_plan_produces_exactly_the_argument_the_workflow_reads() -> None:
 
 
 def test_the_tokenize_report_is_what_the_pipeline_writes() -> None:
-    from retrain.tokenize.pipeline import incremental_report
+    from retrain_tokenize.pipeline import incremental_report
 
     report = incremental_report([], {}, 0.5, {"type": "GPT2BPETokenizer"})
     assert set(report) == field_names(TokenizeReport)
@@ -457,8 +457,8 @@ def test_nothing_deployable_names_the_local_project() -> None:
 
 
 def test_manifests_are_rendered_from_the_deployment() -> None:
-    from retrain.deployment import manifest_values
-    from retrain.k8s.manifests import documents
+    from retrain_ops.deployment import manifest_values
+    from retrain_ops.manifests import documents
 
     platform = {
         "project_id": "acme-ml",
@@ -494,7 +494,7 @@ def test_manifests_are_rendered_from_the_deployment() -> None:
 
 
 def test_an_unknown_placeholder_in_a_manifest_is_caught(tmp_path: Path) -> None:
-    from retrain.k8s.manifests import TEMPLATES, render
+    from retrain_ops.manifests import TEMPLATES, render
 
     for name in TEMPLATES:
         shutil.copy(REPO / "k8s" / name, tmp_path / name)
@@ -594,10 +594,10 @@ def test_the_workflows_end_of_run_tick_is_a_scheduler_tick_published_as_pubsub_d
 
 
 def test_gpudirect_tcpx_is_built_whole_or_not_at_all() -> None:
-    from retrain.deployment import INFRA, manifest_values
-    from retrain.hcl import Stage
-    from retrain.k8s.manifests import templates
     from retrain.k8s.render import TCPX_NETWORKS
+    from retrain_ops.deployment import INFRA, manifest_values
+    from retrain_ops.hcl import Stage
+    from retrain_ops.manifests import templates
 
     on = Deployment()
     networks = on.platform.output("gpu_networks")

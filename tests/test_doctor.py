@@ -1,4 +1,4 @@
-"""``retrain doctor``'s checks (retrain.doctor): what a new DWS project lacks is named with its fix.
+"""``retrain doctor``'s checks (retrain_ops.doctor): what a new DWS project lacks is named with its fix.
 The project reads go over REST as Google serves them (Service Usage services.list, Compute Engine
 regions.get), replayed here by a loopback server in those shapes."""
 
@@ -16,11 +16,11 @@ import requests
 from google.cloud import container_v1
 
 from retrain import config
-from retrain.doctor import RestProjectApis, Verdict, examine
+from retrain_ops.doctor import RestProjectApis, Verdict, examine
 
 SETTINGS = dataclasses.replace(config.load({}), project="acme", region="us-east5", nodes=2, gpus_per_node=8)
 DIGEST = "sha256:" + "cd" * 32
-TEMPLATE = json.dumps({"image": f"us-east5-docker.pkg.dev/acme/retrain/tokenize@{DIGEST}"}).encode()
+TEMPLATE = json.dumps({"image": f"us-east5-docker.pkg.dev/acme/retrain_tokenize/@{DIGEST}"}).encode()
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_a_new_project_is_told_what_it_lacks_before_anything_is_spent(google: di
     """No preemptible H100 quota (a new project's), an API off, an old GKE, no flex-start pool, a
     template naming its image by tag: each is a failure with its fix."""
     required = ["compute.googleapis.com", "container.googleapis.com", "dataflow.googleapis.com"]
-    tagged = json.dumps({"image": "us-east5-docker.pkg.dev/acme/retrain/tokenize:latest"}).encode()
+    tagged = json.dumps({"image": "us-east5-docker.pkg.dev/acme/retrain_tokenize/:latest"}).encode()
     findings = examine(
         SETTINGS, google["apis"], cluster("1.31.9-gke.100", flex_start=False), lambda _: tagged, required
     )

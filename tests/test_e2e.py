@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from retrain.deployment import Deployment
 from retrain.k8s.render import run_account_name, run_principal
 from retrain_local import emulators
 from retrain_local.envtest import envtest_unavailable_reason
 from retrain_local.iam import RUNTIME_POLICY
+from retrain_ops.deployment import Deployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
@@ -54,7 +54,7 @@ def small_corpus(into: Path) -> Path:
 
 def retrain(args: list[str], state: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "retrain.cli", *args],
+        [sys.executable, "-m", "retrain_ops.cli", *args],
         env={
             **os.environ,
             "RETRAIN_STATE_DIR": str(state),
@@ -84,7 +84,7 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
     command = run["command"]
     assert command[:2] == ["bash", "-c"] and "megatron_gpt_pretraining.py" in command[2]
     (data,) = [a for a in command if a.startswith("model.data.data_prefix={")]
-    # three objects' shards, packed into one dataset (retrain.tokenize.packs), train; the fourth, held
+    # three objects' shards, packed into one dataset (retrain_tokenize.packs), train; the fourth, held
     # out (chosen by its content) as the dataset's eval set, validates: NeMo's {train, validation, test}
     assert "@" not in data and "trainer.devices=8" in command
     assert run["blend"][0] == 1.0 and "/shards/pack-" in run["blend"][1]

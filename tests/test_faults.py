@@ -29,11 +29,11 @@ from stack_support import (
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.cancel import request_cancel
-from retrain.cli import operator_identity
 from retrain.domain.runs import FailureKind, Run
 from retrain.k8s.render import jobset_name
 from retrain_local.cluster import Faults
 from retrain_local.stack import LocalStack
+from retrain_ops.cli import operator_identity
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

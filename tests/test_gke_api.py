@@ -20,8 +20,8 @@ from retrain.adapters.cluster import (
     access_of,
 )
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-from retrain.deployment import Deployment
 from retrain_local.gke_api import GkeApiServer, declared_cluster
+from retrain_ops.deployment import Deployment
 
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 DNS = container_v1.ControlPlaneEndpointsConfig.DNSEndpointConfig

@@ -18,13 +18,13 @@ from google.api_core.exceptions import Forbidden, PermissionDenied
 
 from retrain import config
 from retrain.adapters import credentials, objects
-from retrain.deployment import Deployment
 from retrain.k8s.render import run_account_name, run_principal
 from retrain.ports import ExecutionState
 from retrain_local.firestore_front import FirestoreFront
 from retrain_local.iam import Kind, Resource, condition_holds, predefined_roles, storage_object
 from retrain_local.identities import OPERATOR, Deployed, Guard
 from retrain_local.storage_front import StorageFront
+from retrain_ops.deployment import Deployment
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
@@ -306,8 +306,8 @@ def test_the_gke_api_describes_the_cluster_only_to_who_may_get_it(
     guard: Guard, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, GkeCluster
-    from retrain.deployment import local_settings
     from retrain_local.gke_api import GkeApiServer, declared_cluster
+    from retrain_ops.deployment import local_settings
 
     project = Resource(Kind.PROJECT, "retrain-local")
     cluster = declared_cluster(Deployment(), "127.0.0.1:1", "-----BEGIN CERTIFICATE-----")

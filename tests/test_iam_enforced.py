@@ -30,10 +30,10 @@ from stack_support import (
 
 from retrain import config
 from retrain.adapters.ledger import FirestoreLedger
-from retrain.k8s.manifests import K8S_DIR, documents
 from retrain_local.iam import Decision
 from retrain_local.identities import Deployed
 from retrain_local.stack import LocalStack
+from retrain_ops.manifests import K8S_DIR, documents
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

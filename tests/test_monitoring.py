@@ -16,12 +16,12 @@ from run_events_support import announce
 
 from retrain import config
 from retrain.contracts import RunEvent, RunEventType, field_names
-from retrain.deployment import Deployment
 from retrain.domain.runs import Run, RunStatus, iso
 from retrain.ingest import Ingest
 from retrain.logs import SUMMARY, Alert, JsonLines
 from retrain.ports import NodeUp, tell
 from retrain.steps import Steps
+from retrain_ops.deployment import Deployment
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "retrain.yaml"
 

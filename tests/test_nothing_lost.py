@@ -30,7 +30,6 @@ from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.audit import Account, audit
 from retrain.cancel import request_cancel
-from retrain.cli import operator_identity
 from retrain.contracts import RunManifest
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run, RunStatus
@@ -38,6 +37,7 @@ from retrain.ingest import Ingest
 from retrain_local.cluster import Faults
 from retrain_local.landing import drop
 from retrain_local.stack import LocalStack
+from retrain_ops.cli import operator_identity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from retrain import deploy, pins
 from retrain_local import emulators, processes
+from retrain_ops import deploy, pins
 
 REGISTRY = shutil.which("docker-registry")
 needs_registry = pytest.mark.skipif(
@@ -359,7 +359,7 @@ def test_a_fetched_manifest_pins_to_the_sha256_of_its_bytes(tmp_path: Path) -> N
 def test_the_app_stage_hands_out_the_pinned_images(tmp_path: Path) -> None:
     """The settings infra/app gives every component name each image by its pin (evaluated from the
     Terraform itself, as the local stack reads it): a pinned lock turns each tag into tag@digest."""
-    from retrain.deployment import Deployment
+    from retrain_ops.deployment import Deployment
 
     shutil.copytree(Path(pins.__file__).resolve().parents[1] / "infra", tmp_path / "infra")
     lock = pins.Lock.load(tmp_path / "infra" / "pins.json")

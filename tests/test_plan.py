@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from retrain import config
-from retrain.deployment import Deployment, local_settings
 from retrain.plan import tokenize_deadline_s
+from retrain_ops.deployment import Deployment, local_settings
 
 
 def test_the_tokenize_deadline_counts_objects_as_well_as_bytes() -> None:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from retrain.domain.runs import Run, RunStatus
-from retrain.report import (
+from retrain.tensorboard import Scalar
+from retrain_ops.report import (
     STAGE_COLOURS,
     TRAIN_LOSS_COLOUR,
     VAL_LOSS_COLOUR,
@@ -21,7 +22,6 @@ from retrain.report import (
     render_dataset,
     stages,
 )
-from retrain.tensorboard import Scalar
 
 
 def a_run(**override: object) -> Run:

@@ -191,10 +191,10 @@ def test_events_are_published_as_the_account_infra_lets_publish_and_read_back_on
     from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
     from retrain.adapters.events import PubSubRunEvents, read_events
-    from retrain.deployment import Deployment, local_settings
     from retrain_local.delivery import ensure_topic
     from retrain_local.identities import Deployed, Guard
     from retrain_local.pubsub_front import PubSubFront
+    from retrain_ops.deployment import Deployment, local_settings
 
     deployment = Deployment()
     topic = local_settings({}).events_topic

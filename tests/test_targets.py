@@ -1,4 +1,4 @@
-"""Deployment targets of the operator's CLI (``retrain.targets``): read from an applied app stage's
+"""Deployment targets of the operator's CLI (``retrain_ops.targets``): read from an applied app stage's
 ``retrain_env`` output, saved privately, loaded exactly."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from retrain import config, targets
-from retrain.deployment import Deployment
+from retrain import config
+from retrain_ops import targets
+from retrain_ops.deployment import Deployment
 
 
 @pytest.fixture(autouse=True)

@@ -27,12 +27,12 @@ from retrain.adapters import objects
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.contracts import RunManifest
-from retrain.deployment import Deployment
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import RunStatus, Trigger
 from retrain.ingest import Ingest
 from retrain.plan import budget_month
 from retrain.steps import Steps
+from retrain_ops.deployment import Deployment
 
 pytestmark = pytest.mark.emulators
 REPO = Path(__file__).resolve().parents[1]

@@ -30,13 +30,13 @@ from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.caller import forwarded_id_token
 from retrain.cancel import request_cancel
-from retrain.cli import format_run, operator_identity
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import EVAL_SET, FailureKind
 from retrain_local.cluster import Faults
 from retrain_local.iam import Binding, Kind, Resource
 from retrain_local.landing import drop
 from retrain_local.stack import LocalStack
+from retrain_ops.cli import format_run, operator_identity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
@@ -280,8 +280,8 @@ def test_the_doctor_checks_the_local_stack_as_it_would_a_project(stack: LocalSta
     pool, the version infra/platform asks for, the flex-start pool, the template spec by digest."""
     from retrain.adapters import objects
     from retrain.adapters.cluster import GkeCluster, cluster_manager
-    from retrain.deployment import Deployment
-    from retrain.doctor import RestProjectApis, Verdict, examine
+    from retrain_ops.deployment import Deployment
+    from retrain_ops.doctor import RestProjectApis, Verdict, examine
 
     s = stack.settings
     found = examine(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from retrain.megatron import IndexedDatasetWriter
+from retrain_tokenize.megatron import IndexedDatasetWriter
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 # In-cluster pieces: the JobSet controller (its upstream release manifest), the retrain namespace, the
 # RETRAIN_* ConfigMap, and the k8s/ templates rendered from this deployment's values into build/k8s by
-# `retrain deploy` (retrain.k8s.manifests: the notifier's service account with its Workload Identity
+# `retrain deploy` (retrain_ops.manifests: the notifier's service account with its Workload Identity
 # annotation, the notifier, the reaper's and the workflow's RBAC; each run's own service account is the
 # workflow's to create and delete). No Kueue: each
 # run's workflow asks DWS for its capacity itself (README.md, "Capacity"). k8s/ itself is never
@@ -36,7 +36,7 @@ resource "terraform_data" "k8s_manifests_rendered" {
 
 # ---------------------------------------------------------------------------------------------
 # The JobSet controller: its release manifest, checked against the sha256 infra/pins.json holds for it, and applied with every image they name by tag rewritten to tag@digest from the same
-# lock (retrain.pins; `retrain pin` fills it). A document still naming an image by tag alone is refused.
+# lock (retrain_ops.pins; `retrain pin` fills it). A document still naming an image by tag alone is refused.
 # ---------------------------------------------------------------------------------------------
 
 locals {

@@ -14,7 +14,7 @@ locals {
   sa    = local.platform.service_accounts
   sa_id = local.platform.service_account_ids
 
-  # Every third-party image and fetched manifest, pinned: infra/pins.json (retrain.pins; `retrain pin`
+  # Every third-party image and fetched manifest, pinned: infra/pins.json (retrain_ops.pins; `retrain pin`
   # fills it). An image of the lock runs as ref@digest; one given with its digest runs as given.
   pins                  = jsondecode(file("${local.repo_root}/infra/pins.json"))
   pinned_image          = { for ref, digest in local.pins.images : ref => digest == null ? ref : "${ref}@${digest}" }
@@ -33,7 +33,7 @@ locals {
   # The settings every component reads through retrain.config.load(): the functions (environment),
   # which hand the workflow its run plan as its argument, and pods (the ConfigMap, envFrom). Every key
   # is a retrain.config.Settings field, and every field but the local stack's own is here
-  # (tests/test_contracts.py); the local stack reads this very map (retrain.deployment).
+  # (tests/test_contracts.py); the local stack reads this very map (retrain_ops.deployment).
   retrain_env = {
     RETRAIN_PROJECT                    = var.project_id
     RETRAIN_PROJECT_NUMBER             = tostring(local.platform.project_number)

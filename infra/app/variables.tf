@@ -50,7 +50,7 @@ variable "labels" {
 
 variable "functions_source_dir" {
   type        = string
-  description = "Directory zipped as the Cloud Functions source, relative to the repository root: functions/main.py, functions/requirements.txt and a copy of the retrain package they import, as assembled by `retrain deploy` (retrain.deploy.build_functions_source)."
+  description = "Directory zipped as the Cloud Functions source, relative to the repository root: functions/main.py, functions/requirements.txt and a copy of the retrain package they import, as assembled by `retrain deploy` (retrain_ops.deploy.build_functions_source)."
   default     = "build/functions"
 }
 
@@ -68,13 +68,13 @@ variable "dataflow_metadata" {
 
 variable "k8s_manifests_dir" {
   type        = string
-  description = "Directory of the rendered Kubernetes manifests (service accounts, notifier, reaper and workflow RBAC), relative to the repository root: the k8s/ templates rendered from this deployment's values by `retrain deploy` (retrain.k8s.manifests) before this stage. k8s/ itself holds templates and examples and is never applied."
+  description = "Directory of the rendered Kubernetes manifests (service accounts, notifier, reaper and workflow RBAC), relative to the repository root: the k8s/ templates rendered from this deployment's values by `retrain deploy` (retrain_ops.manifests) before this stage. k8s/ itself holds templates and examples and is never applied."
   default     = "build/k8s"
 }
 
 variable "notifier_image" {
   type        = string
-  description = "Image of the JobSet notifier (`retrain notify`), by digest (REGISTRY/retrain@sha256:...): `retrain deploy` builds it (cloudbuild.yaml) and renders it into build/k8s."
+  description = "Image of the JobSet notifier (`retrain-notify`), by digest (REGISTRY/retrain@sha256:...): `retrain deploy` builds it (cloudbuild.yaml) and renders it into build/k8s."
   default     = ""
 
   validation {

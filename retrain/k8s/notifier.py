@@ -314,7 +314,8 @@ def pubsub_publisher(project: str, topic: str) -> Publish:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``retrain notify``: run the notifier in the cluster (or against $KUBECONFIG)."""
+    """``retrain-notify`` (or the operator's ``retrain notify``): run the notifier in the cluster (or
+    against $KUBECONFIG)."""
     from kubernetes import config
 
     from retrain.config import load

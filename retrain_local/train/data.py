@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from retrain import megatron
 from retrain.adapters import objects
+from retrain_tokenize import megatron
 
 
 class DataError(Exception):

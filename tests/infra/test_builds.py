@@ -1,4 +1,4 @@
-"""The images this project owns (retrain.builds): built from a context that holds what each Dockerfile
+"""The images this project owns (retrain_ops.builds): built from a context that holds what each Dockerfile
 copies, every image the deployment runs from this project has a build, and each runs by digest."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import gcloud_stand_in
 import pytest
 
-from retrain import builds
-from retrain.deployment import Deployment
+from retrain_ops import builds
+from retrain_ops.deployment import Deployment
 
 REPO = Path(__file__).resolve().parents[2]
 DIGEST = gcloud_stand_in.DIGEST

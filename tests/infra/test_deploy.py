@@ -24,9 +24,9 @@ from typing import Any
 import gcloud_stand_in
 import pytest
 
-from retrain import builds, deploy, pins, targets
-from retrain.deployment import Deployment
 from retrain_local import processes
+from retrain_ops import builds, deploy, pins, targets
+from retrain_ops.deployment import Deployment
 
 hcl2 = pytest.importorskip("hcl2")
 
@@ -269,7 +269,7 @@ Run = Callable[..., tuple[int, str, str]]
 #: A dry run builds no image: it is given the images to plan with (a last deploy's, by digest).
 GIVEN_IMAGES = (
     "--var",
-    f"dataflow_image={REGION}-docker.pkg.dev/{PROJECT}/retrain/tokenize@{gcloud_stand_in.DIGEST}",
+    f"dataflow_image={REGION}-docker.pkg.dev/{PROJECT}/retrain_tokenize/@{gcloud_stand_in.DIGEST}",
     "--var",
     f"notifier_image={REGION}-docker.pkg.dev/{PROJECT}/retrain/retrain@{gcloud_stand_in.DIGEST}",
 )
@@ -663,16 +663,21 @@ def test_functions_build_folder_holds_main_requirements_and_the_package(checkout
     assert built == checkout / deploy.FUNCTIONS_BUILD_DIR
     assert (built / "main.py").read_text() == (checkout / "functions" / "main.py").read_text()
     assert (built / "requirements.txt").is_file()
-    assert (built / "retrain" / "__init__.py").is_file()
-    assert {p.name for p in (built / "retrain" / "adapters" / "ledger").glob("*.py")} == {
-        p.name for p in (checkout / "retrain" / "adapters" / "ledger").glob("*.py")
-    }
-    assert (built / "retrain" / "ingest" / "starts.py").is_file()
+    # The runtime package whole, its data included; an emptied folder (a moved module's __pycache__) is not.
+    (checkout / "retrain" / "moved" / "__pycache__").mkdir(parents=True)
+    (checkout / "retrain" / "moved" / "__pycache__" / "old.cpython-311.pyc").write_bytes(b"")
+    built = deploy.build_functions_source(checkout)
+
+    def files(root: Path) -> set[str]:
+        return {
+            p.relative_to(root).as_posix()
+            for p in root.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+
+    assert files(built / "retrain") == files(checkout / "retrain")
     assert (built / "retrain" / "resources" / "nemo-24.12").is_dir()
-    # What the functions never import stays out: the tokenizer, the CLI, the deployer (and the local stack
-    # and the interpreter, packages of their own: `top` below).
-    for absent in ("tokenize", "cli.py", "deploy.py", "deployment.py"):
-        assert not (built / "retrain" / absent).exists(), absent
+    assert not (built / "retrain" / "moved").exists()
     assert not stale.exists()
     top = {p.name for p in built.iterdir()}
     assert top == {"main.py", "requirements.txt", "retrain"}

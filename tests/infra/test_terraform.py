@@ -456,7 +456,7 @@ def check_no_public_members(model: Model) -> list[str]:
     return problems
 
 
-#: The lock of every third-party image and fetched manifest (retrain.pins).
+#: The lock of every third-party image and fetched manifest (retrain_ops.pins).
 PINS = json.loads((INFRA / "pins.json").read_text())
 #: Settings the app stage passes whose values are third-party images, and the local pinning each.
 PINNED_SETTINGS = {
@@ -653,7 +653,7 @@ LISTINGS = {
     ("sa:functions", "artifacts", "runs/RUN/"): "retrain/steps.py trainer_outputs (run_step's results)",
     ("sa:functions", "artifacts", "bigquery/"): "retrain/exports.py written_files (an export's files)",
     ("sa:functions", "landing", "incoming/"): "retrain/audit.py landed (the audit job)",
-    ("sa:dataflow", "artifacts", "shards/_tmp/"): "retrain/tokenize/pipeline.py (temporary parts)",
+    ("sa:dataflow", "artifacts", "shards/_tmp/"): "retrain_tokenize/pipeline.py (temporary parts)",
     # a run's pods, by their namespace's principal set (their own write grant is the workflow's)
     ("namespace:k8s_namespace", "artifacts", "runs/RUN/"): "Cloud Storage FUSE (the trainer's run folder)",
 }

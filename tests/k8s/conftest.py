@@ -51,9 +51,9 @@ def gke_api(control_plane: ControlPlane, project: str, monkeypatch: pytest.Monke
     the process's clients find the cluster through it (RETRAIN_CONTAINER_ENDPOINT), as the stack's do."""
     from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
     from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-    from retrain.deployment import Deployment
     from retrain_local.connectors import KubeEndpoint
     from retrain_local.gke_api import GkeApiServer
+    from retrain_ops.deployment import Deployment
 
     kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
     server = GkeApiServer.for_control_plane(Deployment(project=project), kube.server, kube.ca_file).start()

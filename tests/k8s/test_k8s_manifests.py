@@ -82,8 +82,8 @@ def rendered(name: str, namespace: str) -> list[dict[str, Any]]:
     """k8s/NAME rendered as retrain deploy renders it, for the test's namespace."""
     import dataclasses
 
-    from retrain.deployment import Deployment
-    from retrain.k8s.manifests import render
+    from retrain_ops.deployment import Deployment
+    from retrain_ops.manifests import render
 
     values = dataclasses.replace(Deployment().manifest_values(), namespace=namespace)
     return list(yaml.safe_load_all(render(values)[name]))
@@ -141,7 +141,7 @@ def test_notifier_manifests_accepted_and_least_privilege(api: Any, namespace: st
         stored = create(api, doc, namespace)
         if doc["kind"] == "Deployment":
             c = stored["spec"]["template"]["spec"]["containers"][0]
-            assert c["command"] == ["retrain", "notify"]
+            assert c["command"] == ["retrain-notify"]
             assert stored["spec"]["template"]["spec"]["serviceAccountName"] == ksa
     user = f"system:serviceaccount:{namespace}:{ksa}"
     groups = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"]

@@ -21,13 +21,13 @@ import pytest
 from training_support import REPO, child_env, nemo_args, pattern_documents, tiny_tokenizer, write_dataset
 
 from retrain.adapters import objects
-from retrain.deployment import NEMO_STANDIN
 from retrain.k8s.render import GcsMounts, render_jobset, render_provisioning_request
 from retrain.tensorboard import read_scalars
 from retrain.trainers import BatchShape, TokenizerFiles, TrainingPlan
 from retrain.trainers.nemo import NEMO_24_12, validation_interval
 from retrain_local.cluster import ClusterTwin, Faults
 from retrain_local.processes import free_port
+from retrain_ops.deployment import NEMO_STANDIN
 
 from .waiting import wait_for
 

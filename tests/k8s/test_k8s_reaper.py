@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from retrain import config
-from retrain.deployment import Deployment
 from retrain.domain.runs import Run, RunStatus
-from retrain.k8s import reap_cli, reaper
+from retrain.k8s import reaper
 from retrain.k8s.render import (
     jobset_name,
     provisioning_request_name,
@@ -24,6 +23,8 @@ from retrain.k8s.render import (
 from retrain.trainers import Command
 from retrain_local.envtest import ControlPlane
 from retrain_local.gke_api import GkeApiServer
+from retrain_ops import reap
+from retrain_ops.deployment import Deployment
 
 pytestmark = [pytest.mark.envtest, pytest.mark.emulators]
 
@@ -233,7 +234,7 @@ def test_an_unreadable_ledger_deletes_nothing(cluster: Cluster) -> None:
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
-    code = reap_cli.main(["--json", *argv])
+    code = reap.main(["--json", *argv])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -274,7 +275,7 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
         code == 3 and out["dry_run"] and len(out["deleted"]) == len(names("busy-run")) and out["idle_nodes"]
     )
     assert cluster.inventory() == names("busy-run")
-    assert reap_cli.main([]) == 3
+    assert reap.main([]) == 3
     text = capsys.readouterr().out
     assert f"deleted JobSet {jobset_name('busy-run')} (run busy-run): run succeeded" in text
     assert f"ALERT: 2 GPU node(s) of pool {cluster.pool} up with no live run" in text
@@ -291,7 +292,7 @@ def test_main_reports_nodes_up_and_exits_3_without_a_live_run(
     gpu_max = Deployment().platform.var("gpu_max_nodes")
     code, out = run_main(capsys, "--node-pool", "a3-dws", "--dry-run")
     assert out["node_pool_size"] == {"min_nodes": 0, "max_nodes": gpu_max, "per_zone": False}
-    reap_cli.main(["--node-pool", "a3-dws", "--dry-run"])
+    reap.main(["--node-pool", "a3-dws", "--dry-run"])
     assert f"node pool a3-dws scales 0..{gpu_max} nodes\n" in capsys.readouterr().out
 
 

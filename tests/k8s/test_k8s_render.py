@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import yaml
 
-from retrain.deployment import Deployment
 from retrain.domain.runs import Champion, ProfileName
 from retrain.k8s.render import (
     EXAMPLES,
@@ -25,10 +24,11 @@ from retrain.k8s.render import (
     run_account_name,
     to_yaml,
 )
-from retrain.k8s.schema import load_crds, validate, validate_resource
 from retrain.plan import render_training, training_plan
 from retrain.trainers import PlanError, TokenizerFiles
 from retrain_local.envtest import crds_dir
+from retrain_ops.deployment import Deployment
+from retrain_ops.k8s_schema import load_crds, validate, validate_resource
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -182,7 +182,7 @@ def test_impossible_plans_are_refused_before_capacity_with_the_reason(
 
 @pytest.mark.integration
 def test_render_cli_adds_every_data_prefix_and_exits_2_on_impossible_batch_math() -> None:
-    base = [sys.executable, "-m", "retrain.cli", "render", "jobset", "--run-id", "r1", "--json"]
+    base = [sys.executable, "-m", "retrain_ops.cli", "render", "jobset", "--run-id", "r1", "--json"]
     blend = ["--data-prefix", "0.5", "gs://a/x", "--data-prefix", "0.5", "gs://a/y"]
     ok = subprocess.run([*base, *blend], capture_output=True, text=True, cwd=REPO, check=True)
     args = pod_spec(json.loads(ok.stdout))["containers"][0]["args"]
@@ -222,7 +222,7 @@ def test_tcpx_is_on_for_multi_node_runs_unless_switched_off() -> None:
 def test_the_tcpx_networks_are_the_ones_the_platform_builds() -> None:
     """The pods' interface annotation names the Network objects k8s/tcpx.yaml declares, and those point
     at the VPCs and subnets infra/platform attaches to the DWS pool."""
-    from retrain.k8s.manifests import render
+    from retrain_ops.manifests import render
 
     values = Deployment().manifest_values()
     docs = list(yaml.safe_load_all(render(values)["tcpx.yaml"]))
@@ -238,7 +238,7 @@ def test_the_tcpx_networks_are_the_ones_the_platform_builds() -> None:
 def test_tcpx_objects_match_gkes_published_crds(crds: list[dict[str, Any]]) -> None:
     """Network and GKENetworkParamSet against GKE's own CRDs (GoogleCloudPlatform/gke-networking-api,
     config/crds, in ../shared/crds); the local stack applies them to its API server too."""
-    from retrain.k8s.manifests import render
+    from retrain_ops.manifests import render
 
     kinds = {c["spec"]["names"]["kind"] for c in crds if c["spec"]["group"] == "networking.gke.io"}
     assert {"Network", "GKENetworkParamSet"} <= kinds

@@ -133,9 +133,9 @@ def test_the_workflows_calls_go_as_its_account_which_rbac_decides(
     k8s/workflow.yaml's RBAC is applied there, refused (403) anywhere else."""
     import dataclasses
 
-    from retrain.deployment import Deployment
-    from retrain.k8s.manifests import render
     from retrain_local.envtest import apply_documents, ensure_service_account
+    from retrain_ops.deployment import Deployment
+    from retrain_ops.manifests import render
 
     values = dataclasses.replace(Deployment().manifest_values(), namespace=namespace)
     apply_documents(api, list(yaml.safe_load_all(render(values)["workflow.yaml"])))
@@ -228,12 +228,12 @@ def test_a_run_s_pods_write_only_under_their_own_folder_and_only_while_it_runs(
     from google.api_core.exceptions import Forbidden
 
     from retrain.adapters import credentials, objects
-    from retrain.deployment import Deployment
-    from retrain.k8s.manifests import render
     from retrain.k8s.render import render_run_account, run_account_name, run_principal
     from retrain_local.envtest import apply_documents
     from retrain_local.identities import OPERATOR, Caller, Deployed, Guard
     from retrain_local.storage_front import STORAGE_API, StorageFront
+    from retrain_ops.deployment import Deployment
+    from retrain_ops.manifests import render
 
     deployment = Deployment()
     settings = deployment.settings()

@@ -70,7 +70,7 @@ def read_pair(prefix: str | Path) -> tuple[bytes, bytes]:
 
 @pytest.fixture(scope="session")
 def gpt2():
-    from retrain.tokenize import load_gpt2_tokenizer
+    from retrain_tokenize import load_gpt2_tokenizer
 
     return load_gpt2_tokenizer()
 

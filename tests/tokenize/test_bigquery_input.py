@@ -11,9 +11,9 @@ import pytest
 from conftest import corpus_documents, megatron_bytes, read_pair
 
 from retrain.adapters.warehouse import BigQueryWarehouse
-from retrain.tokenize import tokenize_incremental, tokenize_to_prefix
-from retrain.tokenize.cli import main as tokenize_main
-from retrain.tokenize.tables import table_of
+from retrain_tokenize import tokenize_incremental, tokenize_to_prefix
+from retrain_tokenize.cli import main as tokenize_main
+from retrain_tokenize.tables import table_of
 
 pytestmark = pytest.mark.emulators
 

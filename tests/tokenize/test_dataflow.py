@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from retrain.tokenize.cli import parser
+from retrain_tokenize.cli import parser
 
 DATAFLOW = Path(__file__).resolve().parents[2] / "dataflow"
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import corpus_documents, megatron_bytes
 
 from retrain.adapters import objects
-from retrain.tokenize import tokenize_incremental, tokenize_to_prefix
+from retrain_tokenize import tokenize_incremental, tokenize_to_prefix
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 
@@ -193,7 +193,7 @@ def test_a_manifest_is_read_at_the_generation_its_run_started_with(gcs_host: str
     the run trains; where the bucket keeps no versions, the rewritten manifest is refused, never read."""
     from retrain.contracts import RunManifest
     from retrain.domain.events import ObjectVersion
-    from retrain.tokenize.cli import read_manifest
+    from retrain_tokenize.cli import read_manifest
 
     client = objects.storage_client()
     versioned = client.create_bucket("versioned-artifacts")

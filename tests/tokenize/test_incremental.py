@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import corpus_documents, megatron_bytes, read_pair, write_jsonl
 
-from retrain import megatron
-from retrain.tokenize import tokenize_incremental
-from retrain.tokenize.cli import main as cli_main
+from retrain_tokenize import megatron, tokenize_incremental
+from retrain_tokenize.cli import main as cli_main
 
 
 def _sha(p: Path) -> str:
@@ -131,7 +130,7 @@ def test_no_wait_path_writes_the_report_from_inside_the_pipeline(tmp_path, gpt2)
 
 
 def test_old_objects_are_not_read_again_and_a_rewritten_one_is(tmp_path, monkeypatch):
-    from retrain.tokenize import records
+    from retrain_tokenize import records
 
     hashed: list[str] = []
     real = records.sha256_of

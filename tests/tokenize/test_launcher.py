@@ -14,9 +14,9 @@ import pytest
 from cloudworkflows import WorkflowError
 from retrain.adapters import objects
 from retrain.contracts import RunManifest
-from retrain.deployment import Deployment
 from retrain.domain.events import ObjectVersion
 from retrain_local.dataflow import LocalDataflow
+from retrain_ops.deployment import Deployment
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 

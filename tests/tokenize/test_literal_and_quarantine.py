@@ -15,7 +15,7 @@ from conftest import corpus_documents
 
 from retrain.adapters import objects
 from retrain.domain.events import ObjectVersion
-from retrain.tokenize import tokenize_incremental
+from retrain_tokenize import tokenize_incremental
 
 NAMES = ["a[1].jsonl", "b*.jsonl", "c?.jsonl", "d e.jsonl", "é-ü.jsonl", "数据.jsonl"]
 

@@ -1,4 +1,4 @@
-"""Packs: a run of any number of objects trains on a bounded number of datasets (retrain.tokenize.packs)."""
+"""Packs: a run of any number of objects trains on a bounded number of datasets (retrain_tokenize.packs)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrain import megatron
-from retrain.tokenize import packs, tokenize_incremental
+from retrain_tokenize import megatron, packs, tokenize_incremental
 
 OBJECTS = 2000
 

@@ -11,9 +11,8 @@ import pytest
 from conftest import corpus_documents, megatron_bytes, read_pair, write_jsonl
 from test_records import BAD_LINES, bad_jsonl
 
-from retrain import megatron
-from retrain.tokenize import tokenize_to_prefix
-from retrain.tokenize.cli import main as cli_main
+from retrain_tokenize import megatron, tokenize_to_prefix
+from retrain_tokenize.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from retrain.tokenize import records
-from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
+from retrain_tokenize import records
+from retrain_tokenize.records import Batch, Rejected, Split, SplitStats
 
 
 def _all_lines(data: bytes, split: int, max_len: int = 1000) -> list[tuple[int, bytes, int]]:

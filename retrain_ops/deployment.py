@@ -4,7 +4,7 @@ The local stack takes from here what the cloud gets from Terraform: the function
 environment (``local.retrain_env`` of the app stage), the Scheduler jobs with their schedules and
 payloads (``var.scheduler_jobs`` and the ``pubsub_target`` of ``google_cloud_scheduler_job.tick``),
 the topics, service accounts and Kubernetes names of the platform stage's outputs.  Locally the project
-is :data:`LOCAL_PROJECT`, values Google computes get stand-ins (``retrain.hcl``), and time runs
+is :data:`LOCAL_PROJECT`, values Google computes get stand-ins (``retrain_ops.hcl``), and time runs
 :data:`LOCAL_TIME_FACTOR` times faster: every schedule and every period below is divided by it.
 
 ``retrain deploy`` renders the Kubernetes manifests from the same :class:`ManifestValues`, built from
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from retrain import config
-from retrain.hcl import HclError, Stage
+from retrain_ops.hcl import HclError, Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INFRA = REPO_ROOT / "infra"
@@ -141,7 +141,7 @@ class ManifestValues:
     notifier_gsa: str
     """The notifier's Google service account (publisher on the JobSet topic)."""
     notifier_image: str
-    """Image of the notifier (``retrain notify``): by digest as ``retrain deploy`` builds it; ``unbuilt``
+    """Image of the notifier (``retrain-notify``): by digest as ``retrain deploy`` builds it; ``unbuilt``
     in the local stack, which runs the notifier in its own process."""
     settings_config_map: str
     """ConfigMap holding the ``RETRAIN_*`` settings (Terraform writes it from ``local.retrain_env``)."""

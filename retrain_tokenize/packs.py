@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from retrain import megatron
 from retrain.adapters import objects
+from retrain_tokenize import megatron
 
 PACK_BYTES = 1 << 30
 """The smallest pack worth cutting: a run smaller than this trains on one dataset."""

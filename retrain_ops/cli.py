@@ -31,8 +31,8 @@ def _say(msg: str) -> None:
 
 
 def stack_settings() -> config.Settings:
-    """The local stack's settings: infra/'s own values (retrain.deployment), RETRAIN_* on top."""
-    from retrain.deployment import local_settings as from_deployment
+    """The local stack's settings: infra/'s own values (retrain_ops.deployment), RETRAIN_* on top."""
+    from retrain_ops.deployment import local_settings as from_deployment
 
     return from_deployment()
 
@@ -68,7 +68,7 @@ def reach(
     """The settings a command acts with, and the way there. A deployment target: its own settings, as its
     functions load them, with Google's clients and Application Default Credentials. The local stack:
     attached (``running``: one must be up), or else through the ledger its last stop kept."""
-    from retrain import targets
+    from retrain_ops import targets
 
     target = targets.selected(args.target)
     if not target.local:
@@ -88,7 +88,7 @@ def reach(
 
 def _warn_of_overrides(target: Any) -> None:
     """Say when a deployment target is reached through endpoints of the environment, not Google's."""
-    from retrain import targets
+    from retrain_ops import targets
 
     overrides = targets.endpoint_overrides(target)
     if overrides:
@@ -97,7 +97,7 @@ def _warn_of_overrides(target: Any) -> None:
 
 def local_only(args: argparse.Namespace) -> None:
     """Refuse a local-stack command aimed at a deployment, saying what does the same there."""
-    from retrain import targets
+    from retrain_ops import targets
 
     target = targets.selected(args.target)
     if not target.local:
@@ -204,9 +204,10 @@ def operator_identity(cloud: bool = False) -> str:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from retrain import composition, targets
+    from retrain import composition
     from retrain.cancel import request_cancel
     from retrain.domain.errors import Rejected
+    from retrain_ops import targets
 
     cloud = not targets.selected(args.target).local
     with reach(args, running=True) as settings:
@@ -408,9 +409,9 @@ def _reports(settings: config.Settings) -> Path:
 
 
 def _report(settings: config.Settings, run: Run, output: str | None) -> Path:
-    """Write the run's page (``retrain.report``): to ``output``, or under the state folder's reports/."""
+    """Write the run's page (``retrain_ops.report``): to ``output``, or under the state folder's reports/."""
     from retrain.adapters import objects
-    from retrain.report import write_report
+    from retrain_ops.report import write_report
 
     path = Path(output) if output else _reports(settings) / f"{run.run_id}.html"
     return write_report(settings, objects, run, path)
@@ -438,9 +439,9 @@ DATASET_REPORT_RUNS = 1000
 
 
 def _dataset_report(settings: config.Settings, dataset: str, output: str | None) -> int:
-    """A dataset's history on one page (``retrain.report.render_dataset``)."""
+    """A dataset's history on one page (``retrain_ops.report.render_dataset``)."""
     from retrain.adapters import objects
-    from retrain.report import write_dataset_report
+    from retrain_ops.report import write_dataset_report
 
     runs = [r for r in _ledger(settings).list_runs(DATASET_REPORT_RUNS) if r.dataset == dataset]
     if not runs:
@@ -511,7 +512,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = path.parent / "stack.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "retrain.cli", "_serve", *(f"--pause={job}" for job in args.pause)],
+            [sys.executable, "-m", "retrain_ops.cli", "_serve", *(f"--pause={job}" for job in args.pause)],
             stdout=out,
             stderr=out,
             stdin=subprocess.DEVNULL,
@@ -673,12 +674,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """What a DWS run needs, checked before anything is spent (``retrain.doctor``): exit 1 on a failure."""
+    """What a DWS run needs, checked before anything is spent (``retrain_ops.doctor``): exit 1 on a
+    failure."""
     from retrain import composition
     from retrain.adapters import objects
     from retrain.adapters.cluster import cluster_manager
-    from retrain.deployment import Deployment
-    from retrain.doctor import RestProjectApis, Verdict, examine
+    from retrain_ops.deployment import Deployment
+    from retrain_ops.doctor import RestProjectApis, Verdict, examine
 
     with reach(args, running=True) as settings:
         cluster = cluster_manager().get_cluster(name=composition.cluster(settings).name)
@@ -697,8 +699,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_target(args: argparse.Namespace) -> int:
-    """Save, list and show the deployments the CLI can point at (``retrain.targets``)."""
-    from retrain import targets
+    """Save, list and show the deployments the CLI can point at (``retrain_ops.targets``)."""
+    from retrain_ops import targets
 
     if args.action == "save":
         if bool(args.from_terraform) == bool(args.env_file):
@@ -722,7 +724,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 def _point_at(target_name: str | None) -> None:
     """Point this process (and a delegated command's ``config.load()``) at the target: a deployment's
     settings replace every RETRAIN_* setting of the environment; the local stack is attached if it runs."""
-    from retrain import targets
+    from retrain_ops import targets
 
     target = targets.selected(target_name)
     if target.local:
@@ -737,15 +739,18 @@ def _point_at(target_name: str | None) -> None:
 #: Subcommands that belong to one component: (module whose main(argv) runs it, help).
 DELEGATES = {
     "workflows": ("cloudworkflows.cli", "run workflow files in retrain's Workflows interpreter"),
-    "tokenize": ("retrain.tokenize.cli", "tokenize text into Megatron .bin/.idx datasets"),
-    "render": ("retrain.k8s.cli", "render Kubernetes manifests (render jobset ...)"),
+    "tokenize": ("retrain_tokenize.cli", "tokenize text into Megatron .bin/.idx datasets"),
+    "render": ("retrain_ops.render", "render Kubernetes manifests (render jobset ...)"),
     "notify": ("retrain.k8s.notifier", "publish JobSet terminal states to Pub/Sub (runs in the cluster)"),
     "reap": (
-        "retrain.k8s.reap_cli",
+        "retrain_ops.reap",
         "delete JobSets and capacity requests of no live run; report GPU nodes up",
     ),
-    "deploy": ("retrain.deploy", "plan and apply the Terraform stages (bootstrap, platform, app)"),
-    "pin": ("retrain.pins", "pin the third-party images and manifests the deployment uses (infra/pins.json)"),
+    "deploy": ("retrain_ops.deploy", "plan and apply the Terraform stages (bootstrap, platform, app)"),
+    "pin": (
+        "retrain_ops.pins",
+        "pin the third-party images and manifests the deployment uses (infra/pins.json)",
+    ),
 }
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from retrain import megatron
 from retrain.adapters import objects
+from retrain_tokenize import megatron
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 #: end-of-document tokens looked up, in order, in a ``tokenizer.json`` when no eod id is given.

@@ -1,7 +1,7 @@
 """The Kubernetes manifests under ``k8s/``, rendered from the deployment's values.
 
 Each file there is a template whose ``${name}`` placeholders are the fields of
-:class:`retrain.deployment.ManifestValues`.  ``retrain deploy`` renders them from the platform
+:class:`retrain_ops.deployment.ManifestValues`.  ``retrain deploy`` renders them from the platform
 stage's outputs into ``build/k8s/`` (what Terraform applies); the local stack renders them from
 ``infra/``'s own values and applies them to its API server.  ``k8s/examples/`` is never applied.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from retrain.deployment import REPO_ROOT, ManifestValues
+from retrain_ops.deployment import REPO_ROOT, ManifestValues
 
 K8S_DIR = REPO_ROOT / "k8s"
 #: The templates, in the order they are applied (service accounts before what runs as them).
@@ -53,6 +53,6 @@ def write(values: ManifestValues, dest: Path, k8s_dir: Path = K8S_DIR) -> list[P
     written = []
     for name, text in render(values, k8s_dir).items():
         path = dest / name
-        path.write_text("# Rendered by retrain.k8s.manifests from k8s/" + name + "; do not edit.\n" + text)
+        path.write_text("# Rendered by retrain_ops.manifests from k8s/" + name + "; do not edit.\n" + text)
         written.append(path)
     return written

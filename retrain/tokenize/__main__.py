@@ -1,3 +1,0 @@
-from retrain.tokenize.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,3 @@
+from retrain_tokenize.cli import main
+
+raise SystemExit(main())
