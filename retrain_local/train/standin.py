@@ -90,42 +90,41 @@ def data_check(cfg: Any) -> int:
     return 0
 
 
-def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
-    t0 = time.time()
-    exp = Path(cfg.exp_manager.exp_dir) / str(cfg.exp_manager.name)
-    checkpoints = exp / "checkpoints"
-    ckpt_path: Path | None = None
+class _Refused(Exception):
+    """What NeMo's script would refuse before training (its message, as ``fail`` prints it)."""
+
+
+def _checkpoint_to_load(cfg: Any, checkpoints: Path) -> Path | None:
+    """The checkpoint this run starts from, as NeMo's script finds it: exp_manager's resume (this run's own
+    newest ``-last``), then ``model.restore_from_ckpt`` (the base a continued run starts from)."""
+    found: Path | None = None
     if cfg.exp_manager.resume_if_exists:
-        ckpt_path = latest_last(checkpoints)
-        if ckpt_path is None and not cfg.exp_manager.resume_ignore_no_checkpoint:
-            return fail(f"no checkpoint to resume under {checkpoints}")
+        found = latest_last(checkpoints)
+        if found is None and not cfg.exp_manager.resume_ignore_no_checkpoint:
+            raise _Refused(f"no checkpoint to resume under {checkpoints}")
     if cfg.model.get("restore_from_path"):
-        return fail("model.restore_from_path (.nemo files) is not supported by the local stand-in")
+        raise _Refused("model.restore_from_path (.nemo files) is not supported by the local stand-in")
     if cfg.model.get("restore_from_ckpt"):
-        ckpt_path = Path(str(cfg.model.restore_from_ckpt))  # NeMo's script sets it after exp_manager
-        if not (ckpt_path / "model.pt").exists():
-            return fail(f"model.restore_from_ckpt {ckpt_path} is not a checkpoint")
+        found = Path(str(cfg.model.restore_from_ckpt))  # NeMo's script sets it after exp_manager
+        if not (found / "model.pt").exists():
+            raise _Refused(f"model.restore_from_ckpt {found} is not a checkpoint")
+    return found
 
-    data = cfg.model.data
-    if OmegaConf.is_dict(data.data_prefix):  # NeMo's per-split form: each split is its own blend, whole
+
+def _streams(data: Any) -> tuple[Any, Any, Any]:
+    """The blend, and its training and validation streams: NeMo's per-split form (each split its own
+    blend, whole) or one blend cut by ``splits_string``."""
+    if OmegaConf.is_dict(data.data_prefix):
         blend = load_blend(list(data.data_prefix.train))
-        train_streams = split_streams(blend, WHOLE, 0)
-        valid_streams = split_streams(load_blend(list(data.data_prefix.validation)), WHOLE, 0)
-    else:
-        blend = load_blend(list(data.data_prefix))
-        train_streams = split_streams(blend, data.splits_string, 0)
-        valid_streams = split_streams(blend, data.splits_string, 1)
-    vocab = vocab_size(str(cfg.model.tokenizer.vocab_file), blend)
-    if dist.main:
-        write_index_mapping(
-            blend, str(data.splits_string), int(cfg.model.seed), Path(str(data.index_mapping_dir))
-        )
+        valid = split_streams(load_blend(list(data.data_prefix.validation)), WHOLE, 0)
+        return blend, split_streams(blend, WHOLE, 0), valid
+    blend = load_blend(list(data.data_prefix))
+    return blend, split_streams(blend, data.splits_string, 0), split_streams(blend, data.splits_string, 1)
 
+
+def _shape(cfg: Any, vocab: int) -> Shape:
     optim = cfg.model.optim
-    max_steps = int(cfg.trainer.max_steps)
-    interval = int(cfg.trainer.val_check_interval)
-    schedule = Schedule(float(optim.lr), float(optim.sched.min_lr), int(optim.sched.warmup_steps), max_steps)
-    shape = Shape(
+    return Shape(
         vocab=vocab,
         seq_length=int(cfg.model.encoder_seq_length),
         micro_batch_size=int(cfg.model.micro_batch_size),
@@ -138,15 +137,90 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
         val_batches=int(cfg.trainer.limit_val_batches),
         clip=float(cfg.trainer.gradient_clip_val or 0),
     )
+
+
+class _Checkpoints:
+    """NeMo's checkpoint callback as the stand-in keeps it: the ``save_top_k`` best by val_loss, each save
+    with a ``-last`` copy (``save_last``), the best list saved inside each checkpoint so a resumed run
+    keeps pruning the same ones."""
+
+    def __init__(self, cfg: Any, gpt: Any, loop: Loop, folder: Path) -> None:
+        self.gpt, self.loop, self.folder = gpt, loop, folder
+        self.template = str(cfg.exp_manager.checkpoint_callback_params.filename)
+        self.top_k = int(cfg.exp_manager.checkpoint_callback_params.save_top_k)
+        self.best: list[tuple[float, Path]] = []
+
+    def restored(self, state: dict[str, Any]) -> None:
+        self.best = [
+            (float(v), self.folder / n) for v, n in state.get("best", []) if (self.folder / n).exists()
+        ]
+
+    def save(self, name: str, step: int, consumed: int, metrics: dict[str, float]) -> Path:
+        folder = self.folder / checkpoint_name(name, metrics)
+        best = [(v, p.name) for v, p in self.best]
+        self.gpt.save_checkpoint(folder / "model.pt", self.loop.state(step, consumed, best=best))
+        return folder
+
+    def save_last(self, step: int, consumed: int, metrics: dict[str, float]) -> Path:
+        last = self.save(self.template + LAST, step, consumed, metrics)
+        for old in self.folder.glob(f"*{LAST}*"):
+            if old != last:
+                shutil.rmtree(old, ignore_errors=True)
+        return last
+
+    def validated(self, val: float, step: int, consumed: int, metrics: dict[str, float]) -> None:
+        """A validation's checkpoint, kept when among the ``top_k`` best (-1: all; 0: none)."""
+        if self.top_k == 0:
+            return
+        self.best.append((val, self.save(self.template, step, consumed, metrics)))
+        self.best.sort(key=lambda item: item[0])
+        if self.top_k > 0:
+            for _, gone in self.best[self.top_k :]:
+                shutil.rmtree(gone, ignore_errors=True)
+            self.best = self.best[: self.top_k]
+        self.save_last(step, consumed, metrics)
+
+
+def _log_training(
+    events: EventWriter | None, step: int, max_steps: int, loss: float, lr: float, consumed: int
+) -> None:
+    if events:
+        scalars = {
+            "reduced_train_loss": loss,
+            "lr": lr,
+            "consumed_samples": float(consumed),
+            "global_step": float(step),
+        }
+        events.scalars(step, scalars)
+    say(f"step {step}/{max_steps} reduced_train_loss {loss:.4f} lr {lr:.2e}")
+
+
+def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
+    t0 = time.time()
+    exp = Path(cfg.exp_manager.exp_dir) / str(cfg.exp_manager.name)
+    checkpoints = exp / "checkpoints"
+    try:
+        ckpt_path = _checkpoint_to_load(cfg, checkpoints)
+    except _Refused as refused:
+        return fail(str(refused))
+    data = cfg.model.data
+    blend, train_streams, valid_streams = _streams(data)
+    if dist.main:
+        write_index_mapping(
+            blend, str(data.splits_string), int(cfg.model.seed), Path(str(data.index_mapping_dir))
+        )
+    shape = _shape(cfg, vocab_size(str(cfg.model.tokenizer.vocab_file), blend))
+    optim, max_steps = cfg.model.optim, int(cfg.trainer.max_steps)
+    schedule = Schedule(float(optim.lr), float(optim.sched.min_lr), int(optim.sched.warmup_steps), max_steps)
     loop = Loop(torch, gpt, dist, shape, train_streams, valid_streams)
+    saved = _Checkpoints(cfg, gpt, loop, checkpoints)
     step, consumed = 0, 0
-    best: list[tuple[float, Path]] = []
     if ckpt_path is not None:
         state = gpt.load_checkpoint(ckpt_path / "model.pt")
         if (why := loop.restore(state, optimizer=True)) is not None:
             return fail(f"{ckpt_path}: {why}")
         step, consumed = int(state["step"]), int(state["consumed_samples"])
-        best = [(float(v), checkpoints / n) for v, n in state.get("best", []) if (checkpoints / n).exists()]
+        saved.restored(state)
         say(f"restored {ckpt_path} at step {step}")
     if dist.main:
         for stale in checkpoints.glob("*") if checkpoints.exists() else []:
@@ -155,28 +229,7 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
     say(loop.describe(step, max_steps))
     if not loop.validator:
         say("warning: the validation split holds no document: no val_loss")
-    continuing = bool(cfg.model.get("restore_from_ckpt")) and step < max_steps
-
-    def save(name: str, metrics: dict[str, float]) -> Path:
-        folder = checkpoints / checkpoint_name(name, metrics)
-        gpt.save_checkpoint(
-            folder / "model.pt", loop.state(step, consumed, best=[(v, p.name) for v, p in best])
-        )
-        return folder
-
-    def save_last(metrics: dict[str, float]) -> Path:
-        """NeMo's checkpoint callback keeps a ``-last`` copy of every save (``save_last``)."""
-        last = save(template + LAST, metrics)
-        for old in checkpoints.glob(f"*{LAST}*"):
-            if old != last:
-                shutil.rmtree(old, ignore_errors=True)
-        return last
-
-    template = str(cfg.exp_manager.checkpoint_callback_params.filename)
-    top_k = int(cfg.exp_manager.checkpoint_callback_params.save_top_k)
-    metrics: dict[str, float] = {}
-    log_every = max(1, int(cfg.trainer.log_every_n_steps))
-    if continuing and loop.validator is not None:
+    if cfg.model.get("restore_from_ckpt") and step < max_steps and loop.validator is not None:
         # The base checkpoint on this run's validation data, before any training: the eval gate compares
         # the new checkpoint with the champion on the same data (retrain.steps.metrics_from reads it as
         # the val_loss at the base step; NeMo's script validates only during fit, so its runs are
@@ -185,6 +238,8 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
         if events and base_val is not None:
             events.scalars(step, {"val_loss": base_val})
             say(f"step {step} (base checkpoint) val_loss {base_val:.4f}")
+    metrics: dict[str, float] = {}
+    log_every, interval = max(1, int(cfg.trainer.log_every_n_steps)), int(cfg.trainer.val_check_interval)
     start_step = step
     while step < max_steps:
         step += 1
@@ -196,37 +251,23 @@ def _train(cfg: Any, dist: Any, torch: Any, gpt: Any) -> int:
             if not math.isfinite(train_loss):
                 return fail(f"reduced_train_loss is {train_loss} at step {step}")
             metrics.update(reduced_train_loss=train_loss, consumed_samples=float(consumed), step=step)
-            if events:
-                events.scalars(
-                    step,
-                    {
-                        "reduced_train_loss": train_loss,
-                        "lr": lr,
-                        "consumed_samples": float(consumed),
-                        "global_step": float(step),
-                    },
-                )
-            say(f"step {step}/{max_steps} reduced_train_loss {train_loss:.4f} lr {lr:.2e}")
+            _log_training(events, step, max_steps, train_loss, lr, consumed)
         if step % interval == 0:  # Lightning's val_check_interval, in steps of the whole training
             metrics.update(consumed_samples=float(consumed), step=step)
-            val = loop.validate()
-            if val is not None:
+            if (val := loop.validate()) is not None:
                 metrics["val_loss"] = val
                 if events:
                     events.scalars(step, {"val_loss": val})
                 say(f"step {step} val_loss {val:.4f}")
-                if dist.main and top_k != 0:
-                    best.append((val, save(template, metrics)))
-                    best.sort(key=lambda item: item[0])
-                    for _, gone in best[top_k:] if top_k > 0 else []:
-                        shutil.rmtree(gone, ignore_errors=True)
-                    best = best[:top_k] if top_k > 0 else best
-                    save_last(metrics)
+                if dist.main:
+                    saved.validated(val, step, consumed, metrics)
     if dist.main:
         metrics.update(consumed_samples=float(consumed), step=step)
         last = latest_last(checkpoints)
         if last is None or f"step={step}-" not in last.name:
-            last = save_last(metrics)  # the end of training saves one too (NeMo's on_train_end)
+            last = saved.save_last(
+                step, consumed, metrics
+            )  # the end of training saves one too (on_train_end)
         say(f"done: step {step}, {time.time() - t0:.1f}s -> {last}")
     finish(dist, torch)
     return 0
