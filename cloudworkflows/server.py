@@ -16,13 +16,12 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlparse
 
 from .callbacks import CallbackHub
 from .engine import ConnectorRegistry, Workflow, error_context, load_workflow
 from .errors import ExecutionCancelled, WorkflowError, WorkflowSyntaxError, error, format_error
+from .rest import http_server
 
 log = logging.getLogger("cloudworkflows.server")
 
@@ -86,6 +85,21 @@ def workflow_of(name: str) -> str:
     return "/".join(name.split("/")[:6])
 
 
+def _failure(name: str, exc: Exception) -> dict[str, Any]:
+    """An ended execution's ``error`` (the REST resource's payload and context) for what it raised."""
+    if isinstance(exc, WorkflowError):
+        payload = format_error(exc.value) if not isinstance(exc.value, str) else json.dumps(exc.value)
+        return {"payload": payload, "context": error_context(exc)}
+    if isinstance(exc, WorkflowSyntaxError):
+        return {"payload": json.dumps({"message": str(exc), "tags": ["SystemError"]}), "context": str(exc)}
+    # a bug in a connector or the interpreter: fail the execution visibly
+    log.error("execution %s crashed", name, exc_info=exc)
+    return {
+        "payload": json.dumps({"message": f"{type(exc).__name__}: {exc}", "tags": ["SystemError"]}),
+        "context": "internal error",
+    }
+
+
 class ExecutionsServer:
     """Runs executions in threads and serves them over HTTP on 127.0.0.1."""
 
@@ -106,8 +120,7 @@ class ExecutionsServer:
         refusal's message (the Workflows API's PERMISSION_DENIED); None: every caller may."""
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self._httpd = http_server(self, host, port)
         host_name, real_port = self._httpd.server_address[:2]
         self.base_url = f"http://{host_name!s}:{real_port}"
         self.hub = CallbackHub(self.base_url)
@@ -245,24 +258,8 @@ class ExecutionsServer:
             result = json.dumps(value)
         except ExecutionCancelled:
             state = "CANCELLED"
-        except WorkflowError as exc:
-            state = "FAILED"
-            err = {
-                "payload": format_error(exc.value)
-                if not isinstance(exc.value, str)
-                else json.dumps(exc.value),
-                "context": error_context(exc),
-            }
-        except WorkflowSyntaxError as exc:
-            state = "FAILED"
-            err = {"payload": json.dumps({"message": str(exc), "tags": ["SystemError"]}), "context": str(exc)}
-        except Exception as exc:  # a bug in a connector or the interpreter: fail the execution visibly
-            log.exception("execution %s crashed", rec.name)
-            state = "FAILED"
-            err = {
-                "payload": json.dumps({"message": f"{type(exc).__name__}: {exc}", "tags": ["SystemError"]}),
-                "context": "internal error",
-            }
+        except Exception as exc:
+            state, err = "FAILED", _failure(rec.name, exc)
         with self._lock:
             if rec.state == "ACTIVE":
                 rec.state = "CANCELLED" if rec.cancel.is_set() and state != "SUCCEEDED" else state
@@ -357,109 +354,3 @@ class ExecutionsServer:
         self.cancel(name)
         with self._lock:
             del self._records[name]
-
-    # -- HTTP --------------------------------------------------------------------------------
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # An answer leaves in two writes (headers, body): on a kept-alive connection Nagle's algorithm
-            # would hold the body until the client's delayed ack (40 ms on Linux).
-            disable_nagle_algorithm = True
-
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("%s - %s", self.address_string(), format % args)
-
-            def _send(self, code: int, payload: Any) -> None:
-                body = json.dumps(payload).encode("utf-8")
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _fail(self, code: int, status: str, message: str) -> None:
-                self._send(code, {"error": {"code": code, "message": message, "status": status}})
-
-            def _body(self) -> bytes:
-                length = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(length) if length > 0 else b""
-
-            def _refused(self, permission: str, name: str) -> bool:
-                if server.authorize is None:
-                    return False
-                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or None
-                refusal = server.refusal(token, permission, name)
-                if refusal is not None:
-                    self._fail(403, "PERMISSION_DENIED", refusal)
-                return refusal is not None
-
-            def _handle(self, method: str) -> None:
-                parsed = urlparse(self.path)
-                path = parsed.path
-                body = self._body()
-                if not path.startswith("/v1/"):
-                    self._fail(404, "NOT_FOUND", f"no such path {path}")
-                    return
-                rest = path[len("/v1/") :].rstrip("/")
-                # Workflows' permissions per method (cloud.google.com/workflows/docs/access-control)
-                if "/callbacks/" in path:
-                    permission = "workflows.callbacks.send"
-                elif rest.endswith(":cancel"):
-                    permission = "workflows.executions.cancel"
-                elif rest.endswith("/executions"):
-                    permission = (
-                        "workflows.executions.create" if method == "POST" else "workflows.executions.list"
-                    )
-                else:
-                    permission = "workflows.executions.get"
-                if self._refused(permission, rest):
-                    return
-                if "/callbacks/" in path:
-                    headers = {k: v for k, v in self.headers.items()}
-                    if server.hub.deliver(path, method, headers, body, parsed.query):
-                        self._send(200, {})
-                    else:
-                        self._fail(404, "NOT_FOUND", f"no callback awaiting {method} at {path}")
-                    return
-                try:
-                    if method == "POST" and rest.endswith(":cancel"):
-                        self._send(200, server.cancel(rest[: -len(":cancel")]))
-                    elif rest.endswith("/executions") and method == "POST":
-                        self._create(rest[: -len("/executions")], body)
-                    elif rest.endswith("/executions") and method == "GET":
-                        self._send(200, {"executions": server.list(rest[: -len("/executions")])})
-                    elif "/executions/" in rest and method == "GET":
-                        self._send(200, server.get(rest))
-                    else:
-                        self._fail(404, "NOT_FOUND", f"no such resource {rest}")
-                except KeyError as exc:
-                    self._fail(404, "NOT_FOUND", f"execution {exc.args[0]} not found")
-
-            def _create(self, parent: str, body: bytes) -> None:
-                try:
-                    request = json.loads(body or b"{}")
-                    self._send(200, server.create(parent, request.get("argument") or ""))
-                except KeyError as exc:
-                    self._fail(404, "NOT_FOUND", f"workflow {exc.args[0]} not found")
-                except ValueError as exc:
-                    self._fail(400, "INVALID_ARGUMENT", str(exc))
-
-            def do_GET(self) -> None:
-                self._handle("GET")
-
-            def do_POST(self) -> None:
-                self._handle("POST")
-
-            def do_PUT(self) -> None:
-                self._handle("PUT")
-
-            def do_PATCH(self) -> None:
-                self._handle("PATCH")
-
-            def do_DELETE(self) -> None:
-                self._handle("DELETE")
-
-        return Handler
