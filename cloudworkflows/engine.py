@@ -1,8 +1,9 @@
 """Executes a validated workflow definition with Cloud Workflows semantics.
 
 One :class:`_Execution` per run holds the environment, the cancel flag and the connectors;
-steps run on the calling thread, parallel branches on a thread pool. Control flow (``next``,
-``return``, ``break``) travels as private exceptions so it can never be caught by ``except``.
+steps run on the calling thread, parallel branches on a thread pool (:mod:`.constructs`). Control flow
+(``next``, ``return``, ``break``) travels as exceptions of its own (:mod:`.scopes`), so it can never be
+caught by ``except``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import constructs
 from .callbacks import CallbackHub
 from .clock import Clock, RealClock
 from .discovery import ConnectorCallError, check_call, check_gke_request
@@ -42,13 +43,13 @@ from .expressions import (
     expressions_in,
     get_index,
     get_key,
-    is_number,
     json_safe,
     walk,
     wtype,
 )
-from .stdlib import FUNCTIONS, POLICIES, RetryPolicy, resolve_object
-from .syntax import Definition, ForSpec, RetrySpec, Step, Subworkflow, Target, load_source
+from .scopes import Break, Continue, End, Jump, Return, Scope, in_parallel
+from .stdlib import FUNCTIONS, resolve_object
+from .syntax import Definition, Step, Subworkflow, Target, load_source
 
 log = logging.getLogger("cloudworkflows.engine")
 
@@ -118,64 +119,6 @@ class ConnectorRegistry:
         return url
 
 
-# --------------------------------------------------------------------------- control-flow signals
-
-
-class _Signal(Exception):
-    pass
-
-
-class _Jump(_Signal):
-    def __init__(self, target: str) -> None:
-        self.target = target
-
-
-class _Return(_Signal):
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class _End(_Signal):
-    pass
-
-
-class _Break(_Signal):
-    pass
-
-
-class _Continue(_Signal):
-    pass
-
-
-# --------------------------------------------------------------------------- scopes
-
-
-class _Scope:
-    """A variable scope. ``shared`` is set on parallel-branch roots: the writable parent names."""
-
-    def __init__(self, parent: _Scope | None = None, shared: set[str] | None = None) -> None:
-        self.vars: dict[str, Any] = {}
-        self.sizes: dict[str, int] = {}  # each variable's memory_of, as counted in the execution's total
-        self.parent = parent
-        self.shared = shared
-
-    def find(self, name: str) -> _Scope | None:
-        scope: _Scope | None = self
-        while scope is not None:
-            if name in scope.vars:
-                return scope
-            scope = scope.parent
-        return None
-
-
-def _in_parallel(scope: _Scope | None) -> bool:
-    while scope is not None:
-        if scope.shared is not None:
-            return True
-        scope = scope.parent
-    return False
-
-
 def _parse_execution_name(name: str) -> dict[str, str]:
     parts = name.strip("/").split("/")
     out: dict[str, str] = {}
@@ -201,7 +144,7 @@ def builtin_env(execution_name: str, revision: str) -> dict[str, str]:
 
 
 class _Ctx:
-    def __init__(self, ex: _Execution, scope: _Scope, depth: int) -> None:
+    def __init__(self, ex: _Execution, scope: Scope, depth: int) -> None:
         self.ex = ex
         self.scope = scope
         self.depth = depth
@@ -306,10 +249,10 @@ class _Execution:
         self.peak_memory = 0  # the most self.memory has been
 
     @contextmanager
-    def scope(self, parent: _Scope | None = None, shared: set[str] | None = None) -> Iterator[_Scope]:
+    def scope(self, parent: Scope | None = None, shared: set[str] | None = None) -> Iterator[Scope]:
         """A new variable scope, whose variables count in the execution's memory until its frame,
         iteration or branch ends."""
-        made = _Scope(parent, shared)
+        made = Scope(parent, shared)
         try:
             yield made
         finally:
@@ -318,7 +261,7 @@ class _Execution:
 
     def store(
         self,
-        scope: _Scope,
+        scope: Scope,
         name: str,
         value: Any,
         container: dict[Any, Any] | list[Any] | None = None,
@@ -367,7 +310,7 @@ class _Execution:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def ev(self, value: Any, scope: _Scope, depth: int) -> Any:
+    def ev(self, value: Any, scope: Scope, depth: int) -> Any:
         return evaluate_value(value, _Ctx(self, scope, depth))
 
     def call_subworkflow(self, sub: Subworkflow, args: dict[str, Any], depth: int) -> Any:
@@ -387,22 +330,22 @@ class _Execution:
                     raise type_error(f"missing argument '{param.name}' for subworkflow {sub.name}")
             try:
                 self.run_block(sub.steps, scope, depth + 1, sub.name)
-            except _Return as ret:
+            except Return as ret:
                 return ret.value
-            except _End:
+            except End:
                 return None
             return None
 
     # -- blocks and steps ------------------------------------------------------------------
 
-    def run_block(self, steps: list[Step], scope: _Scope, depth: int, routine: str) -> None:
+    def run_block(self, steps: list[Step], scope: Scope, depth: int, routine: str) -> None:
         names = {s.name: i for i, s in enumerate(steps) if not s.inline}
         i = 0
         while i < len(steps):
             step = steps[i]
             try:
                 target = self.run_step(step, scope, depth, routine)
-            except _Jump as jump:
+            except Jump as jump:
                 if jump.target in names:
                     i = names[jump.target]
                     continue
@@ -410,17 +353,17 @@ class _Execution:
             if target is None:
                 i += 1
             elif target == "end":
-                raise _End()
+                raise End()
             elif target == "break":
-                raise _Break()
+                raise Break()
             elif target == "continue":
-                raise _Continue()
+                raise Continue()
             elif target in names:
                 i = names[target]
             else:
-                raise _Jump(target)
+                raise Jump(target)
 
-    def run_step(self, step: Step, scope: _Scope, depth: int, routine: str) -> str | None:
+    def run_step(self, step: Step, scope: Scope, depth: int, routine: str) -> str | None:
         self.check_cancel()
         with self.lock:
             self.steps_run += 1
@@ -439,12 +382,12 @@ class _Execution:
                 exc.routine = routine  # type: ignore[attr-defined]
             raise
 
-    def _dispatch(self, step: Step, scope: _Scope, depth: int, routine: str) -> str | None:
+    def _dispatch(self, step: Step, scope: Scope, depth: int, routine: str) -> str | None:
         kind = step.kind
         if kind == "assign":
-            in_parallel = _in_parallel(scope)
+            parallel = in_parallel(scope)
             for target, value in step.assign:
-                if in_parallel and not self._calls_subworkflow(value):
+                if parallel and not self._calls_subworkflow(value):
                     # Read-modify-write of a shared variable (``total: ${total + v}``) is atomic.
                     with self.lock:
                         self.assign(scope, target, self.ev(value, scope, depth), depth)
@@ -477,18 +420,18 @@ class _Execution:
             return step.next
         if kind == "for":
             assert step.for_ is not None
-            self.run_for(step.for_, scope, depth, routine)
+            constructs.run_for(self, step.for_, scope, depth, routine)
             return step.next
         if kind == "parallel":
-            self.run_parallel(step, scope, depth, routine)
+            constructs.run_parallel(self, step, scope, depth, routine)
             return step.next
         if kind == "try":
-            self.run_try(step, scope, depth, routine)
+            constructs.run_try(self, step, scope, depth, routine)
             return step.next
         if kind == "raise":
             raise WorkflowError(self.ev(step.value, scope, depth))
         if kind == "return":
-            raise _Return(self.ev(step.value, scope, depth))
+            raise Return(self.ev(step.value, scope, depth))
         return step.next
 
     def _calls_subworkflow(self, value: Any) -> bool:
@@ -500,12 +443,12 @@ class _Execution:
 
     # -- assignment ------------------------------------------------------------------------
 
-    def assign(self, scope: _Scope, target: Target, value: Any, depth: int) -> None:
+    def assign(self, scope: Scope, target: Target, value: Any, depth: int) -> None:
         keys = [k if isinstance(k, str) else evaluate(k, _Ctx(self, scope, depth)) for k in target.path]
         with self.lock:
             owner = scope.find(target.root)
             if owner is not None:
-                s: _Scope | None = scope
+                s: Scope | None = scope
                 while s is not None and s is not owner:
                     if s.shared is not None and target.root not in s.shared:
                         # Not shared: the branch gets its own copy (the loader rejects the
@@ -538,7 +481,7 @@ class _Execution:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def call(self, step: Step, args: dict[str, Any], scope: _Scope, depth: int) -> Any:
+    def call(self, step: Step, args: dict[str, Any], scope: Scope, depth: int) -> Any:
         name = step.call or ""
         fn = FUNCTIONS.get(name)
         if fn is not None:
@@ -565,197 +508,9 @@ class _Execution:
     def call_ref(self, ref: Any, args: list[Any], depth: int) -> Any:
         if not isinstance(ref, FunctionRef):
             raise type_error(f"expected a function, got {wtype(ref)}")
-        return _Ctx(self, _Scope(), depth).call_function(ref.name, args)
+        return _Ctx(self, Scope(), depth).call_function(ref.name, args)
 
     # -- loops -----------------------------------------------------------------------------
-
-    def loop_items(self, spec: ForSpec, scope: _Scope, depth: int) -> list[tuple[int, Any]]:
-        if spec.in_ is not None:
-            items = self.ev(spec.in_, scope, depth)
-            if isinstance(items, dict):
-                raise type_error("for: 'in' expects a list (use keys() to iterate over a map)")
-            if not isinstance(items, list):
-                raise type_error(f"for: 'in' expects a list, got {wtype(items)}")
-            return list(enumerate(items))
-        bounds = self.ev(spec.range_, scope, depth)
-        if not (isinstance(bounds, list) and len(bounds) == 2 and all(is_number(b) for b in bounds)):
-            raise type_error("for: range must be a list of two numbers")
-        start, end = bounds
-        out: list[tuple[int, Any]] = []
-        value = start
-        while value <= end:
-            out.append((len(out), value))
-            value = value + 1
-        return out
-
-    def _bind_loop(self, spec: ForSpec, scope: _Scope, index: int, value: Any) -> None:
-        if spec.value:
-            self.store(scope, spec.value, copy.deepcopy(value))
-        if spec.index:
-            self.store(scope, spec.index, index)
-
-    def run_for(self, spec: ForSpec, scope: _Scope, depth: int, routine: str) -> None:
-        for index, value in self.loop_items(spec, scope, depth):
-            with self.scope(scope) as it_scope:
-                self._bind_loop(spec, it_scope, index, value)
-                try:
-                    self.run_block(spec.steps, it_scope, depth, routine)
-                except _Break:
-                    break
-                except _Continue:
-                    continue
-
-    # -- parallel --------------------------------------------------------------------------
-
-    def run_parallel(self, step: Step, scope: _Scope, depth: int, routine: str) -> None:
-        spec = step.parallel
-        assert spec is not None
-        shared = set(spec.shared)
-        for name in shared:
-            if scope.find(name) is None:
-                raise key_error(f"shared variable '{name}' is not defined before the parallel step")
-        limit = self.ev(spec.concurrency_limit, scope, depth) if spec.concurrency_limit is not None else None
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise value_error("concurrency_limit must be a positive integer")
-
-        tasks: list[tuple[str, Callable[[], None]]] = []
-        if spec.branches is not None:
-            for branch in spec.branches:
-
-                def run_branch(steps: list[Step] = branch.steps) -> None:
-                    with self.scope(scope, shared) as branch_scope:
-                        self.run_block(steps, branch_scope, depth, routine)
-
-                tasks.append((branch.name, run_branch))
-        else:
-            assert spec.for_ is not None
-            loop = spec.for_
-            for index, value in self.loop_items(loop, scope, depth):
-
-                def run_iteration(index: int = index, value: Any = value) -> None:
-                    with self.scope(scope, shared) as it_scope:
-                        self._bind_loop(loop, it_scope, index, value)
-                        self.run_block(loop.steps, it_scope, depth, routine)
-
-                tasks.append((str(index), run_iteration))
-        if not tasks:
-            return
-
-        failures: list[dict[str, Any]] = []
-        fatal: list[BaseException] = []
-
-        def guarded(branch_id: str, fn: Callable[[], None]) -> None:
-            try:
-                fn()
-            except (_Break, _Continue, _Return, _End):
-                return  # ends this branch/iteration only
-            except ResourceLimitExceeded as exc:  # fails the execution at once, not as a branch's error
-                with self.lock:
-                    fatal.append(exc)
-                self.cancel.set()  # the siblings stop at their next step, sleep or callback wait
-            except WorkflowError as exc:
-                with self.lock:
-                    failures.append({"id": branch_id, "error": exc.value})
-            except BaseException as exc:  # cancellation or a bug: stop everything
-                with self.lock:
-                    fatal.append(exc)
-
-        workers = min(len(tasks), limit or len(tasks))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"wf-{step.name}") as pool:
-            for branch_id, fn in tasks:
-                pool.submit(guarded, branch_id, fn)
-        if fatal:
-            limits = [f for f in fatal if isinstance(f, ResourceLimitExceeded)]
-            cancelled = [f for f in fatal if isinstance(f, ExecutionCancelled)]
-            raise limits[0] if limits else cancelled[0] if cancelled else fatal[0]
-        if failures:
-            failures.sort(key=lambda f: [t[0] for t in tasks].index(f["id"]))
-            raise WorkflowError(
-                {
-                    "message": "UnhandledBranchError: one or more branches or iterations encountered an "
-                    "unhandled runtime error",
-                    "tags": ["UnhandledBranchError"],
-                    "branches": failures,
-                    "truncated": False,
-                }
-            )
-
-    # -- try / retry / except --------------------------------------------------------------
-
-    def retry_plan(self, spec: RetrySpec, scope: _Scope, depth: int) -> tuple[Any, int, float, float, float]:
-        if spec.policy is not None:
-            policy = self.ev(spec.policy, scope, depth)
-            if isinstance(policy, RetryPolicy):
-                return (
-                    FunctionRef(policy.predicate),
-                    policy.max_retries,
-                    policy.initial_delay,
-                    policy.max_delay,
-                    policy.multiplier,
-                )
-            raise type_error(
-                f"retry: expected a retry policy such as http.default_retry, got {wtype(policy)}"
-            )
-        predicate = self.ev(spec.predicate, scope, depth)
-        if not isinstance(predicate, FunctionRef):
-            raise type_error(f"retry predicate must be a function, got {wtype(predicate)}")
-        max_retries = self.ev(spec.max_retries, scope, depth)
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise value_error("max_retries must be a non-negative integer")
-        default = POLICIES["http.default_retry"]
-        nums = []
-        for value, fallback in (
-            (spec.initial_delay, default.initial_delay),
-            (spec.max_delay, default.max_delay),
-            (spec.multiplier, default.multiplier),
-        ):
-            v = fallback if value is None else self.ev(value, scope, depth)
-            if not is_number(v) or v < 0:
-                raise value_error("backoff values must be non-negative numbers")
-            nums.append(float(v))
-        return predicate, max_retries, nums[0], nums[1], nums[2]
-
-    def run_try(self, step: Step, scope: _Scope, depth: int, routine: str) -> None:
-        retries = 0
-        delay: float | None = None
-        plan: tuple[Any, int, float, float, float] | None = None
-        while True:
-            try:
-                self.run_block(step.try_ or [], scope, depth, routine)
-                return
-            except ResourceLimitExceeded:
-                raise
-            except WorkflowError as exc:
-                if step.retry is not None:
-                    if plan is None:
-                        plan = self.retry_plan(step.retry, scope, depth)
-                    predicate, max_retries, initial, max_delay, multiplier = plan
-                    if retries < max_retries:
-                        should = self.call_ref(predicate, [copy.deepcopy(exc.value)], depth)
-                        if not isinstance(should, bool):
-                            raise type_error(
-                                f"retry predicate must return a boolean, got {wtype(should)}"
-                            ) from None
-                        if should:
-                            delay = initial if delay is None else delay * multiplier
-                            delay = min(delay, max_delay)
-                            log.debug(
-                                "%s: retrying step %s in %.3fs (retry %d of %d)",
-                                self.execution_name,
-                                step.name,
-                                delay,
-                                retries + 1,
-                                max_retries,
-                            )
-                            self.sleep(delay)
-                            retries += 1
-                            continue
-                if step.except_ is None:
-                    raise
-                if step.except_.as_:
-                    self.assign(scope, Target(step.except_.as_, step.except_.as_, []), exc.value, depth)
-                self.run_block(step.except_.steps, scope, depth, routine)
-                return
 
 
 # --------------------------------------------------------------------------- public API
