@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retrain_tokenize.options import TokenizeOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CORPUS = Path(os.environ.get("RETRAIN_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus"))
@@ -219,7 +221,7 @@ def incremental(tmp: Path, docs: list[str], workers: int, trials: int) -> dict[s
         root = str(tmp / f"shards-{trial}")
         for name, inputs in steps.items():
             t = time.perf_counter()
-            tokenize_incremental(inputs, root, workers=workers)
+            tokenize_incremental(inputs, root, TokenizeOptions(workers=workers))
             best[name] = min(best[name], time.perf_counter() - t)
     return best
 
@@ -260,7 +262,8 @@ def peak_rss_mb(src: Path, out: Path, workers: int) -> float:
     code = (
         "import resource, sys\n"
         "from retrain_tokenize import tokenize_to_prefix\n"
-        "tokenize_to_prefix([sys.argv[1]], sys.argv[2], workers=int(sys.argv[3]))\n"
+        "from retrain_tokenize.options import TokenizeOptions\n"
+        "tokenize_to_prefix([sys.argv[1]], sys.argv[2], TokenizeOptions(workers=int(sys.argv[3])))\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
     repo = Path(__file__).resolve().parents[1]
@@ -326,7 +329,7 @@ def main() -> None:
         "ceiling: HF encode_batch_fast": bare(tok.encode_batch_fast),
         "ceiling: tiktoken encode_ordinary_batch": bare_tiktoken,
         "pipeline, end to end": lambda: reports.append(
-            tokenize_to_prefix([str(src)], str(tmp / "out"), workers=args.workers)
+            tokenize_to_prefix([str(src)], str(tmp / "out"), TokenizeOptions(workers=args.workers))
         ),
     }
     startups: dict[str, float] = {}

@@ -19,12 +19,12 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
 
 from google.api_core.exceptions import GoogleAPICallError
 
 from retrain.contracts import RunManifest
 from retrain_tokenize import packs, records
+from retrain_tokenize.options import PackOptions, TokenizeOptions
 from retrain_tokenize.pipeline import tokenize_incremental, tokenize_to_prefix
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("apache_beam", "google", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    common: dict[str, Any] = dict(
+    options = TokenizeOptions(
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_json=args.tokenizer_json,
@@ -125,24 +125,22 @@ def main(argv: list[str] | None = None) -> int:
         max_document_bytes=args.max_document_bytes,
         runner=args.runner,
         workers=args.workers,
-        pipeline_args=beam_args,
+        pipeline_args=tuple(beam_args),
         wait=not args.no_wait,
     )
     try:
         if args.shard_root:
-            report = tokenize_incremental(
-                args.inputs,
-                args.shard_root,
-                pinned=pinned,
-                report_uri=args.report,
+            packing = PackOptions(
                 pack_bytes=args.pack_bytes,
                 max_packs=args.max_packs,
                 hold_out_objects=args.hold_out_objects,
                 held_out_for=manifest.run_id if manifest else "",
-                **common,
+            )
+            report = tokenize_incremental(
+                args.inputs, args.shard_root, options, pinned=pinned, report_uri=args.report, packing=packing
             )
         else:
-            report = tokenize_to_prefix(args.inputs, args.output_prefix, **common)
+            report = tokenize_to_prefix(args.inputs, args.output_prefix, options)
     except (FileNotFoundError, ValueError, GoogleAPICallError) as e:
         print(f"retrain tokenize: error: {e}", file=sys.stderr)
         return 1

@@ -36,6 +36,7 @@ from retrain.adapters import objects
 from retrain.contracts import TokenizeReport, tokenize_detail_uri
 from retrain.domain.events import ObjectVersion
 from retrain_tokenize import megatron, packs, records, tables
+from retrain_tokenize.options import DEFAULT_OPTIONS, DEFAULT_PACKING, PackOptions, TokenizeOptions
 from retrain_tokenize.records import Batch, Rejected, Split, SplitStats
 from retrain_tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
 
@@ -384,29 +385,21 @@ def build_pipeline(p: beam.Pipeline, job: Job, splits: Sequence[Split]) -> beam.
     )
 
 
-def _run(
-    job: Job,
-    splits: Sequence[Split],
-    runner: str,
-    workers: int,
-    pipeline_args: Sequence[str] | None,
-    wait: bool,
-    finalize: Any = None,
-) -> None:
+def _run(job: Job, splits: Sequence[Split], o: TokenizeOptions, finalize: Any = None) -> None:
     log.info(
         "tokenizing %d split(s) of %d input(s) into %d shard(s) with %s, %d worker(s)",
         len(splits),
         len(job.shard_of_input),
         len(job.shards),
-        runner,
-        workers,
+        o.runner,
+        o.workers,
     )
-    p = beam.Pipeline(options=pipeline_options(runner, workers, pipeline_args))
+    p = beam.Pipeline(options=pipeline_options(o.runner, o.workers, o.pipeline_args))
     reports = build_pipeline(p, job, splits)
     if finalize is not None:
         _ = reports | "AllShards" >> beam.combiners.ToList() | "Finalize" >> beam.Map(finalize)
     result = p.run()
-    if wait:
+    if o.wait:
         result.wait_until_finish()
         if not objects.is_gcs(job.tmp_root):
             objects.remove_tree(job.tmp_root)
@@ -415,16 +408,10 @@ def _run(
                 os.rmdir(parent)
 
 
-def _prepare(
-    vocab_file: str | None,
-    merge_file: str | None,
-    tokenizer_json: str | None,
-    eod_id: int | None,
-    append_eod: bool,
-) -> tuple[TokenizerSpec, LoadedTokenizer]:
-    spec = TokenizerSpec(vocab_file, merge_file, tokenizer_json, eod_id)
+def _prepare(o: TokenizeOptions) -> tuple[TokenizerSpec, LoadedTokenizer]:
+    spec = TokenizerSpec(o.vocab_file, o.merge_file, o.tokenizer_json, o.eod_id)
     tok = spec.load()  # fail early, in the driver, on bad tokenizer files
-    if append_eod and tok.eod is None:
+    if o.append_eod and tok.eod is None:
         raise ValueError("append_eod: the tokenizer has no end-of-document token; give eod_id")
     return spec, tok
 
@@ -463,32 +450,16 @@ def content_hashes(infos: Sequence[objects.ObjectInfo], index_root: str) -> list
 
 
 def tokenize_to_prefix(
-    inputs: list[str],
-    output_prefix: str,
-    *,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-    tokenizer_json: str | None = None,
-    json_keys: Sequence[str] = ("text",),
-    append_eod: bool = True,
-    runner: str = "FnApiRunner",
-    workers: int = 2,
-    max_document_bytes: int = records.DEFAULT_MAX_DOCUMENT_BYTES,
-    keep_empty: bool = False,
-    eod_id: int | None = None,
-    split_bytes: int = records.DEFAULT_SPLIT_BYTES,
-    batch_bytes: int = records.DEFAULT_BATCH_BYTES,
-    pipeline_args: Sequence[str] | None = None,
-    wait: bool = True,
+    inputs: list[str], output_prefix: str, options: TokenizeOptions = DEFAULT_OPTIONS
 ) -> dict[str, Any]:
     """Tokenize every input, in order, into ``output_prefix``_{key}_document.bin/.idx (Megatron's layout).
 
-    Returns the content of ``output_prefix``_report.json.  ``keep_empty`` writes records whose text is
-    "" as empty documents (as Megatron does) instead of quarantining them.  With ``wait=False``
-    (Dataflow templates) it returns once the job is submitted.
+    Returns the content of ``output_prefix``_report.json; with ``options.wait`` False (Dataflow
+    templates), once the job is submitted.
     """
     started = time.time()
-    spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
+    o = options
+    spec, tok = _prepare(o)
     run_id = uuid.uuid4().hex[:12]
     inputs, staged = tables.stage(inputs, objects.join(output_prefix + "_tmp", run_id, "bigquery"))
     uris = records.expand_inputs(inputs)
@@ -499,25 +470,25 @@ def tokenize_to_prefix(
                 output_prefix, tuple((i, u, s) for i, (u, s) in enumerate(zip(uris, sizes, strict=True)))
             ),
         ),
-        json_keys=tuple(json_keys),
+        json_keys=o.json_keys,
         tokenizer=spec,
-        append_eod=append_eod,
+        append_eod=o.append_eod,
         tmp_root=objects.join(output_prefix + "_tmp", run_id),
         run_id=run_id,
         started_at=started,
-        fingerprint=fingerprint(spec, tok, json_keys, append_eod, keep_empty),
-        max_document_bytes=max_document_bytes,
-        batch_bytes=batch_bytes,
-        keep_empty=keep_empty,
+        fingerprint=fingerprint(spec, tok, o.json_keys, o.append_eod, o.keep_empty),
+        max_document_bytes=o.max_document_bytes,
+        batch_bytes=o.batch_bytes,
+        keep_empty=o.keep_empty,
         shard_of_input=dict.fromkeys(range(len(uris)), 0),
     )
     splits = [
         s
         for i, (u, n) in enumerate(zip(uris, sizes, strict=True))
-        for s in records.plan_splits(i, u, n, split_bytes)
+        for s in records.plan_splits(i, u, n, o.split_bytes)
     ]
-    _run(job, splits, runner, workers, pipeline_args, wait)
-    if not wait:
+    _run(job, splits, o)
+    if not o.wait:
         return {"submitted": True, "run_id": run_id, "report": output_prefix + "_report.json"}
     tables.unstage(staged)
     report = cast(dict[str, Any], json.loads(objects.read_bytes(output_prefix + "_report.json")))
@@ -687,27 +658,11 @@ def _wanted(patterns: list[str], pinned: Sequence[ObjectVersion]) -> list[_Wante
 def tokenize_incremental(
     objects_: list[str],
     shard_root: str,
+    options: TokenizeOptions = DEFAULT_OPTIONS,
     *,
     pinned: Sequence[ObjectVersion] = (),
     report_uri: str | None = None,
-    runner: str = "FnApiRunner",
-    workers: int = 2,
-    append_eod: bool = True,
-    json_keys: Sequence[str] = ("text",),
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-    tokenizer_json: str | None = None,
-    eod_id: int | None = None,
-    max_document_bytes: int = records.DEFAULT_MAX_DOCUMENT_BYTES,
-    max_decompressed_bytes: int = records.DEFAULT_MAX_DECOMPRESSED_BYTES,
-    keep_empty: bool = False,
-    split_bytes: int = records.DEFAULT_SPLIT_BYTES,
-    pipeline_args: Sequence[str] | None = None,
-    wait: bool = True,
-    pack_bytes: int = packs.PACK_BYTES,
-    max_packs: int = packs.MAX_PACKS,
-    hold_out_objects: int = 0,
-    held_out_for: str = "",
+    packing: PackOptions = DEFAULT_PACKING,
 ) -> dict[str, Any]:
     """Tokenize each object once into its own shard ``shard_root/<format>-<sha256 of its bytes>/data``.
 
@@ -715,24 +670,52 @@ def tokenize_incremental(
     objects named literally and read at exactly their generation (a run's manifest).  Objects whose shard
     is complete (its data_report.json exists) are reused, not re-read beyond hashing; an object that
     cannot be read (gone, changed since it arrived, not what its suffix says, decompressing past
-    ``max_decompressed_bytes``) is quarantined whole, with its reason, and the others go on.  A shard made
-    with other tokenizer settings is an error (use another shard_root), never reused.  The trainer reads
-    the shards through at most ``max_packs`` packs (:mod:`retrain_tokenize.packs`), the report's blend.
-    ``hold_out_objects`` objects' shards (chosen by content: :func:`packs.hold_out`) are not in the blend:
-    they make one more dataset, the report's ``held_out``, marked as run ``held_out_for``'s, which
-    validates this run and the dataset's later ones (never trained on).
+    ``options.max_decompressed_bytes``) is quarantined whole, with its reason, and the others go on.  A
+    shard made with other tokenizer settings is an error (use another shard_root), never reused.  The
+    trainer reads the shards through the packs ``packing`` asks for (:mod:`retrain_tokenize.packs`), the
+    report's blend, less the held-out set (never trained on).
     """
     started = time.time()
-    spec, tok = _prepare(vocab_file, merge_file, tokenizer_json, eod_id, append_eod)
-    fp = fingerprint(spec, tok, json_keys, append_eod, keep_empty)
+    o = options
+    spec, tok = _prepare(o)
+    fp = fingerprint(spec, tok, o.json_keys, o.append_eod, o.keep_empty)
     tokenizer_files = keep_tokenizer_files(spec, shard_root, fp)
     objects_, staged = tables.stage(objects_, objects.join(shard_root, "_bigquery", uuid.uuid4().hex[:12]))
     source = {t.object: t.source for t in staged}
-    wanted = _wanted(objects_, pinned)
+    plan, quarantined_objects = _survey(_wanted(objects_, pinned), source, shard_root, fp, o)
+    finish = _Finish(
+        plan, shard_root, o.json_keys[0], started, tokenizer_files, quarantined_objects, report_uri, packing
+    )
+    if not plan.todo and not o.wait:
+        # Every object's shard exists already (a retry, content given back and dropped again). A flex
+        # template's launcher submits the job its program's pipeline leaves behind, and fails when there is
+        # none ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894): so a job still
+        # runs, one that only writes the report.
+        p = beam.Pipeline(options=pipeline_options(o.runner, o.workers, o.pipeline_args))
+        _ = p | "NothingNew" >> beam.Create([[]]) | "Report" >> beam.Map(finish)
+        p.run()
+        return {"submitted": True, "report": report_uri, "new_objects": 0}
+    if plan.todo:
+        job, splits = _new_shards_job(plan, source, shard_root, spec, fp, started, o)
+        run_id = job.run_id
+        _run(job, splits, o, finalize=None if o.wait else finish)
+        if not o.wait:
+            return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(plan.todo)}
+        for prefix in plan.todo:
+            plan.reports[prefix] = json.loads(objects.read_bytes(prefix + "_report.json"))
+    tables.unstage(staged)
+    return finish([])
+
+
+def _survey(
+    wanted: list[_Wanted], source: Mapping[str, str], shard_root: str, fp: str, o: TokenizeOptions
+) -> tuple[_ShardPlan, list[dict[str, Any]]]:
+    """Every input checked (readable, the bytes it arrived with) and hashed: which contents need a shard
+    written, which reuse one, and the objects set aside whole."""
     if not wanted:
         raise ValueError("no inputs")
     with ThreadPoolExecutor(min(16, len(wanted))) as pool:
-        checked = list(pool.map(partial(_check, max_decompressed=max_decompressed_bytes), wanted))
+        checked = list(pool.map(partial(_check, max_decompressed=o.max_decompressed_bytes), wanted))
     quarantined_objects = _quarantined(checked, source)
     readable = [c for c in checked if c.problem is None and c.info is not None]
     shas = content_hashes(
@@ -746,50 +729,7 @@ def tokenize_incremental(
         len(readable) - len(plan.todo),
         len(quarantined_objects),
     )
-    finish = _Finish(
-        plan,
-        shard_root,
-        json_keys[0],
-        started,
-        tokenizer_files,
-        quarantined_objects,
-        report_uri,
-        pack_bytes,
-        max_packs,
-        hold_out_objects,
-        held_out_for,
-    )
-    if not plan.todo and not wait:
-        # Every object's shard exists already (a retry, content given back and dropped again). A flex
-        # template's launcher submits the job its program's pipeline leaves behind, and fails when there is
-        # none ("Failed to read the job file", GoogleCloudPlatform/python-docs-samples#4894): so a job still
-        # runs, one that only writes the report.
-        p = beam.Pipeline(options=pipeline_options(runner, workers, pipeline_args))
-        _ = p | "NothingNew" >> beam.Create([[]]) | "Report" >> beam.Map(finish)
-        p.run()
-        return {"submitted": True, "report": report_uri, "new_objects": 0}
-    if plan.todo:
-        job, splits = _new_shards_job(
-            plan,
-            source,
-            shard_root,
-            spec,
-            fp,
-            started,
-            json_keys,
-            append_eod,
-            max_document_bytes,
-            keep_empty,
-            split_bytes,
-        )
-        run_id = job.run_id
-        _run(job, splits, runner, workers, pipeline_args, wait, finalize=None if wait else finish)
-        if not wait:
-            return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(plan.todo)}
-        for prefix in plan.todo:
-            plan.reports[prefix] = json.loads(objects.read_bytes(prefix + "_report.json"))
-    tables.unstage(staged)
-    return finish([])
+    return plan, quarantined_objects
 
 
 def _new_shards_job(
@@ -799,11 +739,7 @@ def _new_shards_job(
     spec: TokenizerSpec,
     fp: str,
     started: float,
-    json_keys: Sequence[str],
-    append_eod: bool,
-    max_document_bytes: int,
-    keep_empty: bool,
-    split_bytes: int,
+    o: TokenizeOptions,
 ) -> tuple[Job, list[Split]]:
     """The job that writes the shards ``plan`` has to write, one per content, and the splits it reads."""
     run_id = uuid.uuid4().hex[:12]
@@ -817,21 +753,22 @@ def _new_shards_job(
     )
     job = Job(
         shards=shards,
-        json_keys=tuple(json_keys),
+        json_keys=o.json_keys,
         tokenizer=spec,
-        append_eod=append_eod,
+        append_eod=o.append_eod,
         tmp_root=objects.join(shard_root, "_tmp", run_id),
         run_id=run_id,
         started_at=started,
         fingerprint=fp,
-        max_document_bytes=max_document_bytes,
-        keep_empty=keep_empty,
+        max_document_bytes=o.max_document_bytes,
+        batch_bytes=o.batch_bytes,
+        keep_empty=o.keep_empty,
         shard_of_input={i: i for i in range(len(shards))},
     )
     splits = [
         s
         for i, (uri, size, generation, _) in enumerate(plan.todo.values())
-        for s in records.plan_splits(i, uri, size, split_bytes, generation)
+        for s in records.plan_splits(i, uri, size, o.split_bytes, generation)
     ]
     return job, splits
 
@@ -908,10 +845,7 @@ class _Finish:
     tokenizer_files: dict[str, str]
     quarantined_objects: list[dict[str, Any]]
     report_uri: str | None
-    pack_bytes: int
-    max_packs: int
-    hold_out_objects: int
-    held_out_for: str
+    packing: PackOptions
 
     def __call__(self, new_reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
         all_reports = dict(self.plan.reports)
@@ -927,13 +861,17 @@ class _Finish:
             )
             for e, (_, _, _, p, _) in zip(entries, self.plan.entries, strict=True)
         ]
-        trained, held = packs.hold_out(members, self.hold_out_objects)
+        trained, held = packs.hold_out(members, self.packing.hold_out_objects)
         run_packs = packs.plan_packs(
-            trained, self.shard_root, self.key, pack_bytes=self.pack_bytes, max_packs=self.max_packs
+            trained,
+            self.shard_root,
+            self.key,
+            pack_bytes=self.packing.pack_bytes,
+            max_packs=self.packing.max_packs,
         )
         # The held-out shards make one dataset of their own, marked as this run's, under the shard root
         # like every pack: the training pods read it and cannot write it.
-        held_out = packs.eval_pack(held, self.shard_root, self.key, self.held_out_for)
+        held_out = packs.eval_pack(held, self.shard_root, self.key, self.packing.held_out_for)
         eval_packs = [held_out] if held_out is not None else []
         written = packs.write_packs([*run_packs, *eval_packs])
         log.info("%d shard(s) in %d pack(s), %d written now", len(members), len(run_packs), sum(written))

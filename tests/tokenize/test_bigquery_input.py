@@ -13,6 +13,7 @@ from conftest import corpus_documents, megatron_bytes, read_pair
 from retrain.adapters.warehouse import BigQueryWarehouse
 from retrain_tokenize import tokenize_incremental, tokenize_to_prefix
 from retrain_tokenize.cli import main as tokenize_main
+from retrain_tokenize.options import TokenizeOptions
 from retrain_tokenize.tables import table_of
 
 pytestmark = pytest.mark.emulators
@@ -42,7 +43,7 @@ def test_a_table_tokenizes_to_the_bytes_of_its_documents(
     table: tuple[str, list[str]], gpt2, tmp_path: Path
 ) -> None:
     name, docs = table
-    report = tokenize_to_prefix([f"bq://{name}"], str(tmp_path / "pages"), workers=2)
+    report = tokenize_to_prefix([f"bq://{name}"], str(tmp_path / "pages"), TokenizeOptions(workers=2))
     assert report["input_records"] == len(docs) + 2
     assert (report["documents"], report["quarantined"]) == (len(docs), 2)  # NULL and "" quarantined
     assert report["tables"][f"bq://{name}"]["rows"] == len(docs) + 2

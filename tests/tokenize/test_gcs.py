@@ -9,6 +9,7 @@ from conftest import corpus_documents, megatron_bytes
 
 from retrain.adapters import objects
 from retrain_tokenize import tokenize_incremental, tokenize_to_prefix
+from retrain_tokenize.options import TokenizeOptions
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
 
@@ -27,7 +28,9 @@ def test_gs_prefix_with_glob_and_ranged_splits(gcs_emulator, gpt2):
     objects.write_bytes(f"{gcs_emulator}/raw/p1.jsonl", _jsonl(docs[:half]))
     objects.write_bytes(f"{gcs_emulator}/raw/p2.jsonl", _jsonl(docs[half:]) + b"{broken\n")
     out = f"{gcs_emulator}/tok/corpus"
-    report = tokenize_to_prefix([f"{gcs_emulator}/raw/*.jsonl"], out, workers=2, split_bytes=6_000)
+    report = tokenize_to_prefix(
+        [f"{gcs_emulator}/raw/*.jsonl"], out, TokenizeOptions(workers=2, split_bytes=6_000)
+    )
     assert report["documents"] == len(docs) and report["quarantined"] == 1
     want_bin, want_idx = megatron_bytes([gpt2.encode(t).ids for t in docs])
     assert objects.read_bytes(out + "_text_document.bin") == want_bin

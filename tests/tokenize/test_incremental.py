@@ -11,6 +11,7 @@ from conftest import corpus_documents, megatron_bytes, read_pair, write_jsonl
 
 from retrain_tokenize import megatron, tokenize_incremental
 from retrain_tokenize.cli import main as cli_main
+from retrain_tokenize.options import PackOptions, TokenizeOptions
 
 
 def _sha(p: Path) -> str:
@@ -112,7 +113,7 @@ def test_rerun_with_nothing_new_runs_no_pipeline(two_runs):
 def test_other_tokenizer_settings_never_reuse_shards(two_runs):
     d, _, _, _, _, (a, _, _, _) = two_runs
     with pytest.raises(ValueError, match="other settings"):
-        tokenize_incremental([str(a)], str(d / "shards"), append_eod=False)
+        tokenize_incremental([str(a)], str(d / "shards"), TokenizeOptions(append_eod=False))
 
 
 def test_no_wait_path_writes_the_report_from_inside_the_pipeline(tmp_path, gpt2):
@@ -120,7 +121,9 @@ def test_no_wait_path_writes_the_report_from_inside_the_pipeline(tmp_path, gpt2)
     src = tmp_path / "x.txt"
     src.write_text("a small document")
     rep = tmp_path / "report.json"
-    out = tokenize_incremental([str(src)], str(tmp_path / "s"), report_uri=str(rep), wait=False)
+    out = tokenize_incremental(
+        [str(src)], str(tmp_path / "s"), TokenizeOptions(wait=False), report_uri=str(rep)
+    )
     assert out["submitted"] is True and out["new_objects"] == 1
     report = _with_shards(rep)
     (shard,) = report["shards"]
@@ -163,7 +166,9 @@ def test_held_out_objects_make_the_eval_set_and_never_the_blend(tmp_path):
         (tmp_path / "in" / name).write_text(docs[i])
     root = str(tmp_path / "shards")
     inputs = [str(tmp_path / "in" / n) for n in names]
-    report = tokenize_incremental(inputs, root, hold_out_objects=2, report_uri=str(tmp_path / "r.json"))
+    report = tokenize_incremental(
+        inputs, root, report_uri=str(tmp_path / "r.json"), packing=PackOptions(hold_out_objects=2)
+    )
     held = [s for s in report["shards"] if s["held_out"]]
     trained = [s for s in report["shards"] if not s["held_out"]]
     assert len(held) == 2 and len(trained) == 6
@@ -186,11 +191,13 @@ def test_held_out_objects_make_the_eval_set_and_never_the_blend(tmp_path):
     for name in names:
         (tmp_path / "again" / f"renamed-{name}").write_text((tmp_path / "in" / name).read_text())
     again = tokenize_incremental(
-        sorted((str(p) for p in (tmp_path / "again").iterdir()), reverse=True), root, hold_out_objects=2
+        sorted((str(p) for p in (tmp_path / "again").iterdir()), reverse=True),
+        root,
+        packing=PackOptions(hold_out_objects=2),
     )
     assert again["held_out"] == eval_set
     # one object: it trains, nothing is held out; none asked: none held out
-    alone = tokenize_incremental(inputs[:1], root, hold_out_objects=3)
+    alone = tokenize_incremental(inputs[:1], root, packing=PackOptions(hold_out_objects=3))
     assert alone["held_out"] is None and len(alone["packs"]) == 1
     assert tokenize_incremental(inputs, root)["held_out"] is None
 

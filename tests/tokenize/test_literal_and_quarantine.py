@@ -16,6 +16,7 @@ from conftest import corpus_documents
 from retrain.adapters import objects
 from retrain.domain.events import ObjectVersion
 from retrain_tokenize import tokenize_incremental
+from retrain_tokenize.options import TokenizeOptions
 
 NAMES = ["a[1].jsonl", "b*.jsonl", "c?.jsonl", "d e.jsonl", "é-ü.jsonl", "数据.jsonl"]
 
@@ -97,7 +98,10 @@ def test_a_mislabelled_parquet_and_a_decompression_bomb_are_quarantined_the_rest
     bomb = _write(f"{gcs_emulator}/mixed/bomb.parquet", bomb_bytes)
     assert len(bomb_bytes) < 100_000
     report = tokenize_incremental(
-        [], f"{gcs_emulator}/shards-mixed", pinned=[good, fine, liar, bomb], max_decompressed_bytes=1_000_000
+        [],
+        f"{gcs_emulator}/shards-mixed",
+        TokenizeOptions(max_decompressed_bytes=1_000_000),
+        pinned=[good, fine, liar, bomb],
     )
     reasons = {q["object"]: q["reason"] for q in report["quarantined_objects"]}
     assert reasons == {liar.uri: "unreadable", bomb.uri: "decompressed_too_large"}
@@ -146,7 +150,10 @@ def test_no_encoding_can_hide_what_a_parquet_object_decodes_to(gcs_emulator: str
         assert len(data) < 2_000 and footer < 2 << 20, name  # what the footer alone lets through
         written.append(_write(f"{gcs_emulator}/dict/{name}", data))
     report = tokenize_incremental(
-        [], f"{gcs_emulator}/shards-dict", pinned=[good, *written], max_decompressed_bytes=2 << 20
+        [],
+        f"{gcs_emulator}/shards-dict",
+        TokenizeOptions(max_decompressed_bytes=2 << 20),
+        pinned=[good, *written],
     )
     reasons = {q["object"]: q["reason"] for q in report["quarantined_objects"]}
     assert reasons == {v.uri: "decompressed_too_large" for v in written}
@@ -176,7 +183,10 @@ def test_rows_over_the_document_limit_are_quarantined_without_being_built(gcs_em
     mixed = _write(f"{gcs_emulator}/dict/mixed.parquet", rows)
     small = _write(f"{gcs_emulator}/dict/small.parquet", buf.getvalue())
     report = tokenize_incremental(
-        [], f"{gcs_emulator}/shards-rows", pinned=[mixed, small], max_document_bytes=512 << 10
+        [],
+        f"{gcs_emulator}/shards-rows",
+        TokenizeOptions(max_document_bytes=512 << 10),
+        pinned=[mixed, small],
     )
     assert report["quarantine_reasons"] == {"too_large": 40} and report["documents"] == 2
     assert report["input_records"] == 42 == report["documents"] + report["quarantined"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from retrain_tokenize import megatron, packs, tokenize_incremental
+from retrain_tokenize.options import PackOptions, TokenizeOptions
 
 OBJECTS = 2000
 
@@ -25,7 +26,9 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], dic
         f.write_text(json.dumps({"text": f"document {i} " + "word " * (i % 50)}) + "\n")
         files.append(str(f))
     # One worker, as the local Dataflow runs: two threads' data plane once corrupted this input (beam#21104)
-    report = tokenize_incremental(files, str(d / "shards"), max_packs=8, pack_bytes=1, workers=1)
+    report = tokenize_incremental(
+        files, str(d / "shards"), TokenizeOptions(workers=1), packing=PackOptions(max_packs=8, pack_bytes=1)
+    )
     return d, files, report
 
 
@@ -63,7 +66,7 @@ def test_a_pack_is_its_shards_back_to_back(many) -> None:
 def test_a_rerun_reuses_every_pack_and_rewrites_nothing(many) -> None:
     d, files, report = many
     before = {p: p.stat().st_mtime_ns for p in (d / "shards").rglob("pack-*/*")}
-    again = tokenize_incremental(files, str(d / "shards"), max_packs=8, pack_bytes=1)
+    again = tokenize_incremental(files, str(d / "shards"), packing=PackOptions(max_packs=8, pack_bytes=1))
     assert again["new_objects"] == 0 and [p["written"] for p in again["packs"]] == [False] * len(
         report["packs"]
     )

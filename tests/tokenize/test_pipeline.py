@@ -13,6 +13,7 @@ from test_records import BAD_LINES, bad_jsonl
 
 from retrain_tokenize import megatron, tokenize_to_prefix
 from retrain_tokenize.cli import main as cli_main
+from retrain_tokenize.options import TokenizeOptions
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,9 @@ def runs(tmp_path_factory, docs):
     """The same JSONL through workers=1 (defaults) and workers=2 (tiny splits and batches: many parts)."""
     d = tmp_path_factory.mktemp("runs")
     src = write_jsonl(d / "good.jsonl", docs)
-    one = tokenize_to_prefix([str(src)], str(d / "w1" / "out"), workers=1)
+    one = tokenize_to_prefix([str(src)], str(d / "w1" / "out"), TokenizeOptions(workers=1))
     two = tokenize_to_prefix(
-        [str(src)], str(d / "w2" / "out"), workers=2, split_bytes=7_000, batch_bytes=5_000
+        [str(src)], str(d / "w2" / "out"), TokenizeOptions(workers=2, split_bytes=7_000, batch_bytes=5_000)
     )
     return d, one, two
 
@@ -84,7 +85,9 @@ def mixed(tmp_path_factory):
     (d / "d.txt").write_text("")
     pq.write_table(pa.table({"text": ["row zero", None, "row two"]}), d / "e.parquet")
     inputs = [str(d / "a.jsonl"), str(d / "*.txt"), str(d / "e.parquet")]
-    report = tokenize_to_prefix(inputs, str(d / "out" / "mix"), workers=2, max_document_bytes=200)
+    report = tokenize_to_prefix(
+        inputs, str(d / "out" / "mix"), TokenizeOptions(workers=2, max_document_bytes=200)
+    )
     return d, report
 
 
