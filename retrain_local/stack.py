@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,20 +32,19 @@ from typing import Any
 
 from retrain import config
 from retrain.adapters import objects
-from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR, pool_size
+from retrain.adapters.cluster import CONTAINER_ENDPOINT_VAR
 from retrain.adapters.credentials import LOCAL_TOKEN_VAR
-from retrain_local import delivery, emulators, processes
+from retrain_local import delivery, emulators, in_cluster, processes, serverless
 from retrain_local.connectors import KubeEndpoint, LocalDataflow, local_registry
 from retrain_local.firestore_front import FirestoreFront
 from retrain_local.gke_api import GkeApiServer
-from retrain_local.iam import Kind, Resource
 from retrain_local.identities import OPERATOR, Caller, Deployed, Guard
-from retrain_local.invoker_front import InvokerFront
 from retrain_local.kube_front import KubeFront
+from retrain_local.lifetime import Lifetime, periodically
 from retrain_local.pubsub_front import PubSubFront
+from retrain_local.serverless import Functions
 from retrain_local.storage_front import STORAGE_API, StorageFront
 from retrain_ops.deployment import (
-    DWS_BOOKING_WINDOW_S,
     LOCAL_TIME_FACTOR,
     Deployment,
     ManifestValues,
@@ -65,23 +63,10 @@ Progress = Callable[[str], None]
 PROCESS_REGISTRY = "processes.jsonl"
 #: Where a stopped stack leaves who used which permission, and every refusal (retrain_local.identities).
 IAM_REPORT = "iam-report.json"
+#: Where a stopped stack keeps its ledger (Firestore's export), inside its state folder.
+FIRESTORE_DATA = "firestore-data"
 #: The ledger is exported this often (and at a clean stop): a crash of the stack loses at most this much.
 LEDGER_EXPORT_S = 5.0
-
-
-def periodically(every_s: float, fn: Callable[[], None], what: str) -> Callable[[], None]:
-    """Run ``fn`` every ``every_s`` in a thread (errors logged); returns the function that stops it."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(every_s):
-            try:
-                fn()
-            except Exception as e:
-                log.warning("%s: %s", what, e)
-
-    threading.Thread(target=loop, name=what, daemon=True).start()
-    return stop.set
 
 
 def _quiet(_: str) -> None:
@@ -158,76 +143,6 @@ def attach(settings: config.Settings) -> Endpoints:
 #: hidden (setuptools' ``__editable__`` finders) and without the working folder ``-c`` puts first on the
 #: path, so that the function imports the uploaded copy of the package on its PYTHONPATH and nothing left
 #: out of it, as in the cloud.
-AS_DEPLOYED = (
-    "import os, runpy, sys\n"
-    "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
-    "editable = lambda f: getattr(f, '__module__', '').startswith('__editable__')\n"
-    "sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]\n"
-    "sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]\n"
-    "sys.path_importer_cache.clear()\n"
-    "runpy.run_module('functions_framework', run_name='__main__', alter_sys=True)\n"
-)
-
-_built_sources: dict[Path, Path] = {}
-
-
-def deployed_functions_source(folder: Path) -> Path:
-    """The function source as ``retrain deploy`` uploads it (``retrain_ops.deploy.build_functions_source``),
-    built once per process into ``folder``/functions-source."""
-    from retrain_ops.deploy import build_functions_source
-
-    folder = folder.resolve()
-    if folder not in _built_sources:
-        _built_sources[folder] = build_functions_source(REPO_ROOT, folder / "functions-source")
-    return _built_sources[folder]
-
-
-def function_server(
-    target: str, log_path: Path, env: dict[str, str], signature: str, port: int
-) -> tuple[emulators.ManagedProcess, str]:
-    """A function of the deployed source (functions/main.py with the retrain modules it imports, built
-    next to ``log_path``), served on ``port`` by the real functions-framework; returns it and its URL."""
-    source = deployed_functions_source(log_path.parent)
-    argv = [
-        sys.executable,
-        "-c",
-        AS_DEPLOYED,
-        "--source",
-        str(source / "main.py"),
-        "--target",
-        target,
-        "--signature-type",
-        signature,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(source), inherited]))}
-    url = f"http://127.0.0.1:{port}"
-    return emulators.ManagedProcess(f"function-{target}", argv, log_path, None, env, probe_url=url + "/"), url
-
-
-def parse_faults(spec: str) -> Any:
-    """``provisioning=fail,crash_pod_once=true`` -> the cluster twin's Faults (fields typed from it)."""
-    from retrain_local.cluster import Faults
-
-    values: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        key, _, raw = item.partition("=")
-        default = getattr(Faults(), key, KeyError)
-        if default is KeyError:
-            raise ValueError(f"unknown twin fault {key!r} (in {spec!r})")
-        if isinstance(default, bool):
-            values[key] = raw.lower() in ("1", "true", "yes")
-        elif key.endswith("_s"):
-            values[key] = float(raw)
-        else:
-            values[key] = raw
-    return Faults(**values)
-
-
 def scheduler_twin(
     jobs: list[ScheduledJob], publish: Callable[[ScheduledJob], None], paused: set[str] | None = None
 ) -> Callable[[], None]:
@@ -258,35 +173,26 @@ def scheduler_twin(
     return stop.set
 
 
-class _Functions:
-    """The stack's Cloud Functions: each served as its own identity (infra/'s service account for it), behind
-    Cloud Run's invoker check, reached by the push subscriptions routed to it."""
+def create_buckets(s: config.Settings, deployment: Deployment) -> None:
+    """The buckets as infra/platform creates them, and the template spec infra/app/dataflow.tf writes."""
+    client = objects.storage_client()  # as the operator, who applies Terraform
+    versioned = deployment.versioned_buckets()
+    for name in (s.landing_bucket, s.artifacts_bucket):
+        bucket = client.lookup_bucket(name) or client.create_bucket(name)
+        if bucket.versioning_enabled != versioned.get(name, False):
+            bucket.versioning_enabled = versioned.get(name, False)
+            bucket.patch()
+    spec_uri, spec = deployment.template_spec()
+    objects.write_bytes(spec_uri, spec, "application/json")
 
-    def __init__(self, stack: LocalStack, deployed: Deployed) -> None:
-        self.stack, self.deployed = stack, deployed
-        self.env = {**config.to_env(stack.settings), "PYTHONUNBUFFERED": "1"}
-        """What every function starts with (the executions service's endpoints join once it serves)."""
-        self.fronts: dict[str, str] = {}  # function -> its invoker front's URL
-        self.push_routes: dict[str, str] = {}  # topic id -> the function its push subscription reaches
 
-    def serve(self, target: str, signature: str = "cloudevent") -> str:
-        """Start ``target`` and its invoker front; the front's URL."""
-        stack, function = self.stack, self.deployed.functions[target]
-        env = {**self.env, **stack.identity_env(function.member)}
-        log = stack.state_dir / f"function-{target}.log"
-        _, url = stack._spawn_on_a_free_port(lambda port: function_server(target, log, env, signature, port))
-        pushed = {t: p.member for t, p in self.deployed.pushes.items() if self.push_routes.get(t) == target}
-        front = InvokerFront(
-            url,
-            function.service,
-            stack.guard,
-            trigger_member=function.trigger_member,
-            storage_agent=self.deployed.storage_agent if target == "on_object_finalized" else None,
-            push_members=pushed,
-        ).start()
-        stack._closers.append(front.stop)
-        self.fronts[target] = front.url
-        return front.url
+def ensure_topics(publisher: Any, s: config.Settings, deployment: Deployment) -> str:
+    """The topics the stack publishes on, as infra/platform declares them (the run events topic retained:
+    ``retrain events`` replays what it retains); the JobSet events topic's path."""
+    topic = publisher.topic_path(s.project, s.jobset_topic)
+    delivery.ensure_topic(publisher, topic)
+    delivery.ensure_topic(publisher, s.events_topic, deployment.topic_retention_s("run_events"))
+    return str(topic)
 
 
 @dataclass
@@ -302,11 +208,9 @@ class LocalStack:
     redelivery: Any = None
     """Eventarc's twin for events that missed their first attempt (``retrain_local.eventarc.Redelivery``:
     its ``delivered`` counts them)."""
-    _procs: list[emulators.ManagedProcess] = field(default_factory=list)
-    _closers: list[Callable[[], None]] = field(default_factory=list)
-    _saved_env: dict[str, str | None] = field(default_factory=dict)
+    lifetime: Lifetime = field(default_factory=Lifetime)
+    """What the stack started, and how its stop undoes it."""
     _ledger_lock: threading.Lock = field(default_factory=threading.Lock)
-    _held_down: set[str] = field(default_factory=set)
     deployment: Deployment | None = None
     """What infra/ declares (topics, Scheduler jobs, the pool's bounds, the Kubernetes manifests) for
     the settings' project; by default read from infra/."""
@@ -337,63 +241,33 @@ class LocalStack:
             raise
         return self.endpoints
 
-    def _setenv(self, values: dict[str, str]) -> None:
-        """Point this process's clients at the stack; stop() puts the environment back as it was."""
-        for key, value in values.items():
-            if key not in self._saved_env:
-                self._saved_env[key] = os.environ.get(key)
-            os.environ[key] = value
-
-    def _restore_env(self) -> None:
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved_env.clear()
-
-    def _spawn(self, proc: emulators.ManagedProcess, timeout_s: float = 90.0) -> None:
-        """Start ``proc``, kept for the stop (and the functions' supervisor) from its start on; one that
-        could not bind its port is dropped again (its successor on another port takes its place)."""
-        self._procs.append(proc)
-        try:
-            proc.start(timeout_s)
-        except processes.PortTaken:
-            self._procs.remove(proc)
-            raise
-
-    def _spawn_on_a_free_port(
-        self, make: Callable[[int], tuple[emulators.ManagedProcess, str]]
-    ) -> tuple[emulators.ManagedProcess, str]:
-        return processes.start_on_a_free_port(make, self._spawn)
-
     def _start(self) -> None:
         """The phases, in dependency order: each names what it starts."""
         self._preflight()
         gcs_host = self._start_emulators()
         deployed = self._start_iam_fronts(gcs_host)
         control_plane, kube, kube_front, gke_api = self._start_control_plane()
-        self._create_buckets()
+        create_buckets(self.settings, self._deployment)
         child_env = {**self.endpoints.env(), **self.pod_env}  # a pod's or a Dataflow job's processes'
         values = self._start_cluster(control_plane.api_client(), gke_api, child_env)
         publisher, jobset_events = self._start_notifier(kube, values)
-        functions = _Functions(self, deployed)
+        functions = Functions(self, deployed)
         self._start_executions(deployed, kube, kube_front, functions, child_env)
         jobs = self._deployment.scheduler_jobs()
         ticks = self._start_functions(functions, jobs)
         self._wire_subscriptions(deployed, functions, publisher, [jobset_events, *ticks], jobs)
         ep, s = self.endpoints, self.settings
         ep.save(stack_file(s))
-        self._closers.append(lambda: stack_file(s).unlink(missing_ok=True))
+        self.lifetime.on_stop(lambda: stack_file(s).unlink(missing_ok=True))
         self.progress("local stack is up")
 
     def _preflight(self) -> None:
         """The state folder taken (one stack per folder), every child recorded as it starts, and what the
         stack needs (Java, the Cloud SDK's emulators, envtest) present."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
+        self.lifetime.lock(self.state_dir)
         processes.use(self.state_dir / PROCESS_REGISTRY)
-        self._closers.append(lambda: processes.use(None))
+        self.lifetime.on_stop(lambda: processes.use(None))
         self.endpoints.pid = os.getpid()
         from retrain_local.envtest import envtest_unavailable_reason
 
@@ -401,22 +275,24 @@ class LocalStack:
         if reason:
             raise RuntimeError(f"cannot start the local stack: {reason}")
         if self.fresh:
-            for kept in (self.state_dir / "gcs", self.firestore_data):
+            for kept in (self.state_dir / "gcs", self.state_dir / FIRESTORE_DATA):
                 shutil.rmtree(kept, ignore_errors=True)
 
     def _start_emulators(self) -> str:
         """Cloud Storage, Firestore (its ledger kept across stops) and Pub/Sub; the storage emulator's
         host."""
         self.progress("starting emulators: GCS, Firestore, Pub/Sub")
-        _, gcs_host = self._spawn_on_a_free_port(lambda port: emulators.gcs(self.state_dir, port))
-        _, self._firestore_host = self._spawn_on_a_free_port(
-            lambda port: emulators.firestore(self.state_dir, port, import_from=self.firestore_data)
+        _, gcs_host = self.lifetime.spawn_on_a_free_port(lambda port: emulators.gcs(self.state_dir, port))
+        _, self._firestore_host = self.lifetime.spawn_on_a_free_port(
+            lambda port: emulators.firestore(
+                self.state_dir, port, import_from=self.state_dir / FIRESTORE_DATA
+            )
         )
-        _, self.endpoints.pubsub = self._spawn_on_a_free_port(
+        _, self.endpoints.pubsub = self.lifetime.spawn_on_a_free_port(
             lambda port: emulators.pubsub(self.state_dir, port)
         )
-        self._closers.append(self._keep_ledger)
-        self._closers.append(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
+        self.lifetime.on_stop(self._keep_ledger)
+        self.lifetime.on_stop(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
         return gcs_host
 
     def _start_iam_fronts(self, gcs_host: str) -> Deployed:
@@ -424,13 +300,13 @@ class LocalStack:
         s, ep = self.settings, self.endpoints
         deployed = Deployed.read(self._deployment)
         guard = self.guard = Guard(deployed, enforce=s.local_iam)
-        self._closers.append(lambda: guard.write_usage(self.state_dir / IAM_REPORT))
+        self.lifetime.on_stop(lambda: guard.write_usage(self.state_dir / IAM_REPORT))
         storage = StorageFront(gcs_host, guard).start()
-        self._closers.append(storage.stop)
+        self.lifetime.on_stop(storage.stop)
         self.firestore_front = FirestoreFront(self._firestore_host, guard, s.project)
-        self._closers.append(self.firestore_front.stop)
+        self.lifetime.on_stop(self.firestore_front.stop)
         self.pubsub_front = PubSubFront(ep.pubsub, guard)
-        self._closers.append(self.pubsub_front.stop)
+        self.lifetime.on_stop(self.pubsub_front.stop)
         ep.storage, ep.token = storage.url, guard.token(OPERATOR)
         ep.firestore = self.firestore_front.endpoint(OPERATOR)
         return deployed
@@ -438,122 +314,48 @@ class LocalStack:
     def _start_control_plane(self) -> tuple[Any, KubeEndpoint, KubeFront, GkeApiServer]:
         """kube-apiserver and etcd with the CRDs, GKE's front of it, and the GKE API that finds the cluster
         (retrain.adapters.cluster): that front as its endpoint, node pools as infra/platform declares them."""
-        from retrain_local.envtest import ControlPlane
-
         self.progress("starting the Kubernetes control plane (kube-apiserver + etcd, CRDs)")
         s, guard = self.settings, self.guard
-        control_plane = ControlPlane(self.state_dir / "kube")
-        control_plane.start()
-        self._closers.append(control_plane.stop)
-        kube = KubeEndpoint.from_kubeconfig(control_plane.kubeconfig)
-        kube_front = KubeFront(
-            kube.server, kube.token, kube.ca_file, guard, control_plane.run_dir / "pki"
-        ).start()
-        self._closers.append(kube_front.stop)
-        project = Resource(Kind.PROJECT, s.project)
-        gke_api = GkeApiServer.for_control_plane(
-            self._deployment,
-            kube_front.url,
-            kube.ca_file,
-            authorize=lambda token, permission: guard.authorize(token, permission, project),
-        ).start()
-        self._closers.append(gke_api.stop)
+        control_plane, kube, kube_front = in_cluster.control_plane(
+            self.state_dir / "kube", guard, self.lifetime
+        )
+        gke_api = in_cluster.gke_api(self._deployment, kube_front.url, kube.ca_file, guard, s.project)
+        self.lifetime.on_stop(gke_api.stop)
         self.endpoints.container = gke_api.base_url
-        self._setenv({**self.endpoints.env(), **config.to_env(s)})
+        self.lifetime.setenv({**self.endpoints.env(), **config.to_env(s)})
         return control_plane, kube, kube_front, gke_api
-
-    def _create_buckets(self) -> None:
-        """The buckets as infra/platform creates them, and the template spec infra/app/dataflow.tf writes."""
-        s = self.settings
-        client = objects.storage_client()  # as the operator, who applies Terraform
-        versioned = self._deployment.versioned_buckets()
-        for name in (s.landing_bucket, s.artifacts_bucket):
-            bucket = client.lookup_bucket(name) or client.create_bucket(name)
-            if bucket.versioning_enabled != versioned.get(name, False):
-                bucket.versioning_enabled = versioned.get(name, False)
-                bucket.patch()
-        spec_uri, spec = self._deployment.template_spec()
-        objects.write_bytes(spec_uri, spec, "application/json")
 
     def _start_cluster(self, api: Any, gke_api: GkeApiServer, child_env: dict[str, str]) -> ManifestValues:
         """What Terraform applies in the cluster, and the cluster twin, within the pool's bounds."""
-        from retrain_local.cluster import ClusterTwin
-        from retrain_local.envtest import apply_documents
-        from retrain_ops.manifests import documents
-
         self.progress("starting the cluster twin (DWS provisioner, JobSet controller, kubelet)")
-        s = self.settings
         self.kube_api = api
-        # Rendered by the same code from infra/'s values: the service accounts, the notifier's, the
-        # reaper's and the workflow's RBAC, and the settings ConfigMap (Terraform writes it from
-        # local.retrain_env); GKE's multi-networking objects (GPUDirect-TCPX) too.
-        values = self._deployment.manifest_values()
-        settings_map = {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": values.settings_config_map, "namespace": values.namespace},
-            "data": self._deployment.env,
-        }
-        apply_documents(api, [settings_map, *documents(values)])
-        twin = ClusterTwin(
-            api,  # GKE's own controllers (DWS, the JobSet controller, the kubelet) act as the cluster's admin
-            scale_down_delay_s=s.scale_down_delay_s,
-            booking_window_s=DWS_BOOKING_WINDOW_S / LOCAL_TIME_FACTOR,
-            namespace=s.namespace,
-            node_pool=s.node_pool,
-            machine_type=s.machine_type,
-            gpus_per_node=s.gpus_per_node,
-            provision_delay_s=s.provision_delay_s,
+        values = in_cluster.apply_manifests(api, self._deployment)
+        twin = in_cluster.cluster_twin(
+            api,
+            self.settings,
+            gke_api,
             workdir=self.state_dir / "pods",
             pod_env=child_env,
-            faults=parse_faults(s.twin_faults),
             pod_identity=lambda namespace, ksa: self.identity_env(self.workload_member(namespace, ksa)),
         )
-        # The pool's bounds are the GKE API's (Terraform's google_container_node_pool.gpu_dws).
-        size = {p.name: pool_size(p) for p in gke_api.cluster.node_pools}.get(s.node_pool)
-        if size is None:
-            raise RuntimeError(
-                f"RETRAIN_NODE_POOL={s.node_pool} is no autoscaled node pool of infra/platform's cluster "
-                f"({', '.join(p.name for p in gke_api.cluster.node_pools)})"
-            )
-        twin.set_autoscaling(size.min_nodes, size.max_nodes)
         twin.start()
-        self._closers.append(twin.stop)
+        self.lifetime.on_stop(twin.stop)
         self.twin = twin
         return values
 
     def _start_notifier(self, kube: KubeEndpoint, values: ManifestValues) -> tuple[Any, str]:
-        """The topics, and the notifier: a pod, with its Kubernetes service account's own token for the API
-        server and the Google account Workload Identity maps that account to for Pub/Sub.  The publisher
-        and the JobSet events topic's path (every terminal state, failures too)."""
+        """The topics, and the notifier (:func:`in_cluster.notifier`); the publisher and the JobSet events
+        topic's path (every terminal state, failures too)."""
         from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
-        from retrain.k8s.notifier import Notifier
-
         self.progress("starting the notifier (JobSet terminal states to Pub/Sub)")
-        s = self.settings
         publisher = pubsub_v1.PublisherClient()
-        topic = publisher.topic_path(s.project, s.jobset_topic)
-        delivery.ensure_topic(publisher, topic)
-        # retained as infra/platform declares it: `retrain events` replays what the topic retains
-        delivery.ensure_topic(publisher, s.events_topic, self._deployment.topic_retention_s("run_events"))
-        notifier_as = Caller(self.guard, self.workload_member(values.namespace, values.notifier_ksa))
-
-        def publish(data: bytes, attributes: dict[str, str]) -> None:
-            notifier_as.require("pubsub.topics.publish", Resource(Kind.TOPIC, s.jobset_topic))
-            publisher.publish(topic, data, **attributes).result(timeout=30)
-
-        notifier_api = (
-            self._service_account_client(kube, values.namespace, values.notifier_ksa)
-            if s.local_iam
-            else self.kube_api
+        topic = ensure_topics(publisher, self.settings, self._deployment)
+        as_member = Caller(self.guard, self.workload_member(values.namespace, values.notifier_ksa))
+        self.notifier = in_cluster.notifier(
+            self.kube_api, kube, values, self.settings, publisher, as_member, self.state_dir / "notifier.json"
         )
-        notifier = Notifier(
-            notifier_api, publish, namespace=s.namespace, state_path=self.state_dir / "notifier.json"
-        )
-        notifier.start()
-        self._closers.append(notifier.stop)
-        self.notifier = notifier
+        self.lifetime.on_stop(self.notifier.stop)
         return publisher, topic
 
     def _start_executions(
@@ -561,13 +363,11 @@ class LocalStack:
         deployed: Deployed,
         kube: KubeEndpoint,
         kube_front: KubeFront,
-        functions: _Functions,
+        functions: Functions,
         child_env: dict[str, str],
     ) -> None:
         """run_step (the workflow's steps in Python), the local Dataflow, and the executions service that
         runs workflows/retrain.yaml as the workflow's account, its connectors bound to the stack."""
-        from cloudworkflows import ExecutionsServer, load_workflow
-
         ep = self.endpoints
         self.progress("starting the run_step function (the workflow's steps in Python)")
         ep.steps_function = functions.serve("run_step", signature="http")
@@ -577,7 +377,7 @@ class LocalStack:
         dataflow = LocalDataflow(
             self.state_dir / "dataflow", child_env, caller=workflow_as, identity_env=self.identity_env
         )
-        self._closers.append(dataflow.stop)
+        self.lifetime.on_stop(dataflow.stop)
         self.dataflow = dataflow
         registry = local_registry(
             firestore_host=self._firestore_host,
@@ -587,27 +387,19 @@ class LocalStack:
             caller=workflow_as,
         )
         registry.origins[STORAGE_API] = ep.storage  # the workflow's managed-folder calls (http.*)
-        workflow = load_workflow(WORKFLOW_FILE)
-        server = ExecutionsServer(
-            lambda _name: workflow,
-            registry,
-            self._deployment.execution_env({"RETRAIN_STEPS_URL": ep.steps_function}),
-            authorize=lambda token, permission, name: guard.authorize(
-                token, permission, Resource(Kind.WORKFLOW, name)
-            ),
-        )
-        server.start()
-        self._closers.append(server.stop)
+        env = self._deployment.execution_env({"RETRAIN_STEPS_URL": ep.steps_function})
+        server = serverless.executions_service(WORKFLOW_FILE, registry, env, guard)
+        self.lifetime.on_stop(server.stop)
         ep.workflows, ep.workflows_grpc = server.base_url, server.grpc_target
         workflows_env = {
             "RETRAIN_WORKFLOWS_ENDPOINT": ep.workflows,
             "RETRAIN_WORKFLOWS_GRPC_ENDPOINT": ep.workflows_grpc,
         }
-        self._setenv(workflows_env)
+        self.lifetime.setenv(workflows_env)
         functions.env.update(workflows_env)
         self.executions = server
 
-    def _start_functions(self, functions: _Functions, jobs: list[ScheduledJob]) -> list[str]:
+    def _start_functions(self, functions: Functions, jobs: list[ScheduledJob]) -> list[str]:
         """The event functions, each behind Cloud Run's invoker check and started again when it dies (Cloud
         Run starts a new instance); the Scheduler's topics they are pushed from."""
         s, ep = self.settings, self.endpoints
@@ -622,13 +414,13 @@ class LocalStack:
         ep.relay_function = functions.serve("on_jobset_event")
         ep.scheduler_function = functions.serve("on_scheduler_tick")
         ep.manual_function = functions.serve("run_http", signature="http")
-        self._closers.append(periodically(1.0, self._restart_dead_functions, "function supervisor"))
+        self.lifetime.supervise_functions()
         return ticks
 
     def _wire_subscriptions(
         self,
         deployed: Deployed,
-        functions: _Functions,
+        functions: Functions,
         publisher: Any,
         sources: list[str],
         jobs: list[ScheduledJob],
@@ -639,31 +431,23 @@ class LocalStack:
 
         from retrain_local.eventarc import Redelivery
 
-        s, guard = self.settings, self.guard
+        guard = self.guard
         subscriber = pubsub_v1.SubscriberClient()
         dead_letters = self._deployment.topic("dead_letter_topic_id")
         for source in sources:
-            # dead-letter forwarding is Pub/Sub's agent's: publish on the dead-letter topic, consume on the
-            # subscription (cloud.google.com/pubsub/docs/handling-failures#grant_forwarding_permissions)
             topic_id = source.rsplit("/", 1)[-1]
-            push = deployed.pushes[topic_id]
-            name = f"projects/{s.project}/subscriptions/{push.name}"
-            guard.check(
-                deployed.pubsub_agent, "pubsub.topics.publish", Resource(Kind.TOPIC, push.dead_letter_topic)
-            )
-            guard.check(
-                deployed.pubsub_agent, "pubsub.subscriptions.consume", Resource(Kind.SUBSCRIPTION, push.name)
-            )
             endpoint = f"{functions.fronts[functions.push_routes[topic_id]]}/_push/{topic_id}"
-            delivery.push_subscription(subscriber, publisher, source, endpoint, dead_letters, name=name)
+            serverless.push_subscription(
+                subscriber, publisher, deployed, guard, source, endpoint, dead_letters
+            )
         delivery.dead_letter_subscription(subscriber, publisher, dead_letters)
 
         def publish_tick(job: ScheduledJob) -> None:
             publisher.publish(job.topic, job.data, **job.attributes).result(timeout=30)
 
-        self._closers.append(scheduler_twin(jobs, publish_tick, self.paused_jobs))
-        redelivery = Redelivery(s.project, self.endpoints.ingest_function, dead_letters).start()
-        self._closers.append(redelivery.stop)
+        self.lifetime.on_stop(scheduler_twin(jobs, publish_tick, self.paused_jobs))
+        redelivery = Redelivery(self.settings.project, self.endpoints.ingest_function, dead_letters).start()
+        self.lifetime.on_stop(redelivery.stop)
         self.redelivery = redelivery
 
     def identity_env(self, member: str) -> dict[str, str]:
@@ -679,103 +463,28 @@ class LocalStack:
     def workload_member(self, namespace: str, ksa: str) -> str:
         """Who a pod running as ``ksa`` is to Google (Workload Identity, as the guard decides it from the
         service account's annotation in the cluster and infra/'s bindings)."""
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            account = client.CoreV1Api(self.kube_api).read_namespaced_service_account(ksa, namespace)
-            annotations = dict((account.metadata and account.metadata.annotations) or {})
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            annotations = {}
+        annotations = in_cluster.service_account_annotations(self.kube_api, namespace, ksa)
         return self.guard.workload_member(namespace, ksa, annotations)
 
-    def _service_account_client(self, kube: KubeEndpoint, namespace: str, ksa: str) -> Any:
-        """A Kubernetes client that is ``ksa``, with a token the API server issues it (TokenRequest), as
-        a pod's projected service account token."""
-        from kubernetes import client
-
-        request = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=2 * 86400)
-        )
-        answer = client.CoreV1Api(self.kube_api).create_namespaced_service_account_token(
-            ksa, namespace, request
-        )
-        configuration = client.Configuration()
-        configuration.host = kube.server
-        configuration.ssl_ca_cert = kube.ca_file
-        assert answer.status is not None, "TokenRequest answered without a token"
-        configuration.api_key = {"authorization": f"Bearer {answer.status.token}"}
-        return client.ApiClient(configuration)
-
-    @property
-    def firestore_data(self) -> Path:
-        return self.state_dir / "firestore-data"
-
-    def _take_lock(self) -> None:
-        """One stack per state folder: a second ``retrain up`` refuses while this one starts or runs."""
-        import fcntl
-
-        lock = open(self.state_dir / "stack.lock", "w")  # noqa: SIM115 - held for the stack's lifetime
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
-            raise RuntimeError(f"another local stack is starting or running on {self.state_dir}") from None
-        self._closers.append(lock.close)
-
-    @contextlib.contextmanager
-    def function_down(self, target: str) -> Iterator[None]:
+    def function_down(self, target: str) -> contextlib.AbstractContextManager[None]:
         """Function ``target`` (e.g. ``on_object_finalized``) stopped, and kept down until the block ends,
         when the supervisor starts it again on its port: a crashed instance, for the fault suite."""
-        (proc,) = [p for p in self._procs if p.name == f"function-{target}"]
-        self._held_down.add(proc.name)
-        proc.stop()
-        try:
-            yield
-        finally:
-            self._held_down.discard(proc.name)
-            deadline = time.monotonic() + 60
-            while proc.proc is None or proc.proc.poll() is not None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{proc.name} did not come back")
-                time.sleep(0.2)
+        return self.lifetime.function_down(target)
 
-    @contextlib.contextmanager
-    def notifier_down(self) -> Iterator[None]:
+    def notifier_down(self) -> contextlib.AbstractContextManager[None]:
         """The in-cluster notifier stopped for the block (a pod evicted): no completion is published."""
-        self.notifier.stop()
-        try:
-            yield
-        finally:
-            self.notifier.start()
-
-    def _restart_dead_functions(self) -> None:
-        for proc in self._procs:
-            if proc.name in self._held_down:
-                continue
-            if proc.name.startswith("function-") and proc.proc is not None and proc.proc.poll() is not None:
-                log.warning("%s exited with %s: starting it again", proc.name, proc.proc.returncode)
-                proc.start()
+        return in_cluster.evicted(self.notifier)
 
     def _keep_ledger(self) -> None:
         """Export the ledger so run records outlive the stack (`retrain runs` after `retrain demo`, and
         after a crash: it is exported every LEDGER_EXPORT_S too)."""
         with self._ledger_lock:
-            emulators.export_firestore(self._firestore_host, self.settings.project, self.firestore_data)
+            kept = self.state_dir / FIRESTORE_DATA
+            emulators.export_firestore(self._firestore_host, self.settings.project, kept)
 
     def stop(self) -> None:
         """Stop everything that started, newest first; never raises."""
-        while self._closers:
-            closer = self._closers.pop()
-            try:
-                closer()
-            except Exception as e:  # keep stopping the rest
-                log.warning("while stopping: %s", e)
-        while self._procs:
-            self._procs.pop().stop()
-        self._restore_env()
+        self.lifetime.stop()
 
     def __enter__(self) -> LocalStack:
         self.start()
@@ -794,7 +503,7 @@ def ledger_access(settings: config.Settings) -> Iterator[None]:
         return
     state_dir = Path(settings.state_dir).resolve()
     proc, host = processes.start_on_a_free_port(
-        lambda port: emulators.firestore(state_dir, port, import_from=state_dir / "firestore-data")
+        lambda port: emulators.firestore(state_dir, port, import_from=state_dir / FIRESTORE_DATA)
     )
     os.environ["FIRESTORE_EMULATOR_HOST"] = host
     try:

@@ -262,7 +262,7 @@ def serve_function(
     """serve(target, **env): the function with the emulators, its own project and buckets (landing
     ``land-PROJECT`` unless RETRAIN_LANDING_BUCKET says otherwise), runs starting held executions."""
     from retrain.adapters import objects
-    from retrain_local.stack import function_server
+    from retrain_local.serverless import function_server
 
     started: list[emulators.ManagedProcess] = []
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from retrain_local.stack import AS_DEPLOYED, deployed_functions_source
+from retrain_local.serverless import AS_DEPLOYED, deployed_functions_source
 
 REPO = Path(__file__).resolve().parents[1]
 

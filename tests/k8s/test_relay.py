@@ -37,7 +37,7 @@ from retrain.trainers import Command
 from retrain_local import delivery
 from retrain_local.gke_api import GkeApiServer
 from retrain_local.processes import free_port, start_on_a_free_port
-from retrain_local.stack import function_server
+from retrain_local.serverless import function_server
 
 pytestmark = [pytest.mark.envtest, pytest.mark.emulators]
 

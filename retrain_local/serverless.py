@@ -1,0 +1,146 @@
+"""The deployment's serverless side as the local stack plays it: the functions (each served as its own
+identity behind Cloud Run's invoker check), the workflow's executions service (checking its callers as
+Workflows does), and the push subscriptions that reach the functions (infra/app/events.tf)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from retrain import config
+from retrain_local import delivery, emulators
+from retrain_local.iam import Kind, Resource
+from retrain_local.identities import Deployed, Guard
+from retrain_local.invoker_front import InvokerFront
+
+if TYPE_CHECKING:
+    from cloudworkflows import ConnectorRegistry, ExecutionsServer
+    from retrain_local.stack import LocalStack
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+AS_DEPLOYED = (
+    "import os, runpy, sys\n"
+    "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
+    "editable = lambda f: getattr(f, '__module__', '').startswith('__editable__')\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]\n"
+    "sys.path_hooks[:] = [h for h in sys.path_hooks if not editable(h)]\n"
+    "sys.path_importer_cache.clear()\n"
+    "runpy.run_module('functions_framework', run_name='__main__', alter_sys=True)\n"
+)
+
+_built_sources: dict[Path, Path] = {}
+
+
+def deployed_functions_source(folder: Path) -> Path:
+    """The function source as ``retrain deploy`` uploads it (``retrain_ops.deploy.build_functions_source``),
+    built once per process into ``folder``/functions-source."""
+    from retrain_ops.deploy import build_functions_source
+
+    folder = folder.resolve()
+    if folder not in _built_sources:
+        _built_sources[folder] = build_functions_source(REPO_ROOT, folder / "functions-source")
+    return _built_sources[folder]
+
+
+def function_server(
+    target: str, log_path: Path, env: dict[str, str], signature: str, port: int
+) -> tuple[emulators.ManagedProcess, str]:
+    """A function of the deployed source (functions/main.py and the runtime package, built next to
+    ``log_path``), served on ``port`` by the real functions-framework; returns it and its URL."""
+    source = deployed_functions_source(log_path.parent)
+    argv = [
+        sys.executable,
+        "-c",
+        AS_DEPLOYED,
+        "--source",
+        str(source / "main.py"),
+        "--target",
+        target,
+        "--signature-type",
+        signature,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(source), inherited]))}
+    url = f"http://127.0.0.1:{port}"
+    return emulators.ManagedProcess(f"function-{target}", argv, log_path, None, env, probe_url=url + "/"), url
+
+
+class Functions:
+    """The stack's Cloud Functions: each served as its own identity (infra/'s service account for it), behind
+    Cloud Run's invoker check, reached by the push subscriptions routed to it."""
+
+    def __init__(self, stack: LocalStack, deployed: Deployed) -> None:
+        self.stack, self.deployed = stack, deployed
+        self.env = {**config.to_env(stack.settings), "PYTHONUNBUFFERED": "1"}
+        """What every function starts with (the executions service's endpoints join once it serves)."""
+        self.fronts: dict[str, str] = {}  # function -> its invoker front's URL
+        self.push_routes: dict[str, str] = {}  # topic id -> the function its push subscription reaches
+
+    def serve(self, target: str, signature: str = "cloudevent") -> str:
+        """Start ``target`` and its invoker front; the front's URL."""
+        stack, function = self.stack, self.deployed.functions[target]
+        env = {**self.env, **stack.identity_env(function.member)}
+        log = stack.state_dir / f"function-{target}.log"
+        _, url = stack.lifetime.spawn_on_a_free_port(
+            lambda port: function_server(target, log, env, signature, port)
+        )
+        pushed = {t: p.member for t, p in self.deployed.pushes.items() if self.push_routes.get(t) == target}
+        front = InvokerFront(
+            url,
+            function.service,
+            stack.guard,
+            trigger_member=function.trigger_member,
+            storage_agent=self.deployed.storage_agent if target == "on_object_finalized" else None,
+            push_members=pushed,
+        ).start()
+        stack.lifetime.on_stop(front.stop)
+        self.fronts[target] = front.url
+        return front.url
+
+
+def executions_service(
+    workflow_file: Path, registry: ConnectorRegistry, env: Mapping[str, str], guard: Guard
+) -> ExecutionsServer:
+    """The executions service (started) that runs ``workflow_file`` with ``registry``'s connectors, each
+    caller checked for the Workflows permission its request needs."""
+    from cloudworkflows import ExecutionsServer, load_workflow
+
+    workflow = load_workflow(workflow_file)
+    return ExecutionsServer(
+        lambda _name: workflow,
+        registry,
+        env,
+        authorize=lambda token, permission, name: guard.authorize(
+            token, permission, Resource(Kind.WORKFLOW, name)
+        ),
+    ).start()
+
+
+def push_subscription(
+    subscriber: Any,
+    publisher: Any,
+    deployed: Deployed,
+    guard: Guard,
+    source: str,
+    endpoint: str,
+    dead_letters: str,
+) -> None:
+    """``source``'s push subscription as infra/app/events.tf declares it (its name, who pushes, where its
+    dead letters go), pushing to ``endpoint``."""
+    topic_id = source.rsplit("/", 1)[-1]
+    push = deployed.pushes[topic_id]
+    # dead-letter forwarding is Pub/Sub's agent's: publish on the dead-letter topic, consume on the
+    # subscription (cloud.google.com/pubsub/docs/handling-failures#grant_forwarding_permissions)
+    guard.check(deployed.pubsub_agent, "pubsub.topics.publish", Resource(Kind.TOPIC, push.dead_letter_topic))
+    guard.check(deployed.pubsub_agent, "pubsub.subscriptions.consume", Resource(Kind.SUBSCRIPTION, push.name))
+    project = source.split("/")[1]
+    name = f"projects/{project}/subscriptions/{push.name}"
+    delivery.push_subscription(subscriber, publisher, source, endpoint, dead_letters, name=name)
