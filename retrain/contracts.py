@@ -539,8 +539,8 @@ class StepRequest:
     run_id: str
     """The run."""
     training: dict[str, Any] = field(default_factory=dict)
-    """The run's :class:`retrain.trainers.TrainingPlan`, as ``begin`` handed it over (every step but
-    ``begin``)."""
+    """Ignored: the plan is the ledger's (``begin`` hands it to the execution, every other step reads it
+    again by ``run_id``).  Accepted because executions an earlier release started still send it."""
     callback_url: str = ""
     """``handover`` only: the execution's callback, annotated on the JobSet for the notifier."""
     claim: str = ""
@@ -562,7 +562,7 @@ class StepRequest:
             raise Rejected(
                 f"unknown step {body.get('step')!r} (one of {[s.value for s in StepName]})"
             ) from None
-        run_id, training = body.get("run_id"), body.get("training")
+        run_id = body.get("run_id")
         if not isinstance(run_id, str) or not run_id:
             raise Rejected("run_id (a string) is required")
         if step == StepName.CANCEL:
@@ -574,9 +574,7 @@ class StepRequest:
             if not isinstance(execution, str) or not EXECUTION_ID_RE.fullmatch(execution):
                 raise Rejected("begin: execution (the execution's id) is required")
             return cls(step, run_id, claim=claim, execution=execution)
-        if not isinstance(training, dict):
-            raise Rejected(f"{step}: training (an object) is required")
-        return cls(step, run_id, training, str(body.get("callback_url") or ""))
+        return cls(step, run_id, callback_url=str(body.get("callback_url") or ""))
 
 
 @dataclass(frozen=True)

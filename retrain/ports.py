@@ -347,6 +347,11 @@ class RunStore(Protocol):
 
     def get_run(self, run_id: str) -> Run | None: ...
 
+    def plan_of(self, run_id: str) -> dict[str, Any] | None:
+        """The plan the run's start kept (:class:`retrain.domain.transitions.RunPlanned`: the workflow's
+        argument), the one copy every step reads; None for an unknown run or one not planned."""
+        ...
+
     def list_runs(self, limit: int = 100) -> list[Run]: ...
 
     def runs_budgeted_in(self, month: str) -> list[Run]:

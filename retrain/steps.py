@@ -233,16 +233,7 @@ class Steps:
         if request.step == StepName.CANCEL:
             return dataclasses.asdict(self.cancel(request.run_id))
         try:
-            plan = TrainingPlan.parse(request.training)
-            if plan.run_id != request.run_id:
-                raise Rejected(f"the training plan is run {plan.run_id}'s, not {request.run_id}'s")
-            own = run_root(self.settings, plan.run_id)
-            if plan.output_dir != own:
-                # paths come from the settings and the run id, never from the argument alone: a forged one
-                # would have results read (and promote) another run's checkpoint
-                raise Rejected(
-                    f"the training plan's output_dir {plan.output_dir} is not run {plan.run_id}'s ({own})"
-                )
+            plan = self._plan(request.run_id)
             if request.step == StepName.HANDOVER:
                 return dataclasses.asdict(self.handover(plan, request.callback_url))
             if request.step == StepName.FINISH:
@@ -250,6 +241,21 @@ class Steps:
             return dataclasses.asdict(self.results(plan))
         except PlanError as e:
             raise Rejected(str(e)) from None
+
+    def _plan(self, run_id: str) -> TrainingPlan:
+        """The run's training plan as its start kept it in the ledger: the one copy, which no request can
+        replace (a forged plan would have results read, and promote, another run's checkpoint)."""
+        kept = self.ledger.plan_of(run_id)
+        training = (kept or {}).get("training")
+        if not isinstance(training, dict):
+            raise Rejected(
+                f"run {run_id} has no plan in the ledger (not a run, or one its start never planned)"
+            )
+        plan = TrainingPlan.parse(training)
+        own = run_root(self.settings, plan.run_id)
+        if plan.run_id != run_id or plan.output_dir != own:  # a record written by hand, not by a start
+            raise Rejected(f"run {run_id}'s kept plan is run {plan.run_id}'s, writing to {plan.output_dir}")
+        return plan
 
     def begin(self, run_id: str, claim: str, execution: str) -> Begun:
         """Bind the execution to its run and hand it the ledger's plan: only while the run is pending and

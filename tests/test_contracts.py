@@ -171,9 +171,9 @@ def test_the_workflow_names_only_what_the_contracts_declare() -> None:
         ("jobset: ${handover.jobset}", "jobset: ${handover.job_set}", "job_set"),
         ('step: "results"', 'step: "result"', "result"),
         (
-            "training: ${args.training}\n                    callback_url",
-            "plan: ${args.training}\n                    callback_url",
-            "plan",
+            "run_id: ${args.run_id}\n                    callback_url",
+            "run: ${args.run_id}\n                    callback_url",
+            "run",
         ),
         ("idle_node_seconds: ${idle_seconds}", "idle_seconds: ${idle_seconds}", "idle_seconds"),
         ("- final.reason: ${reason}", "- final.why: ${reason}", "why"),

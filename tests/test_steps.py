@@ -43,15 +43,26 @@ def steps(firestore_host: str, gcs_host: str, project: str) -> Steps:
 
 
 def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = None) -> dict[str, Any]:
-    """A run record in the ledger, and its training plan as the workflow argument carries it."""
+    """A run record in the ledger with the plan its start keeps (the workflow argument's ``training``),
+    and that plan."""
     run_id = f"{dataset}-{uuid.uuid4().hex[:8]}"
     run = Run(run_id=run_id, dataset=dataset, trigger="manual", service_account=run_account_name(run_id))
     steps.ledger.db.collection("runs").document(run.run_id).set(run.to_dict())  # type: ignore[attr-defined]
-    return training_plan(steps.settings, run.run_id, champion, dataset).to_dict()
+    return keep_plan(steps, run_id, champion, dataset)
+
+
+def keep_plan(
+    steps: Steps, run_id: str, champion: Champion | None = None, dataset: str = ""
+) -> dict[str, Any]:
+    """The run's plan, kept in its record as its start keeps it (only the part the steps read)."""
+    plan = training_plan(steps.settings, run_id, champion, dataset or None).to_dict()
+    overwrite_run(steps.ledger, run_id, {"plan": {"run_id": run_id, "training": plan}})
+    return plan
 
 
 def request(step: StepName, plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"step": str(step), "run_id": plan["run_id"], "training": plan, **extra}
+    """What the workflow posts: the step and the run, never its plan (the steps read the ledger's)."""
+    return {"step": str(step), "run_id": plan["run_id"], **extra}
 
 
 def write_report(plan: dict[str, Any], **override: Any) -> None:
@@ -366,23 +377,33 @@ def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, 
     assert record is not None and record.reason == answer["reason"] and str(record.status) == "pending"
 
 
-def test_a_plan_pointing_at_another_runs_folder_is_rejected(steps: Steps, tmp_path: Path) -> None:
-    """The argument's paths must be the ones the settings and the run id give: a forged output_dir would
-    have results read, and promote, whatever checkpoint lies there."""
+def test_a_step_reads_the_ledgers_plan_never_the_requests(steps: Steps, tmp_path: Path) -> None:
+    """A plan in the request (as earlier releases' workflows send one) is ignored: a forged output_dir
+    would have results read, and promote, whatever checkpoint lies there.  A kept plan whose paths are not
+    the ones the settings and the run id give (a record written by hand) is refused."""
     victim = new_run(steps, "forged")
     upload_outputs(victim, tmp_path, events=True)
     forger = new_run(steps, "forged")
     forged = {**forger, "output_dir": victim["output_dir"]}
-    with pytest.raises(Rejected, match=r"output_dir \S+ is not run \S+'s"):
-        steps.handle(request(StepName.RESULTS, forged))
+    answer = steps.handle({**request(StepName.RESULTS, forger), "training": forged})
+    assert answer["metrics"] is None and answer["promoted"] is False  # its own folder: nothing trained
     assert steps.ledger.champion("forged") is None
+    overwrite_run(steps.ledger, forger["run_id"], {"plan": {"training": forged}})
+    with pytest.raises(Rejected, match=r"kept plan is run \S+'s, writing to " + forged["output_dir"]):
+        steps.handle(request(StepName.RESULTS, forger))
+    assert steps.ledger.champion("forged") is None
+
+
+def test_a_step_of_a_run_with_no_kept_plan_is_rejected(steps: Steps) -> None:
+    with pytest.raises(Rejected, match="run nobody-1 has no plan in the ledger"):
+        steps.handle({"step": "handover", "run_id": "nobody-1"})
 
 
 def test_malformed_requests_are_rejected_with_the_reason() -> None:
     for body, complaint in (
         ([], "JSON object"),
         ({"step": "train", "run_id": "r", "training": {}}, "unknown step"),
-        ({"step": "results", "run_id": "r"}, "required"),
+        ({"step": "results"}, "run_id .* is required"),
         ({"step": "results", "run_id": "r", "training": {}, "extra": 1}, "unknown field"),
     ):
         with pytest.raises(Rejected, match=complaint):
@@ -394,7 +415,7 @@ def test_the_function_answers_400_with_the_reason(serve_function: Any) -> None:
     bad = requests.post(
         fn.url, json={"step": "handover", "run_id": "r1", "training": {"run_id": "r1"}}, timeout=30
     )
-    assert bad.status_code == 400 and "not a training plan" in bad.json()["error"]
+    assert bad.status_code == 400 and "run r1 has no plan in the ledger" in bad.json()["error"]
     assert requests.get(fn.url, timeout=30).status_code == 405
 
 
@@ -409,7 +430,7 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
         ledger.record_arrival(event, "fin", f"h-{name}")
     run = ledger.seal("fin", "manual").run
     assert run is not None
-    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    plan = keep_plan(steps, run.run_id)
     overwrite_run(ledger, run.run_id, {"status": "training"})
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # not ended: nothing yet
     overwrite_run(ledger, run.run_id, {"status": "failed"})
@@ -427,7 +448,7 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     good = ledger.seal("fin", "manual").run
     assert good is not None and good.run_id != run.run_id
     overwrite_run(ledger, good.run_id, {"status": "succeeded"})
-    good_plan = training_plan(steps.settings, good.run_id, None).to_dict()
+    good_plan = keep_plan(steps, good.run_id)
     assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained
     good_lineage = json.loads(objects.read_bytes(f"{good_plan['output_dir']}/openlineage.json"))
@@ -441,7 +462,7 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     promoted = ledger.seal("fin", "manual").run
     assert promoted is not None
     overwrite_run(ledger, promoted.run_id, {"status": "failed", "eval": {"promoted": True, "reason": "r"}})
-    promoted_plan = training_plan(steps.settings, promoted.run_id, None).to_dict()
+    promoted_plan = keep_plan(steps, promoted.run_id)
     assert steps.handle(request(StepName.FINISH, promoted_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(promoted)] == ["gs://land/in/d.txt"]
 
@@ -561,7 +582,7 @@ def test_a_run_that_succeeded_gives_back_what_it_could_not_read(steps: Steps) ->
         {"object": gone.uri, "generation": gone.generation, "reason": "object_changed", "detail": ""}
     ]
     overwrite_run(steps.ledger, run.run_id, {"status": "succeeded", "quarantined_objects": quarantined})
-    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    plan = keep_plan(steps, run.run_id)
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 1}
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
     after = steps.ledger.get_run(run.run_id)
@@ -590,7 +611,7 @@ def test_every_object_set_aside_goes_back_also_past_the_hundred_the_record_names
     )
     fields = {"status": "succeeded", "quarantined_objects": aside[:100], "quarantined_object_count": 150}
     overwrite_run(steps.ledger, run.run_id, fields)
-    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    plan = keep_plan(steps, run.run_id)
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 150}
     after = steps.ledger.get_run(run.run_id)
     assert after is not None and after.returned_untrained == 150 and not steps.ledger.run_objects(after)
@@ -603,7 +624,7 @@ def test_a_run_that_failed_after_its_checkpoint_was_promoted_keeps_its_content(s
     run = steps.ledger.seal("back", "manual").run
     assert run is not None
     overwrite_run(steps.ledger, run.run_id, {"status": "failed", "eval": {"promoted": True}})
-    plan = training_plan(steps.settings, run.run_id, None).to_dict()
+    plan = keep_plan(steps, run.run_id)
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # it is in the champion
     assert len(steps.ledger.run_objects(run)) == 1
 
@@ -689,7 +710,7 @@ def test_begin_hands_the_ledgers_plan_to_the_claims_execution_alone(steps: Steps
             {"step": "begin", "run_id": "r", "claim": "c", "execution": "../e"},
             "execution (the execution's id)",
         ),
-        ({"step": "handover", "run_id": "r"}, "handover: training (an object) is required"),
+        ({"step": "handover", "training": {}}, "run_id (a string) is required"),
     ],
 )
 def test_a_malformed_begin_is_refused_with_the_reason(body: dict[str, Any], refusal: str) -> None:

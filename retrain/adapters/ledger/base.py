@@ -195,6 +195,11 @@ class FirestoreBase:
         snap = self.db.collection("runs").document(run_id).get()
         return Run.from_dict(snap.to_dict() or {}) if snap.exists else None
 
+    def plan_of(self, run_id: str) -> dict[str, Any] | None:
+        snap = self.db.collection("runs").document(run_id).get(field_paths=["plan"])
+        plan = (snap.to_dict() or {}).get("plan") if snap.exists else None
+        return dict(plan) if isinstance(plan, dict) else None
+
     def record(self, run_id: str, change: RunChange) -> None:
         self._patch_run(run_id, change.fields())
 
