@@ -15,6 +15,7 @@ import pytest
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.domain.runs import Run, RunStatus
+from retrain.k8s.render import jobset_name
 from retrain.trainers.hydra import hydra_string
 from retrain_local import emulators
 from retrain_local.envtest import envtest_unavailable_reason
@@ -45,6 +46,19 @@ def retrain(args: list[str], state: Path, **settings: str) -> subprocess.Complet
         timeout=300,
         cwd=REPO,
     )
+
+
+def delivered_by_the_notifier(state: Path, jobset: str, within_s: float = 120.0) -> bool:
+    """Whether the stack's notifier published ``jobset``'s terminal state (its state file's record of
+    what it delivered), waiting a while for it: its watch may trail the workflow's own read."""
+    deadline = time.monotonic() + within_s
+    while True:
+        kept = state / "notifier.json"
+        if kept.exists() and jobset in json.loads(kept.read_text())["delivered"].values():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
 
 
 def wait_for_run(state: Path, dataset: str, after: str = "") -> dict[str, Any]:
@@ -203,20 +217,13 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert forecast["estimated_cost_usd"] > 0 and forecast["training_tokens"] > 0
         assert "started" in retrain(["run", "--dataset", "again"], state).stderr
         after_restart = wait_for_run(state, "again")
-        assert duration(after_restart) <= 2 * duration(run) + 30, (duration(run), duration(after_restart))
+        # the new stack's notifier delivered its completion: one the last stack left a stale resourceVersion
+        # once missed it, and the run then ended only at the workflow's own periodic read of the JobSet
+        assert delivered_by_the_notifier(state, jobset_name(after_restart["run_id"]))
         kept = [r["run_id"] for r in json.loads(retrain(["runs", "--json"], state).stdout)]
         assert run["run_id"] in kept and after_restart["run_id"] in kept  # the ledger outlived the stack
     finally:
         assert retrain(["down"], state).returncode == 0
-
-
-def duration(run: dict[str, Any]) -> float:
-    """Seconds from a run's record being made to its end (both stamped by the stack)."""
-    from datetime import datetime
-
-    return (
-        datetime.fromisoformat(run["finished_at"]) - datetime.fromisoformat(run["created_at"])
-    ).total_seconds()
 
 
 def runs_of(state: Path, dataset: str) -> list[dict[str, Any]]:
