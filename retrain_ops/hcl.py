@@ -15,9 +15,13 @@ stand-ins built the way Google forms them; see :meth:`Stage.computed`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import hashlib
+import importlib.metadata
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -26,6 +30,8 @@ from typing import Any
 
 import hcl2
 from lark import Token, Tree
+
+_HCL2 = importlib.metadata.version("python-hcl2")
 
 
 class HclError(ValueError):
@@ -298,15 +304,36 @@ class _Lazy(Mapping[str, Any]):
         return len(self._names)
 
 
-def _blocks_of(text: str) -> dict[str, Any]:
-    """A file's blocks, parsed once per content: every settings load, deploy and test reads the stages
-    again, and lark's parse is most of their cost. A copy: no reader shares another's blocks."""
+def parse(text: str) -> dict[str, Any]:
+    """A file's blocks as python-hcl2 parses them, once per content (:func:`_parsed`): every settings load,
+    deploy and test reads the stages again, and lark's parse is most of their cost. A copy: no reader
+    shares another's blocks."""
     return copy.deepcopy(_parsed(text))
+
+
+def cache_dir() -> Path:
+    """Where parsed files are kept across processes (the XDG cache folder: ``~/.cache/retrain/hcl``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "retrain" / "hcl"
 
 
 @cache
 def _parsed(text: str) -> dict[str, Any]:
-    return hcl2.loads(text)
+    """The file's parse, kept on disk by its content and the parser's version: lark's parse of infra/ was
+    about 40% of a ``retrain`` command's CPU, and of every test process that reads the deployment.  A
+    cache that cannot be read or written is parsed around, never an error."""
+    key = hashlib.sha256(f"python-hcl2 {_HCL2}\0{text}".encode()).hexdigest()
+    kept = cache_dir() / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        parsed = json.loads(kept.read_text())
+        if isinstance(parsed, dict):
+            return parsed
+    parsed = hcl2.loads(text)
+    with contextlib.suppress(OSError):
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.{threading.get_ident()}")
+        partial.write_text(json.dumps(parsed))
+        os.replace(partial, kept)  # whole or not at all, whoever writes the same key beside it
+    return parsed
 
 
 @dataclass
@@ -324,7 +351,7 @@ class Stage:
     def __post_init__(self) -> None:
         self.blocks: dict[str, list[Any]] = {}
         for tf in sorted(self.path.glob("*.tf")):
-            for kind, items in _blocks_of(tf.read_text()).items():
+            for kind, items in parse(tf.read_text()).items():
                 self.blocks.setdefault(kind, []).extend(items)
         self.declared = {unquote(n): b for item in self.blocks.get("variable", []) for n, b in item.items()}
         self.locals_raw = {

@@ -27,10 +27,7 @@ from typing import Any
 
 import pytest
 
-try:
-    import hcl2  # python-hcl2
-except ImportError as e:  # a dev dependency, not optional: fail loudly rather than skip
-    raise ImportError("tests/infra needs python-hcl2 (pip install 'python-hcl2==8.1.4')") from e
+from retrain_ops import hcl  # python-hcl2's parse, kept across processes by content
 
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
@@ -203,7 +200,7 @@ def parse_hcl(text: str) -> dict[str, Any]:
 
 @functools.cache
 def _parsed(text: str) -> dict[str, Any]:
-    return _clean(hcl2.loads(text))
+    return _clean(hcl.parse(text))
 
 
 @dataclass(frozen=True)
