@@ -18,6 +18,7 @@ run record                    the workflow's ``record`` steps, Ingest ``retrain.
 :class:`CallbackPayload`      the relay, ``retrain cancel``           the workflow's waits
 :class:`StepRequest`          the workflow's ``python_step`` calls    the ``run_step`` function
 :class:`Handover`, `Results`  ``retrain.steps``                       the workflow's ``train`` and ``judge``
+:class:`Accounting`           ``retrain.steps`` (``account``)         the workflow's end of a run
 :class:`RunEvent`             ``announce`` (YAML), Ingest, Steps    subscribers, ``retrain events``
 ============================  ======================================  =====================================
 
@@ -41,6 +42,7 @@ from retrain.domain.runs import Run as RunRecord
 from retrain.domain.runs import RunStatus
 
 __all__ = [
+    "Accounting",
     "CallbackPayload",
     "CompletionState",
     "Handover",
@@ -522,6 +524,9 @@ class StepName(StrEnum):
     """Tokenizing is done: render the trainer's command and JobSet from the tokenize report."""
     RESULTS = "results"
     """The JobSet completed: read what the trainer wrote, record it, promote the checkpoint."""
+    ACCOUNT = "account"
+    """Its nodes are gone: price the node time the workflow observed, by the estimate's formula
+    (:class:`Accounting`), which the workflow records with the run's end."""
     FINISH = "finish"
     """The run ended (its outcome recorded): one that did not succeed gives its content back."""
     CANCEL = "cancel"
@@ -543,6 +548,9 @@ class StepRequest:
     again by ``run_id``).  Accepted because executions an earlier release started still send it."""
     callback_url: str = ""
     """``handover`` only: the execution's callback, annotated on the JobSet for the notifier."""
+    gpu_node_seconds: float = 0.0
+    """``account`` only: the GPU node time the workflow observed, from the capacity's arrival to the
+    nodes' removal, times the nodes."""
     claim: str = ""
     """``begin`` only: the execution argument's start claim (:class:`ExecutionArgument`)."""
     execution: str = ""
@@ -574,6 +582,11 @@ class StepRequest:
             if not isinstance(execution, str) or not EXECUTION_ID_RE.fullmatch(execution):
                 raise Rejected("begin: execution (the execution's id) is required")
             return cls(step, run_id, claim=claim, execution=execution)
+        if step == StepName.ACCOUNT:
+            seconds = body.get("gpu_node_seconds")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e12:
+                raise Rejected("account: gpu_node_seconds (a number of seconds, 0 or more) is required")
+            return cls(step, run_id, gpu_node_seconds=float(seconds))
         return cls(step, run_id, callback_url=str(body.get("callback_url") or ""))
 
 
@@ -607,6 +620,16 @@ class Handover:
     """The training JobSet, submitted as is."""
     command: list[str]
     """The trainer's argv (container command and arguments), also in the run record."""
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """``account``'s answer: what the run's node time cost, at the price its plan was made with."""
+
+    gpu_hours: float
+    """The node time in GPU-hours (its plan's GPUs per node)."""
+    cost_usd: float
+    """The node time at its plan's price of a node-hour (:func:`retrain.domain.runs.node_cost_usd`)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 from retrain.config import Settings
 from retrain.contracts import WorkflowArgument, tokenize_detail_uri
 from retrain.domain.errors import PlanError
-from retrain.domain.runs import Champion, FailureKind, Run
+from retrain.domain.runs import Champion, FailureKind, Run, node_cost_usd
 from retrain.k8s.render import (
     GcsMounts,
     jobset_name,
@@ -188,8 +188,7 @@ def estimate(settings: Settings, measured: Run | None = None) -> Estimate:
             f"settings: {settings.node_tokens_per_s:g} tokens/s per node, "
             f"{settings.node_overhead_s:g} s start-up and release per node"
         )
-    hours = node_s / 3600
-    return Estimate(tokens, hours, hours * settings.price_per_node_hour, basis)
+    return Estimate(tokens, node_s / 3600, node_cost_usd(node_s, settings.price_per_node_hour), basis)
 
 
 def over_budget(settings: Settings, cost: Estimate) -> str | None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from retrain.config import Settings
 from retrain.contracts import (
+    Accounting,
     Begun,
     CancelRequest,
     Finished,
@@ -47,7 +48,16 @@ from retrain.contracts import (
 )
 from retrain.domain.errors import Rejected
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import Champion, Run, RunStatus, TrainingMetrics, evaluate, finite
+from retrain.domain.runs import (
+    Champion,
+    Run,
+    RunStatus,
+    TrainingMetrics,
+    evaluate,
+    finite,
+    gpu_hours,
+    node_cost_usd,
+)
 from retrain.domain.transitions import HandedOver, TrainingResults
 from retrain.exports import export_folder
 from retrain.lineage import LINEAGE_OBJECT, openlineage_events
@@ -232,6 +242,8 @@ class Steps:
             return dataclasses.asdict(self.begin(request.run_id, request.claim, request.execution))
         if request.step == StepName.CANCEL:
             return dataclasses.asdict(self.cancel(request.run_id))
+        if request.step == StepName.ACCOUNT:
+            return dataclasses.asdict(self.account(request.run_id, request.gpu_node_seconds))
         try:
             plan = self._plan(request.run_id)
             if request.step == StepName.HANDOVER:
@@ -256,6 +268,15 @@ class Steps:
         if plan.run_id != run_id or plan.output_dir != own:  # a record written by hand, not by a start
             raise Rejected(f"run {run_id}'s kept plan is run {plan.run_id}'s, writing to {plan.output_dir}")
         return plan
+
+    def account(self, run_id: str, node_seconds: float) -> Accounting:
+        """What the run's observed node time cost, at the price and GPUs per node its plan was made with
+        (the estimate's formula, :func:`node_cost_usd`); the workflow records it with the run's end."""
+        kept = self.ledger.plan_of(run_id) or {}
+        price, gpus = kept.get("price_per_node_hour"), kept.get("gpus_per_node")
+        if not isinstance(price, (int, float)) or not isinstance(gpus, int):
+            raise Rejected(f"run {run_id} has no plan in the ledger with a price and GPUs per node")
+        return Accounting(gpu_hours(node_seconds, gpus), node_cost_usd(node_seconds, float(price)))
 
     def begin(self, run_id: str, claim: str, execution: str) -> Begun:
         """Bind the execution to its run and hand it the ledger's plan: only while the run is pending and

@@ -25,6 +25,7 @@ import yaml
 
 from retrain import config, contracts
 from retrain.contracts import (
+    Accounting,
     Begun,
     CallbackPayload,
     CancelRequest,
@@ -130,6 +131,8 @@ def check_workflow(source: str) -> list[str]:
         problems.append(f"begin's answer field {name!r} is not a Begun field")
     for name in sorted(set(re.findall(r"\bcancel\.([A-Za-z_]\w*)", text)) - field_names(CancelRequest)):
         problems.append(f"cancel's answer field {name!r} is not a CancelRequest field")
+    for name in sorted(set(re.findall(r"\baccounting\.([A-Za-z_]\w*)", text)) - field_names(Accounting)):
+        problems.append(f"account's answer field {name!r} is not an Accounting field")
     for call in _calls(wf, "python_step"):
         body = call.get("args", {}).get("body", {})
         for key in sorted(set(body) - field_names(StepRequest)):
@@ -184,6 +187,8 @@ def test_the_workflow_names_only_what_the_contracts_declare() -> None:
         ('- status: "cancelled"', '- status: "canceled"', "canceled"),
         ("${cancel.requested_by != null}", "${cancel.requester != null}", "requester"),
         ('step: "cancel"', 'step: "cancelled"', "cancelled"),
+        ("${accounting.cost_usd}", "${accounting.cost}", "cost"),
+        ('step: "account"', 'step: "accounting"', "accounting"),
     ],
 )
 def test_a_drifted_workflow_is_caught(old: str, new: str, complaint: str) -> None:

@@ -21,10 +21,10 @@ from retrain.adapters.ledger import FirestoreLedger
 from retrain.contracts import StepName, StepRequest, tokenize_detail_uri
 from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import Champion, Run
+from retrain.domain.runs import Champion, Run, TrainingMetrics
 from retrain.domain.transitions import RunPlanned
 from retrain.k8s.render import run_account_name
-from retrain.plan import run_root, tokenize_report_uri, training_plan
+from retrain.plan import estimate, run_root, tokenize_report_uri, training_plan
 from retrain.steps import Steps, checkpoint_fingerprint
 from retrain.tensorboard import EventWriter
 from retrain.trainers import TrainingPlan
@@ -846,3 +846,30 @@ def test_a_configured_eval_set_is_never_read_at_handover(
     mounted = eval_set.replace("gs://", "/gcs/")
     assert any(a.endswith(f"validation:[1.0,{mounted}],test:[1.0,{mounted}]}}") for a in answer["command"])
     assert seen == [f"{plan['output_dir']}/tokenize_report.json"]
+
+
+def test_the_account_step_prices_node_time_as_the_estimate_does(steps: Steps) -> None:
+    """One formula: a run's observed node time is priced at its end, at its plan's price and GPUs per node,
+    exactly as ``retrain plan`` estimates a run measured at that node time (``node_cost_usd``)."""
+    plan = new_run(steps, "priced")
+    price, gpus = 88.49, 8
+    kept = {"run_id": plan["run_id"], "training": plan, "price_per_node_hour": price, "gpus_per_node": gpus}
+    overwrite_run(steps.ledger, plan["run_id"], {"plan": kept})
+    answer = steps.handle({"step": "account", "run_id": plan["run_id"], "gpu_node_seconds": 5400})
+    assert answer == {"gpu_hours": 12.0, "cost_usd": pytest.approx(1.5 * price)}
+    settings = dataclasses.replace(steps.settings, price_per_node_hour=price)
+    metrics = TrainingMetrics(settings.steps_per_run, settings.steps_per_run, 1.0, 1.0, None, None)
+    measured = Run(run_id="m", dataset="priced", trigger="manual", gpu_node_seconds=5400.0, metrics=metrics)
+    assert estimate(settings, measured).cost_usd == pytest.approx(answer["cost_usd"])
+
+
+@pytest.mark.parametrize("seconds", [None, -1, "5400", True, 1e12])
+def test_an_account_step_without_node_seconds_is_refused(seconds: Any) -> None:
+    body = {"step": "account", "run_id": "r", **({} if seconds is None else {"gpu_node_seconds": seconds})}
+    with pytest.raises(Rejected, match=r"account: gpu_node_seconds \(a number of seconds, 0 or more\)"):
+        StepRequest.parse(body)
+
+
+def test_an_account_step_of_a_run_with_no_kept_plan_is_refused(steps: Steps) -> None:
+    with pytest.raises(Rejected, match="run nobody-2 has no plan in the ledger with a price"):
+        steps.handle({"step": "account", "run_id": "nobody-2", "gpu_node_seconds": 60})

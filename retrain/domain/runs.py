@@ -139,6 +139,17 @@ def now_iso() -> str:
 RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 
+def node_cost_usd(node_seconds: float, price_per_node_hour: float) -> float:
+    """GPU node time at the price of a node-hour: a run's cost, whether estimated before it starts
+    (``retrain.plan.estimate``) or accounted at its end (the ``account`` step), by this one formula."""
+    return node_seconds / 3600 * price_per_node_hour
+
+
+def gpu_hours(node_seconds: float, gpus_per_node: int) -> float:
+    """GPU node time in GPU-hours."""
+    return node_seconds * gpus_per_node / 3600
+
+
 def new_run_id(dataset: str) -> str:
     """Sortable by time, unique, and a valid Kubernetes label value / DNS label part."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")

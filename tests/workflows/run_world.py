@@ -38,6 +38,7 @@ from cloudworkflows import (
 )
 from retrain.config import Settings
 from retrain.contracts import (
+    Accounting,
     Begun,
     CancelRequest,
     CompletionState,
@@ -50,7 +51,7 @@ from retrain.contracts import (
     StepRequest,
 )
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import Run
+from retrain.domain.runs import Run, gpu_hours, node_cost_usd
 from retrain.plan import workflow_argument
 from retrain_local.dataflow import check_parameters
 from retrain_local.http import LoopbackServer
@@ -94,6 +95,8 @@ class Scenario:
     """The autoscaler removes nodes this long after their capacity request is deleted."""
     nodes: int | None = None
     """Nodes per run (None: infra/'s ``nodes``)."""
+    steps_account: bool = True
+    """Whether run_step answers the ``account`` step (False: it is down then, answering 503)."""
 
 
 class _Kube:
@@ -435,6 +438,14 @@ class World:
         if request.step == StepName.RESULTS:
             checkpoint = f"gs://{self.argument['artifacts_bucket']}/runs/{RUN_ID}/checkpoints/last"
             return 200, asdict(Results(checkpoint, {"steps": 100}, True, ""))
+        if request.step == StepName.ACCOUNT:
+            if not self.scenario.steps_account:
+                return 503, {"error": "run_step is down"}
+            seconds, a = request.gpu_node_seconds, self.argument
+            accounting = Accounting(
+                gpu_hours(seconds, a["gpus_per_node"]), node_cost_usd(seconds, a["price_per_node_hour"])
+            )
+            return 200, asdict(accounting)
         return 200, asdict(Finished(0 if self.record.get("status") == "succeeded" else 40))
 
     def _folder(self, method: str, path: str, query: str) -> tuple[int, dict[str, Any]]:

@@ -5,6 +5,7 @@ capacity request, its PodTemplate, the run's service account and folder; the nod
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -70,12 +71,29 @@ def test_a_run_that_trains_is_billed_from_its_capacity_to_the_autoscaler_s_remov
     assert record["gpu_node_seconds"] == (ZERO - PROVISIONED) * nodes
     assert record["idle_node_seconds"] == (ZERO - TRAINED) * nodes  # the scale-down delay, as seen
     assert record["cost_usd"] == pytest.approx((ZERO - PROVISIONED) * nodes / 3600 * price)
+    gpus = world.argument["gpus_per_node"]
+    assert record["gpu_hours"] == pytest.approx((ZERO - PROVISIONED) * nodes * gpus / 3600)
     assert record["tokens"] == world.scenario.tokens and "failure" not in record
     assert [t for t, _ in world.kube.deleted] == [TRAINED] * 4  # JobSet, request, PodTemplate, account
-    assert world.steps == ["begin", "handover", "results", "finish"]
+    assert world.steps == ["begin", "handover", "results", "account", "finish"]
     types = [e["type"] for e in world.events if "type" in e]
     assert types == ["tokenizing", "provisioning", "training", "releasing", "succeeded"]
     assert_released(world)
+
+
+def test_a_run_whose_node_time_cannot_be_priced_still_records_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The account step is Python's (run_step down then): the end is recorded all the same, with the node
+    time observed and no price, and the run's content is still settled."""
+    world = World(Scenario(steps_account=False))
+    caplog.set_level(logging.WARNING, logger="cloudworkflows.sys.log")
+    assert world.run() == {"run_id": RUN_ID, "status": "succeeded", "nodes_at_end": 0}
+    record = world.record
+    assert record["status"] == "succeeded" and record["gpu_node_seconds"] == ZERO - PROVISIONED
+    assert "cost_usd" not in record and "gpu_hours" not in record
+    assert world.steps[-2:] == ["account", "finish"]
+    assert "account step failed, the node time is recorded unpriced" in caplog.text
 
 
 def test_a_lost_completion_message_costs_at_most_one_completion_check() -> None:
@@ -121,7 +139,7 @@ def test_training_that_fails_releases_its_nodes_and_bills_them_to_their_removal(
     assert world.record["failure"] == "TrainingFailed" and error.value["tags"] == ["failed"]
     assert error.value["message"].startswith("training failed: Failed")
     assert world.record["gpu_node_seconds"] == (ZERO - PROVISIONED) * world.argument["nodes"]
-    assert world.steps == ["begin", "handover", "finish"]  # no results to read
+    assert world.steps == ["begin", "handover", "account", "finish"]  # no results to read
     assert_released(world)
 
 
