@@ -206,15 +206,21 @@ def budget_month(now: datetime) -> str:
 
 def spent_this_month(runs: Iterable[Run], dataset: str, but: str = "") -> float:
     """What ``dataset``'s runs (those started this month: ``runs`` as the ledger gives them) cost or are
-    committed to: an ended run's cost, a live run's estimate, and the estimate of one whose execution was
-    lost (what it cost was never recorded); the run ``but`` left out."""
+    committed to: an ended run's cost, a live run's estimate, and the estimate of one whose cost was never
+    recorded (its execution lost, or its node time recorded unpriced: its account step could not run); the
+    run ``but`` left out."""
     return sum(
         r.cost_usd
-        if r.status.terminal and r.failure != FailureKind.EXECUTION_LOST
+        if r.status.terminal and r.failure != FailureKind.EXECUTION_LOST and not _unpriced(r)
         else (r.estimated_cost_usd or 0.0)
         for r in runs
         if r.dataset == dataset and r.run_id != but
     )
+
+
+def _unpriced(run: Run) -> bool:
+    """Node time recorded without its price (the workflow's account step could not run)."""
+    return run.gpu_node_seconds > 0 and run.cost_usd == 0 and bool(run.estimated_cost_usd)
 
 
 def over_monthly_budget(settings: Settings, dataset: str, spent: float, cost: Estimate) -> str | None:

@@ -73,6 +73,11 @@ def test_a_month_counts_ended_runs_at_their_cost_and_live_ones_at_their_estimate
         ),
     ]
     assert spent_this_month(runs, "news") == 75.0
+    # node time recorded unpriced (its account step could not run): its estimate stands for it
+    unpriced = Run(
+        "f", "news", "manual", status=RunStatus.SUCCEEDED, gpu_node_seconds=600.0, estimated_cost_usd=7.0
+    )
+    assert spent_this_month([*runs, unpriced], "news") == 82.0
     assert spent_this_month(runs, "news", but="b") == 45.0  # the run being started is not counted twice
     runs.pop()
     s = dataclasses.replace(config.load({}), monthly_budget_usd=100.0)
