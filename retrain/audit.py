@@ -350,7 +350,7 @@ class _Books:
 
 def _unread(run: Run) -> set[_Key]:
     """The versions a run's tokenize job set aside whole."""
-    return {(str(q.get("object")), int(q.get("generation") or 0)) for q in run.quarantined_objects}
+    return {q.version for q in run.quarantined_objects}
 
 
 def _manifest(settings: Settings, store: ObjectStore, run: Run) -> RunManifest | None:

@@ -19,7 +19,7 @@ from typing import Any
 from retrain.config import Settings
 from retrain.contracts import WorkflowArgument, tokenize_detail_uri
 from retrain.domain.errors import PlanError
-from retrain.domain.runs import Champion, FailureKind, Run, node_cost_usd
+from retrain.domain.runs import Champion, FailureKind, ObjectSetAside, Run, node_cost_usd
 from retrain.k8s.render import (
     GcsMounts,
     jobset_name,
@@ -49,14 +49,14 @@ def tokenize_report_uri(run_root: str) -> str:
     return f"{run_root}/tokenize_report.json"
 
 
-def set_aside(settings: Settings, store: ObjectStore, run: Run) -> list[dict[str, Any]]:
+def set_aside(settings: Settings, store: ObjectStore, run: Run) -> list[ObjectSetAside]:
     """Every object ``run``'s tokenize job set aside whole: the record names the first 100, the
     report's detail object all of them."""
     if run.quarantined_object_count <= len(run.quarantined_objects):
         return list(run.quarantined_objects)
     report = tokenize_report_uri(run_root(settings, run.run_id))
     detail = json.loads(store.read_bytes(tokenize_detail_uri(report)))
-    return list(detail["quarantined_objects"])
+    return [ObjectSetAside.from_dict(q) for q in detail["quarantined_objects"]]
 
 
 def manifest_object(run_id: str) -> str:

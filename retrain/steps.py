@@ -187,15 +187,13 @@ def give_back_unread(settings: Settings, ledger: Holdings, store: ObjectStore, r
     too large): it never trained.  When one was gone (overwritten or deleted), a copy of its bytes that
     arrived under another name and was skipped as held by this run arrives again, so that it trains in a
     later run; how many objects' content went back."""
-    unread = {
-        (str(q.get("object")), int(q.get("generation") or 0)): q for q in set_aside(settings, store, run)
-    }
+    unread = {q.version: q for q in set_aside(settings, store, run)}
     if not unread:
         return 0
     held = [v for v in ledger.run_objects(run) if (v.uri, v.generation) in unread]
     returned = ledger.give_back(run, held)
     for version in held:
-        if unread[(version.uri, version.generation)].get("reason") == SetAside.OBJECT_CHANGED and version.md5:
+        if unread[(version.uri, version.generation)].reason == SetAside.OBJECT_CHANGED and version.md5:
             copy = _readable_copy(ledger, store, run.dataset, version)
             if copy is not None:
                 ledger.arrive_again(run.dataset, copy, f"copy of {version.uri}#{version.generation}")

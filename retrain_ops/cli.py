@@ -121,7 +121,7 @@ def format_run(run: Run) -> str:
         ("quarantined", run.quarantined),
         ("  by reason", ", ".join(f"{k} {v}" for k, v in sorted(run.quarantine_reasons.items()))),
         *(
-            (f"  object {i}", f"{q.get('object')}: {q.get('reason')} ({q.get('detail')})")
+            (f"  object {i}", f"{q.object}: {q.reason} ({q.detail})")
             for i, q in enumerate(run.quarantined_objects, 1)
         ),
         ("nodes", run.nodes),

@@ -9,7 +9,7 @@ from retrain import config
 from retrain.audit import Account, classify
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectVersion
-from retrain.domain.runs import Evaluation, Run, RunStatus
+from retrain.domain.runs import Evaluation, ObjectSetAside, Run, RunStatus
 from retrain.ports import DatasetRecords, Holding, ObjectInfo, RecordedArrival, Rejection
 
 SETTINGS = config.load({})
@@ -109,7 +109,7 @@ def test_content_of_a_run_whose_checkpoint_was_refused_is_not_called_trained() -
     assert entry.action.startswith("`retrain run --retry r1` trains it on the champion")
     assert not entry.account.finding
     unread = version("u")
-    quarantined = [{"object": unread.uri, "generation": 1, "reason": "unreadable", "detail": "not Parquet"}]
+    quarantined = [ObjectSetAside(unread.uri, 1, "unreadable", "not Parquet")]
     ended = run(
         "r1", RunStatus.SUCCEEDED, eval=refused, content_returned=True, quarantined_objects=quarantined
     )
@@ -172,7 +172,7 @@ def test_a_promoted_run_keeps_its_content_whatever_its_status_says() -> None:
 
 def test_an_object_a_successful_run_could_not_read_is_untrained_until_given_back() -> None:
     unread, read = version("unread"), version("read")
-    quarantined = [{"object": unread.uri, "generation": 1, "reason": "unreadable", "detail": "not Parquet"}]
+    quarantined = [ObjectSetAside(unread.uri, 1, "unreadable", "not Parquet")]
     held = DatasetRecords(
         "news",
         CUT,

@@ -137,7 +137,7 @@ def trained_contents(stack: LocalStack, runs: list[Run]) -> Counter[str]:
         if run.status != RunStatus.SUCCEEDED:
             continue
         uri = f"{stack.settings.artifacts_uri}/runs/{run.run_id}/objects.json"
-        unread = {(q["object"], int(q["generation"] or 0)) for q in run.quarantined_objects}
+        unread = {q.version for q in run.quarantined_objects}
         for v in RunManifest.parse(objects.read_bytes(uri)).objects:
             if (v.uri, v.generation) not in unread:
                 counts[v.content_hash] += 1

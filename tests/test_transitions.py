@@ -13,6 +13,7 @@ from retrain.domain import transitions
 from retrain.domain.runs import (
     Evaluation,
     FailureKind,
+    ObjectSetAside,
     Run,
     RunStatus,
     TrainingMetrics,
@@ -112,3 +113,20 @@ def test_a_retry_says_which_run_it_re_runs() -> None:
     retry = Run.from_dict({"run_id": "ds-6", "dataset": "ds", "trigger": "retry", "retry_of": "ds-2"})
     assert retry.triggered_by == "retry of ds-2"
     assert Run.from_dict({"run_id": "ds-7", "dataset": "ds", "trigger": "manual"}).triggered_by == "manual"
+
+
+def test_objects_set_aside_read_back_typed_from_what_the_workflow_records() -> None:
+    """The workflow copies the tokenize report's ``quarantined_objects`` into the record as JSON; a reader
+    gets :class:`ObjectSetAside` back, and writing it again writes the same JSON."""
+    written = [
+        {"object": "gs://land/a.parquet", "generation": 7, "reason": "unreadable", "detail": "not Parquet"},
+        {"object": "gs://land/b.txt", "generation": None, "reason": "object_changed", "detail": ""},
+    ]
+    run = Run.from_dict({"run_id": "r", "dataset": "d", "trigger": "manual", "quarantined_objects": written})
+    assert run.quarantined_objects == [
+        ObjectSetAside("gs://land/a.parquet", 7, "unreadable", "not Parquet"),
+        ObjectSetAside("gs://land/b.txt", None, "object_changed"),
+    ]
+    versions = [q.version for q in run.quarantined_objects]
+    assert versions == [("gs://land/a.parquet", 7), ("gs://land/b.txt", 0)]
+    assert run.to_dict()["quarantined_objects"] == written

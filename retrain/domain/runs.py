@@ -375,6 +375,39 @@ class TrainingMetrics:
         )
 
 
+@dataclass(frozen=True)
+class ObjectSetAside:
+    """An object its run's tokenize job set aside whole, unread (the report's ``quarantined_objects``)."""
+
+    object: str
+    """Its URI, as the run named it."""
+    generation: int | None
+    """The generation the run was to read (None: whatever was there)."""
+    reason: str
+    """Why, for a program: ``retrain.contracts.SetAside``'s values (``unreadable``, ``object_changed``...)."""
+    detail: str = ""
+    """What was found, for a person."""
+
+    @property
+    def version(self) -> tuple[str, int]:
+        """``(object, generation)``, as the ledger keys an object version (0: no generation)."""
+        return self.object, self.generation or 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ObjectSetAside:
+        """An entry as the tokenize job writes it (its report, the record's copy)."""
+        generation = d.get("generation")
+        return cls(
+            object=str(d.get("object") or ""),
+            generation=int(generation) if generation else None,
+            reason=str(d.get("reason") or ""),
+            detail=str(d.get("detail") or ""),
+        )
+
+
 @dataclass
 class Run:
     """The record every run leaves behind (``runs/<run_id>`` in the ledger)."""
@@ -404,9 +437,9 @@ class Run:
     quarantine_reasons: dict[str, int] = field(default_factory=dict)
     """Those records by reason (``invalid_json``, ``missing_key``, ...); each record is in the
     quarantine file beside its shard, with its object and line."""
-    quarantined_objects: list[dict[str, Any]] = field(default_factory=list)
-    """Objects set aside whole: ``object``, ``generation``, ``reason``, ``detail`` (the first 100; all of
-    them are in the run's ``tokenize_report_shards.json``)."""
+    quarantined_objects: list[ObjectSetAside] = field(default_factory=list)
+    """Objects set aside whole (the first 100; all of them are in the run's
+    ``tokenize_report_shards.json``)."""
     quarantined_object_count: int = 0
     """How many objects were set aside whole."""
     nodes: int = 0
@@ -539,6 +572,8 @@ class Run:
         for name, kind in (("metrics", TrainingMetrics), ("eval", Evaluation)):
             value = known.get(name)
             known[name] = kind.from_dict(value) if isinstance(value, Mapping) and value else None
+        aside = known.get("quarantined_objects") or []
+        known["quarantined_objects"] = [ObjectSetAside.from_dict(q) for q in aside if isinstance(q, Mapping)]
         return cls(**known)
 
 
