@@ -170,9 +170,10 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
 
     Internal-only; the workflow's service account is the only invoker (OIDC).  A plan the trainer would
     refuse answers 400 with the reason, any other failure 500 with what failed; the workflow records it.
-    A failed ``begin`` or ``cancel`` answers 503, which the workflow's ``http.default_retry`` retries: both
-    are idempotent; ``begin`` runs before the workflow's own error handling (nothing is created yet to
-    release), and ``cancel`` only reads the ledger, where one lost answer would otherwise fail the run.
+    A failed ``begin``, ``cancel`` or ``account`` answers 503, which the workflow retries: each is
+    idempotent; ``begin`` runs before the workflow's own error handling (nothing is created yet to
+    release), ``cancel`` only reads the ledger, where one lost answer would otherwise fail the run, and
+    ``account`` only reads the run's plan, where one lost answer would leave the run unpriced.
     """
     if request.method != "POST":
         return {"error": "POST a StepRequest"}, 405
@@ -184,5 +185,6 @@ def run_step(request: flask.Request) -> flask.typing.ResponseReturnValue:
         return {"error": e.reason}, 400
     except Exception as e:  # the workflow records why (a service's refusal names the permission)
         log.exception("step failed")
-        retried = isinstance(body, dict) and body.get("step") in (StepName.BEGIN, StepName.CANCEL)
+        read_only = (StepName.BEGIN, StepName.CANCEL, StepName.ACCOUNT)
+        retried = isinstance(body, dict) and body.get("step") in read_only
         return {"error": f"{type(e).__name__}: {e}"}, 503 if retried else 500

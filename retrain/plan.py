@@ -211,16 +211,11 @@ def spent_this_month(runs: Iterable[Run], dataset: str, but: str = "") -> float:
     run ``but`` left out."""
     return sum(
         r.cost_usd
-        if r.status.terminal and r.failure != FailureKind.EXECUTION_LOST and not _unpriced(r)
+        if r.status.terminal and r.failure != FailureKind.EXECUTION_LOST and not r.unpriced
         else (r.estimated_cost_usd or 0.0)
         for r in runs
         if r.dataset == dataset and r.run_id != but
     )
-
-
-def _unpriced(run: Run) -> bool:
-    """Node time recorded without its price (the workflow's account step could not run)."""
-    return run.gpu_node_seconds > 0 and run.cost_usd == 0 and bool(run.estimated_cost_usd)
 
 
 def over_monthly_budget(settings: Settings, dataset: str, spent: float, cost: Estimate) -> str | None:

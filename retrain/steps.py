@@ -422,6 +422,8 @@ class Steps:
     def _log_summary(self, run: Run) -> None:
         """The ended run's numbers as one structured entry (``run_summary``): the dashboard's charts."""
         summary = {"status": str(run.status), **{k: getattr(run, k) for k in SUMMARY}}
+        if run.unpriced:
+            summary["cost_usd"] = None  # not $0: the dashboard's cost per run leaves it out
         extra = {"run_id": run.run_id, "dataset": run.dataset, "run_summary": summary}
         log.info("run %s ended %s: %s", run.run_id, run.status, summary, extra=extra)
 

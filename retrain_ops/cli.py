@@ -127,7 +127,12 @@ def format_run(run: Run) -> str:
         ("nodes", run.nodes),
         ("gpu node-seconds", f"{run.gpu_node_seconds:.1f}"),
         ("gpu-hours", f"{run.gpu_hours:.3f}"),
-        ("cost", f"${run.cost_usd:.2f} of node time"),
+        (
+            "cost",
+            "unpriced: its account step could not run"
+            if run.unpriced
+            else f"${run.cost_usd:.2f} of node time",
+        ),
         ("priced at start", None if run.estimated_cost_usd is None else f"${run.estimated_cost_usd:.2f}"),
         ("nodes at end", run.nodes_at_end),
         ("checkpoint", run.checkpoint),

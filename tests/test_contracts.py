@@ -133,7 +133,9 @@ def check_workflow(source: str) -> list[str]:
         problems.append(f"cancel's answer field {name!r} is not a CancelRequest field")
     for name in sorted(set(re.findall(r"\baccounting\.([A-Za-z_]\w*)", text)) - field_names(Accounting)):
         problems.append(f"account's answer field {name!r} is not an Accounting field")
-    for call in _calls(wf, "python_step"):
+    to_python = [*_calls(wf, "python_step")]
+    to_python += [c for c in _calls(wf, "http.post") if c.get("args", {}).get("url") == "${steps_url}"]
+    for call in to_python:
         body = call.get("args", {}).get("body", {})
         for key in sorted(set(body) - field_names(StepRequest)):
             problems.append(f"python_step body field {key!r} is not a StepRequest field")

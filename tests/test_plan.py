@@ -98,3 +98,16 @@ def test_a_failure_kind_this_release_does_not_know_reads_as_a_failed_step() -> N
     assert Run.from_dict({**record, "failure": "CapacityError"}).failure == FailureKind.CAPACITY_ERROR
     assert Run.from_dict({**record, "failure": "QuotaExhausted"}).failure == FailureKind.STEP_FAILED
     assert Run.from_dict({k: v for k, v in record.items() if k != "failure"}).failure is None  # older records
+
+
+def test_a_run_recorded_unpriced_says_so_rather_than_costing_nothing() -> None:
+    from retrain.domain.runs import Run, RunStatus
+    from retrain_ops.cli import format_run
+
+    unpriced = Run("u", "news", "manual", status=RunStatus.SUCCEEDED, gpu_node_seconds=600.0)
+    ended = RunStatus.SUCCEEDED
+    priced = Run("p", "news", "manual", status=ended, gpu_node_seconds=600.0, gpu_hours=1.3, cost_usd=14.7)
+    assert unpriced.unpriced and not priced.unpriced
+    assert not Run("n", "news", "manual", status=RunStatus.FAILED).unpriced  # no node time: nothing to price
+    assert "unpriced: its account step could not run" in format_run(unpriced)
+    assert "$14.70 of node time" in format_run(priced)

@@ -399,10 +399,13 @@ class ObjectSetAside:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ObjectSetAside:
         """An entry as the tokenize job writes it (its report, the record's copy)."""
-        generation = d.get("generation")
+        try:
+            generation = int(d.get("generation") or 0) or None
+        except (TypeError, ValueError):  # one malformed entry never stops every reader of the ledger
+            generation = None
         return cls(
             object=str(d.get("object") or ""),
-            generation=int(generation) if generation else None,
+            generation=generation,
             reason=str(d.get("reason") or ""),
             detail=str(d.get("detail") or ""),
         )
@@ -554,6 +557,12 @@ class Run:
         the same champion again would most likely be refused again, GPU time spent in a loop); ``retrain
         run --retry`` gives it back so that it trains on the champion, when an operator decides so."""
         return self.status == RunStatus.SUCCEEDED and self.eval is not None and not self.eval.promoted
+
+    @property
+    def unpriced(self) -> bool:
+        """Node time recorded without its price: the workflow's ``account`` step could not run (its cost
+        reads 0; the monthly budget counts its estimate instead)."""
+        return self.gpu_node_seconds > 0 and self.gpu_hours == 0 and self.cost_usd == 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
