@@ -124,6 +124,39 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
     assert ledger.get_run(pending.run_id).objects == 2  # type: ignore[union-attr]
 
 
+def test_a_storm_of_seals_contends_only_to_claim(
+    ledger: FirestoreLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every seal of a storm tries to start the dataset's pending run (29 at once in the synced folder's
+    test, whose claims' transactions held the function past its 60 s).  Of concurrent claims exactly one
+    wins; once a start is claimed, or the dataset has a live run, a claim reads so and answers without
+    opening a transaction on the run's document."""
+    ledger.record_arrival(arrival("a"), "ds", "h-a")
+    first = ledger.seal("ds", "manual").run
+    assert first is not None
+    with ThreadPoolExecutor(8) as pool:
+        storm = Counter(pool.map(lambda _: ledger.claim_start(first, stale_after_s=60).verdict, range(8)))
+    assert storm == {StartVerdict.CLAIMED: 1, StartVerdict.STARTING: 7}
+
+    transactions: list[object] = []
+    contended = ledger._contended
+    monkeypatch.setattr(ledger, "_contended", lambda *a: transactions.append(a) or contended(*a))
+    with ThreadPoolExecutor(8) as pool:
+        again = Counter(pool.map(lambda _: ledger.claim_start(first, stale_after_s=60).verdict, range(16)))
+    assert again == {StartVerdict.STARTING: 16} and transactions == []
+    ledger.record_arrival(arrival("b"), "ds", "h-b")
+    behind = ledger.seal("ds", "manual").run  # its content joins a new pending run in a transaction
+    assert behind is not None and behind.run_id != first.run_id
+    transactions.clear()
+    assert [ledger.claim_start(behind, stale_after_s=60).verdict for _ in range(4)] == [
+        StartVerdict.QUEUED
+    ] * 4
+    assert transactions == []
+    overwrite_run(ledger, first.run_id, {"status": "succeeded"})
+    assert ledger.claim_start(behind, stale_after_s=60).verdict == StartVerdict.CLAIMED
+    assert len(transactions) == 1
+
+
 def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: FirestoreLedger) -> None:
     """A failed (or cancelled) run's content is not "trained": identical bytes dropped again are new
     again, nothing re-runs by itself, and a requeue brings back the very versions the run held."""

@@ -4,6 +4,7 @@ start's claim, the execution bound under it, each run's fields."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +17,33 @@ from retrain.domain.transitions import RunChange
 from retrain.ports import StartClaim, StartVerdict
 
 
+def _standing(
+    run_id: str,
+    current: dict[str, Any],
+    state: dict[str, Any],
+    now: datetime,
+    stale_after_s: float,
+    read_run: Callable[[str], Any],
+) -> str | None:
+    """Why run ``run_id`` (its record ``current``; its dataset's record ``state``) cannot be claimed now,
+    as a start verdict's value, or None when it can: started (or gone), its start claimed less than
+    ``stale_after_s`` ago, or queued behind its dataset's live run (read with ``read_run``)."""
+    if not current or current.get("execution"):
+        return "started"
+    claimed = current.get("start_claimed_at")
+    if (
+        claimed
+        and (now - datetime.fromisoformat(claimed.replace("Z", "+00:00"))).total_seconds() < stale_after_s
+    ):
+        return "starting"
+    active = state.get("active_run")
+    if active and active != run_id:
+        holder = read_run(active).to_dict()
+        if holder and not RunStatus(holder.get("status", "pending")).terminal:
+            return "queued"
+    return None
+
+
 class RunRecords(FirestoreBase):
     """Run records and champions."""
 
@@ -26,34 +54,41 @@ class RunRecords(FirestoreBase):
         dataset_ref = self._dataset(run.dataset)
         run_ref = self.db.collection("runs").document(run.run_id)
         now = datetime.now(UTC)
-
         slot = self._slot(run.dataset)
+        runs = self.db.collection("runs")
 
         @firestore.transactional
         def take(tx: firestore.Transaction) -> str:
             state = dataset_ref.get(transaction=tx).to_dict() or {}
             current = run_ref.get(transaction=tx).to_dict() or {}
             pending = slot.get(transaction=tx)
-            if not current or current.get("execution"):
-                return "started"
-            claimed = current.get("start_claimed_at")
-            if (
-                claimed
-                and (now - datetime.fromisoformat(claimed.replace("Z", "+00:00"))).total_seconds()
-                < stale_after_s
-            ):
-                return "starting"
-            active = state.get("active_run")
-            if active and active != run.run_id:
-                holder = self.db.collection("runs").document(active).get(transaction=tx).to_dict()
-                if holder and not RunStatus(holder.get("status", "pending")).terminal:
-                    return "queued"
+            standing = _standing(
+                run.run_id, current, state, now, stale_after_s, lambda a: runs.document(a).get(transaction=tx)
+            )
+            if standing:
+                return standing
             tx.set(dataset_ref, {"active_run": run.run_id, "active_since": now_iso()}, merge=True)
             if pending.exists and pending.get("run_id") == run.run_id:
                 tx.delete(slot)  # later seals make the next pending run
             tx.update(run_ref, {"start_claimed_at": iso(now), "start_claim": token})
             return "claimed"
 
+        # Most seals of a storm find the run started, its start claimed, or its dataset busy: read without
+        # a transaction first, so that only a seal that may claim contends for the run's document (29
+        # seals in one claim's transactions held the function past its 60 s).  Each of these verdicts
+        # writes nothing and stays true once read (an execution is never unbound, a fresh claim stays
+        # fresh until stale_after_s, a live holder starts the pending run when it ends), so reading it
+        # outside the transaction decides as reading it inside would.
+        standing = _standing(
+            run.run_id,
+            run_ref.get().to_dict() or {},
+            dataset_ref.get().to_dict() or {},
+            now,
+            stale_after_s,
+            lambda a: runs.document(a).get(),
+        )
+        if standing:
+            return StartClaim(StartVerdict(standing), ())
         token = uuid.uuid4().hex
         verdict = self._contended(take)
         if verdict != "claimed":
