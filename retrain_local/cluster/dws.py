@@ -68,7 +68,8 @@ class DwsProvisioner:
     def namespace(self) -> str:
         return self.pool.namespace
 
-    def reconcile(self) -> None:
+    def reconcile(self) -> int:
+        """One pass over the ProvisioningRequests; how many there are."""
         listing = self.objects.list_namespaced_custom_object(PR_GROUP, PR_VERSION, self.namespace, PR_PLURAL)
         now = time.monotonic()
         live = set()
@@ -76,6 +77,7 @@ class DwsProvisioner:
             live.add(pr["metadata"]["uid"])
             self._reconcile_request(pr, now)
         self._scale_down(live, now)
+        return len(live)
 
     def _reconcile_request(self, pr: dict[str, Any], now: float) -> None:
         uid = pr["metadata"]["uid"]

@@ -73,11 +73,13 @@ class JobSetController:
     def busy_nodes(self) -> set[str]:
         return {p.node for p in self.pods() if p.result is None}
 
-    def reconcile(self) -> None:
+    def reconcile(self) -> int:
+        """One pass over the JobSets; how many there are."""
         listing = self.objects.list_namespaced_custom_object(JS_GROUP, JS_VERSION, self.namespace, JS_PLURAL)
-        nodes = {n.metadata.name: n for n in self.core.list_node().items}
+        items = listing.get("items", [])
+        nodes = {n.metadata.name: n for n in self.core.list_node().items} if items else {}
         live = set()
-        for js in listing.get("items", []):
+        for js in items:
             live.add(js["metadata"]["uid"])
             try:
                 self._reconcile_jobset(js, nodes)
@@ -86,6 +88,7 @@ class JobSetController:
                 self.errors.append(f"{js['metadata']['name']}: {type(e).__name__}: {e}")
         for uid in [u for u in self.runs if u not in live]:
             self.teardown(self.runs.pop(uid), delete_pods=True)
+        return len(live)
 
     def stop(self) -> None:
         for run in list(self.runs.values()):

@@ -4,7 +4,10 @@ the JobSet controller with the scheduler (:mod:`.jobset`), reconciled in turn on
 (:mod:`.kubelet`), which runs the pods the JobSet controller binds.
 
 It reconciles level-triggered: it lists the objects every ``poll_s`` (a controller's resync, with a short
-period) instead of holding watches, which keeps it simple and robust to restarts of either side."""
+period) instead of holding watches, which keeps it simple and robust to restarts of either side.  With
+nothing to reconcile (no ProvisioningRequest, no JobSet, no node) it lists every ``idle_poll_s``: an idle
+stack's polling was most of its CPU (and of its API server's), and a run's first object waits at most that
+long to be seen."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class ClusterTwin:
         pod_env: dict[str, str] | None = None,
         faults: Faults | None = None,
         poll_s: float = 0.2,
+        idle_poll_s: float = 1.0,
         images: dict[str, LocalImage] | None = None,
         scale_down_delay_s: float = 0.0,
         booking_window_s: float = 600.0,
@@ -53,7 +57,7 @@ class ClusterTwin:
         self.api = api
         self.namespace = namespace
         self.workdir = Path(workdir)
-        self.poll_s = poll_s
+        self.poll_s, self.idle_poll_s = poll_s, idle_poll_s
         self.errors: list[str] = []
         core: Any = client.CoreV1Api(api)
         objects: Any = client.CustomObjectsApi(api)
@@ -148,12 +152,12 @@ class ClusterTwin:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            busy = True
             try:
                 with self._lock:
-                    self.dws.reconcile()
-                    self.jobsets.reconcile()
+                    busy = bool(self.dws.reconcile() + self.jobsets.reconcile() or self.pool.names())
             except Exception as e:  # keep the twin alive; record for tests and logs
                 log.exception("cluster twin reconcile failed")
                 self.errors.append(f"{type(e).__name__}: {e}")
                 del self.errors[:-50]
-            self._stop.wait(self.poll_s)
+            self._stop.wait(self.poll_s if busy else self.idle_poll_s)

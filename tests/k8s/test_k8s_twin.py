@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,32 @@ def test_a_pod_whose_service_account_does_not_exist_is_never_created(
         assert cluster.terminal(js) is None and not list((tmp_path / "twin").rglob("out.txt"))
         refused = [str(e) for e in twin.errors]
         assert refused and 'serviceaccount \\"retrain-nosa-1\\" not found' in refused[0], refused[:1]
+
+
+def test_an_idle_twin_lists_less_often_and_a_request_wakes_it(cluster: Cluster, tmp_path: Path) -> None:
+    """With nothing to reconcile the twin waits idle_poll_s between lists (an idle stack's polling was
+    most of its CPU and its API server's); a ProvisioningRequest is seen within one such wait, and while
+    one exists (or its node) the twin waits poll_s."""
+    twin = make_twin(cluster, tmp_path, idle_poll_s=0.5)
+    waits: list[tuple[float, float]] = []  # (when, how long) the loop waited
+
+    class Recorded(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append((time.monotonic(), float(timeout or 0)))
+            return super().wait(timeout)
+
+    twin._stop = Recorded()
+    with twin:
+        time.sleep(1.2)
+        pr = cluster.create_pr("wake-1", nodes=1)
+        asked = time.monotonic()
+        wait_for(lambda: conditions(cluster.pr(pr)).get("Provisioned", {}).get("status") == "True")
+        cluster.delete_pr(pr)
+        wait_for(lambda: not twin.node_names())
+        time.sleep(0.6)
+    before = [t for when, t in waits if when < asked]
+    assert before and set(before) == {0.5}, waits
+    after = [t for when, t in waits if when > asked]
+    assert after.index(0.1) <= 1, waits  # seen by the list after the idle wait under way when it was made
+    assert after[-1] == 0.5 and 0.1 in after, waits  # busy while it lived, idle again once its node went
+    assert not twin.errors
