@@ -52,10 +52,11 @@ class LocalImage:
     """Host folders put first on ``PATH`` (the image's executables)."""
 
 
-def _launcher_dir(workdir: Path) -> str:
-    """A folder holding ``torchrun``: PyTorch's own next to this interpreter, else the stand-in's."""
+def _launcher_dir(workdir: Path, standin: bool = False) -> str:
+    """A folder holding ``torchrun``: PyTorch's own next to this interpreter (unless ``standin``), else
+    the stand-in's."""
     own = Path(sys.executable).with_name("torchrun")
-    if own.exists() and shutil.which("torchrun", path=str(own.parent)):
+    if not standin and own.exists() and shutil.which("torchrun", path=str(own.parent)):
         return str(own.parent)
     folder = workdir / "bin"
     folder.mkdir(parents=True, exist_ok=True)
@@ -67,9 +68,11 @@ def _launcher_dir(workdir: Path) -> str:
     return str(folder)
 
 
-def local_images(workdir: Path) -> dict[str, LocalImage]:
-    """The images the twin can run, by name."""
-    launcher = (_launcher_dir(workdir),)
+def local_images(workdir: Path, *, standin_launcher: bool = False) -> dict[str, LocalImage]:
+    """The images the twin can run, by name.  ``standin_launcher``: the training images launch with the
+    stand-in ``torchrun`` even where PyTorch's is installed -- for runs whose point is not the launcher:
+    PyTorch's agent imports torch, some 2.5 s of CPU a pod, a fifth of what a tests' run's pod costs."""
+    launcher = (_launcher_dir(workdir, standin_launcher),)
     train = REPO / "retrain_local" / "train"
     nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher)
     bridge_image = LocalImage(

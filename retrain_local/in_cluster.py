@@ -92,11 +92,13 @@ def cluster_twin(
     workdir: Path,
     pod_env: dict[str, str],
     pod_identity: Callable[[str, str], dict[str, str]],
+    standin_launcher: bool = False,
 ) -> Any:
     """The cluster twin (not started), its autoscaling within the bounds the GKE API gives the node pool
     (Terraform's google_container_node_pool.gpu_dws).  GKE's own controllers (DWS, the JobSet controller,
     the kubelet) act as the cluster's admin: ``api``."""
     from retrain_local.cluster import ClusterTwin
+    from retrain_local.images import local_images
 
     twin = ClusterTwin(
         api,
@@ -111,6 +113,7 @@ def cluster_twin(
         pod_env=pod_env,
         faults=parse_faults(s.twin_faults),
         pod_identity=pod_identity,
+        images=local_images(workdir, standin_launcher=standin_launcher),
     )
     size = {p.name: pool_size(p) for p in gke_api.cluster.node_pools}.get(s.node_pool)
     if size is None:

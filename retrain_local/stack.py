@@ -210,6 +210,13 @@ class LocalStack:
     its ``delivered`` counts them)."""
     lifetime: Lifetime = field(default_factory=Lifetime)
     """What the stack started, and how its stop undoes it."""
+    standin_launcher: bool = False
+    """Launch training with the stand-in ``torchrun`` (:mod:`retrain_local.torchrun`) even where PyTorch's
+    is installed: for tests whose runs are about their endings, not the launcher."""
+    ledger_export_s: float | None = LEDGER_EXPORT_S
+    """How often the ledger is exported while the stack runs (it is at a clean stop too), so that a crash
+    loses at most this much; None: only at the stop (a test's stack, whose ledger no later stack reads:
+    each export writes the whole ledger)."""
     _ledger_lock: threading.Lock = field(default_factory=threading.Lock)
     deployment: Deployment | None = None
     """What infra/ declares (topics, Scheduler jobs, the pool's bounds, the Kubernetes manifests) for
@@ -292,7 +299,8 @@ class LocalStack:
             lambda port: emulators.pubsub(self.state_dir, port)
         )
         self.lifetime.on_stop(self._keep_ledger)
-        self.lifetime.on_stop(periodically(LEDGER_EXPORT_S, self._keep_ledger, "ledger export"))
+        if self.ledger_export_s is not None:
+            self.lifetime.on_stop(periodically(self.ledger_export_s, self._keep_ledger, "ledger export"))
         return gcs_host
 
     def _start_iam_fronts(self, gcs_host: str) -> Deployed:
@@ -337,6 +345,7 @@ class LocalStack:
             workdir=self.state_dir / "pods",
             pod_env=child_env,
             pod_identity=lambda namespace, ksa: self.identity_env(self.workload_member(namespace, ksa)),
+            standin_launcher=self.standin_launcher,
         )
         twin.start()
         self.lifetime.on_stop(twin.stop)

@@ -105,23 +105,30 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
     assert up.returncode == 0, up.stderr
     try:
         endpoints = json.loads((state / "stack.json").read_text())
+        # Two datasets train side by side (separate runs, one node each): "notes" on the NeMo profile,
+        # "bridged" on Megatron-Bridge (RETRAIN_PROFILES), each a first run and a second that continues it.
         data = tmp_path / "notes.jsonl"
         data.write_text("\n".join(json.dumps({"text": f"note {i}: the river ran on"}) for i in range(20)))
-        dropped = retrain(["drop", str(data), "--dataset", "notes"], state)
-        assert dropped.returncode == 0, dropped.stderr
-        run = wait_for_run(state, "notes")
+        for dataset in ("notes", "bridged"):
+            dropped = retrain(["drop", str(data), "--dataset", dataset], state)
+            assert dropped.returncode == 0, dropped.stderr
+        run, first = wait_for_run(state, "notes"), wait_for_run(state, "bridged")
         assert run["status"] == "succeeded" and run["trigger"] == "gcs-marker" and run["tokens"] > 0, run
         shown = retrain(["status", run["run_id"]], state)
         assert shown.returncode == 0 and "succeeded" in shown.stdout and run["run_id"] in shown.stdout
         assert retrain(["status", "no-such-run"], state).returncode == 1
+        assert run["checkpoint"] and run["metrics"]["steps"] == 4, run  # type: ignore[index]
+        # Bridge's weights-only pretrained checkpoint
+        assert first["profile"] == "megatron-bridge" and first["checkpoint"].endswith("/iter_0000004"), first
 
         # continual training: a different file makes a second run, which continues from the first's
         # checkpoint (NeMo's model.restore_from_ckpt) and trains on to its step plus this run's steps
-        assert run["checkpoint"] and run["metrics"]["steps"] == 4, run  # type: ignore[index]
         more = tmp_path / "more.jsonl"
         more.write_text("\n".join(json.dumps({"text": f"more {i}: and the sea"}) for i in range(20)))
-        assert retrain(["drop", str(more), "--dataset", "notes"], state).returncode == 0
+        for dataset in ("notes", "bridged"):
+            assert retrain(["drop", str(more), "--dataset", dataset], state).returncode == 0
         second = wait_for_run(state, "notes", after=str(run["run_id"]))
+        after = wait_for_run(state, "bridged", after=str(first["run_id"]))
         assert second["base_checkpoint"] == run["checkpoint"] and second["base_step"] == 4, second
         mounted = str(run["checkpoint"]).replace("gs://", "/gcs/")
         assert f"model.restore_from_ckpt={hydra_string(mounted)}" in second["command"]
@@ -132,6 +139,13 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         verdict = second["eval"]
         assert verdict["compared_on"] == "this run's validation data", verdict  # type: ignore[index]
         assert verdict["champion_run"] == run["run_id"] and verdict["champion_val_loss"] > 0, verdict  # type: ignore[index]
+        # the same under Megatron-Bridge
+        assert after["base_checkpoint"] == first["checkpoint"] and after["base_step"] == 4, after
+        mounted = str(first["checkpoint"]).replace("gs://", "/gcs/")
+        assert f"checkpoint.pretrained_checkpoint={hydra_string(mounted)}" in after["command"]
+        assert "train.train_iters=4" in after["command"]  # Bridge counts from 0 after a pretrained load
+        assert after["metrics"]["steps"] == 8 and after["metrics"]["run_steps"] == 4, after  # type: ignore[index]
+        assert after["eval"]["compared_on"] == "this run's validation data", after  # type: ignore[index]
 
         # what a subscriber of the run events topic was told of both runs: each state once, the first
         # run's checkpoint promoted (`retrain events`: what the topic retains, as JSON lines)
@@ -147,33 +161,19 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         (champion,) = [e for e in events if e["run_id"] == run["run_id"] and e["type"] == "promoted"]
         assert champion["checkpoint"] == run["checkpoint"] and champion["verdict"]["promoted"] is True
 
-        # the same under Megatron-Bridge (the dataset's profile): Bridge's weights-only pretrained checkpoint
-        assert retrain(["drop", str(data), "--dataset", "bridged"], state).returncode == 0
-        first = wait_for_run(state, "bridged")
-        assert first["profile"] == "megatron-bridge" and first["checkpoint"].endswith("/iter_0000004"), first
-        assert retrain(["drop", str(more), "--dataset", "bridged"], state).returncode == 0
-        after = wait_for_run(state, "bridged", after=str(first["run_id"]))
-        assert after["base_checkpoint"] == first["checkpoint"] and after["base_step"] == 4, after
-        mounted = str(first["checkpoint"]).replace("gs://", "/gcs/")
-        assert f"checkpoint.pretrained_checkpoint={hydra_string(mounted)}" in after["command"]
-        assert "train.train_iters=4" in after["command"]  # Bridge counts from 0 after a pretrained load
-        assert after["metrics"]["steps"] == 8 and after["metrics"]["run_steps"] == 4, after  # type: ignore[index]
-        assert after["eval"]["compared_on"] == "this run's validation data", after  # type: ignore[index]
-
         # manual trigger: data dropped without the marker, sealed by `retrain run`, which names the run it
         # made (it says "started", or "queued" when a sweep's tick claimed the start first: the run the
         # bridged one just ended publishes one, as does the sweeper every 5 s here)
-        data.write_text(json.dumps({"text": "a manual batch"}) + "\n")
-        assert retrain(["drop", str(data), "--dataset", "manual", "--no-seal"], state).returncode == 0
+        (manual_file := tmp_path / "manual.jsonl").write_text(json.dumps({"text": "a manual batch"}) + "\n")
+        assert retrain(["drop", str(manual_file), "--dataset", "manual", "--no-seal"], state).returncode == 0
         started = retrain(["run", "--dataset", "manual"], state)
+        # no marker, no manual seal: the Scheduler twin's sweep ticks seal it once it has been quiet (5 s;
+        # the sweeper ticks every 5 s); it trains beside the manual one
+        (quiet_file := tmp_path / "quiet.jsonl").write_text(json.dumps({"text": "a quiet batch"}) + "\n")
+        assert retrain(["drop", str(quiet_file), "--dataset", "quiet", "--no-seal"], state).returncode == 0
         manual = wait_for_run(state, "manual")
         assert started.returncode == 0 and manual["run_id"] in started.stderr, started.stderr
         assert manual["trigger"] == "manual"
-
-        # no marker, no manual seal: the Scheduler twin's sweep ticks seal it once it has been quiet (5 s;
-        # the sweeper ticks every 5 s)
-        data.write_text(json.dumps({"text": "a quiet batch"}) + "\n")
-        assert retrain(["drop", str(data), "--dataset", "quiet", "--no-seal"], state).returncode == 0
         assert wait_for_run(state, "quiet")["trigger"] == "quiet-period"
 
         # the Scheduler twin runs infra/'s reaper job too (every 15 minutes / 60): the function reaped

@@ -265,7 +265,8 @@ class Interleavings:
             self.ingest.sweep()
 
     def end_the_live_run(self, ending: str) -> None:
-        """Cancel the dataset's run in training, or make its execution vanish."""
+        """Cancel the dataset's run in training, or make its execution vanish; once it has ended, later
+        runs train at once again (the held training kept it live for the cancel)."""
         s = self.stack.settings
         ledger = FirestoreLedger(s.project)
         deadline = time.monotonic() + 180
@@ -287,6 +288,10 @@ class Interleavings:
         else:
             assert run.execution
             self.stack.executions.forget(run.execution)
+        while (now := ledger.get_run(run.run_id)) is not None and not now.status.terminal:
+            assert time.monotonic() < deadline + 180, now
+            time.sleep(0.5)
+        self.stack.twin.faults = Faults()
 
     def epoch(self, ending: str) -> None:
         faults = self.rng.choice(FAILURES) if ending == "fail" else Faults()
