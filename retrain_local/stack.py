@@ -211,12 +211,9 @@ class LocalStack:
     lifetime: Lifetime = field(default_factory=Lifetime)
     """What the stack started, and how its stop undoes it."""
     standin_launcher: bool = False
-    """Launch training with the stand-in ``torchrun`` (:mod:`retrain_local.torchrun`) even where PyTorch's
-    is installed: for tests whose runs are about their endings, not the launcher."""
+    """Training launched by the stand-in ``torchrun`` (:mod:`retrain_local.torchrun`), not PyTorch's."""
     ledger_export_s: float | None = LEDGER_EXPORT_S
-    """How often the ledger is exported while the stack runs (it is at a clean stop too), so that a crash
-    loses at most this much; None: only at the stop (a test's stack, whose ledger no later stack reads:
-    each export writes the whole ledger)."""
+    """How often the ledger is exported while the stack runs (a crash loses at most this); None: at stop."""
     _ledger_lock: threading.Lock = field(default_factory=threading.Lock)
     deployment: Deployment | None = None
     """What infra/ declares (topics, Scheduler jobs, the pool's bounds, the Kubernetes manifests) for
@@ -286,14 +283,12 @@ class LocalStack:
                 shutil.rmtree(kept, ignore_errors=True)
 
     def _start_emulators(self) -> str:
-        """Cloud Storage, Firestore (its ledger kept across stops) and Pub/Sub; the storage emulator's
-        host."""
+        """Cloud Storage, Firestore (its ledger kept across stops), Pub/Sub; the storage emulator's host."""
         self.progress("starting emulators: GCS, Firestore, Pub/Sub")
         _, gcs_host = self.lifetime.spawn_on_a_free_port(lambda port: emulators.gcs(self.state_dir, port))
+        kept = self.state_dir / FIRESTORE_DATA
         _, self._firestore_host = self.lifetime.spawn_on_a_free_port(
-            lambda port: emulators.firestore(
-                self.state_dir, port, import_from=self.state_dir / FIRESTORE_DATA
-            )
+            lambda port: emulators.firestore(self.state_dir, port, import_from=kept)
         )
         _, self.endpoints.pubsub = self.lifetime.spawn_on_a_free_port(
             lambda port: emulators.pubsub(self.state_dir, port)
