@@ -75,10 +75,11 @@ class RunRecords(FirestoreBase):
 
         # Most seals of a storm find the run started, its start claimed, or its dataset busy: read without
         # a transaction first, so that only a seal that may claim contends for the run's document (29
-        # seals in one claim's transactions held the function past its 60 s).  Each of these verdicts
-        # writes nothing and stays true once read (an execution is never unbound, a fresh claim stays
-        # fresh until stale_after_s, a live holder starts the pending run when it ends), so reading it
-        # outside the transaction decides as reading it inside would.
+        # seals in one claim's transactions held the function past its 60 s).  These verdicts write
+        # nothing, as inside the transaction: "started" and "starting" stay true once read (an execution
+        # is never unbound; a claim's time only moves forward), and a run "queued" behind a live holder
+        # is started by the sweep the holder's end publishes after it is recorded terminal, which reads
+        # after this read did.
         standing = _standing(
             run.run_id,
             run_ref.get().to_dict() or {},
