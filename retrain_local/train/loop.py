@@ -10,7 +10,6 @@ split.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -98,6 +97,53 @@ class Shape:
     clip: float = 0.0
 
 
+class AdamW:
+    """AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay, bias-corrected moments, its
+    defaults' epsilon), with the part of its interface the loop uses.  Written out because torch.optim's
+    first optimizer imports torch._dynamo (as DistributedDataParallel does): some 2.5 s of CPU in every
+    rank of every run, more than the training itself of a test's run."""
+
+    def __init__(
+        self, torch: Any, params: list[Any], weight_decay: float, betas: tuple[float, float]
+    ) -> None:
+        self.torch, self.params = torch, params
+        self.param_groups = [{"lr": 0.0, "weight_decay": weight_decay, "betas": betas, "eps": 1e-8}]
+        self.state: dict[int, dict[str, Any]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        torch, group = self.torch, self.param_groups[0]
+        lr, decay, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                s = self.state.setdefault(
+                    i, {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                )
+                s["step"] += 1
+                p.mul_(1 - lr * decay)
+                s["exp_avg"].lerp_(p.grad, 1 - beta1)
+                s["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                corrected = 1 - beta1 ** s["step"], math.sqrt(1 - beta2 ** s["step"])
+                denominator = (s["exp_avg_sq"].sqrt() / corrected[1]).add_(eps)
+                p.addcdiv_(s["exp_avg"], denominator, value=-lr / corrected[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout: per-parameter state by index, and the groups."""
+        groups = [{**g, "params": list(range(len(self.params)))} for g in self.param_groups]
+        return {"state": {i: dict(s) for i, s in self.state.items()}, "param_groups": groups}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """A state saved by this class or by torch.optim.AdamW (whose ``step`` is a tensor)."""
+        self.state = {int(i): {**s, "step": int(s["step"])} for i, s in saved["state"].items()}
+        kept = saved["param_groups"][0]
+        self.param_groups[0].update({k: kept[k] for k in ("lr", "weight_decay", "betas", "eps") if k in kept})
+
+
 class Loop:
     """The model, its optimizer and the two things a stand-in does with them: an optimizer step over one
     global batch, and a validation pass."""
@@ -112,10 +158,10 @@ class Loop:
                 vocab_size=shape.vocab, seq_len=shape.seq_length, d_model=D_MODEL, layers=LAYERS, heads=HEADS
             )
         )
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=0.0, weight_decay=shape.weight_decay, betas=shape.betas
-        )
-        self.net = torch.nn.parallel.DistributedDataParallel(self.model) if dist.active else self.model
+        self.optimizer = AdamW(torch, list(self.model.parameters()), shape.weight_decay, shape.betas)
+        if dist.active:  # every rank starts from rank 0's weights, as DistributedDataParallel makes them
+            for p in self.model.parameters():
+                torch.distributed.broadcast(p.data, 0)
         self.sampler = WindowSampler(train, shape.seq_length, shape.seed)
         self.validator = WindowSampler(valid, shape.seq_length, shape.seed + 1) if valid else None
 
@@ -177,11 +223,14 @@ class Loop:
         loss_sum = torch.zeros(())
         for a in range(self.accumulation):
             batch = torch.from_numpy(self.sampler.batch(self.shape.micro_batch_size, step, self.dist.rank, a))
-            sync = a == self.accumulation - 1 or not self.dist.active
-            with contextlib.nullcontext() if sync else self.net.no_sync():
-                loss = self.net(batch[:, :-1], batch[:, 1:]) / self.accumulation
-                loss.backward()
+            loss = self.model(batch[:, :-1], batch[:, 1:]) / self.accumulation
+            loss.backward()
             loss_sum += loss.detach()
+        if self.dist.active:  # the data-parallel gradient: its mean over the ranks, once per step
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= self.dist.world
         if self.shape.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.shape.clip)
         self.optimizer.step()
