@@ -107,7 +107,9 @@ class AdamW:
         self, torch: Any, params: list[Any], weight_decay: float, betas: tuple[float, float]
     ) -> None:
         self.torch, self.params = torch, params
-        self.param_groups = [{"lr": 0.0, "weight_decay": weight_decay, "betas": betas, "eps": 1e-8}]
+        self.param_groups: list[dict[str, Any]] = [
+            {"lr": 0.0, "weight_decay": weight_decay, "betas": betas, "eps": 1e-8}
+        ]
         self.state: dict[int, dict[str, Any]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
