@@ -70,8 +70,8 @@ def _launcher_dir(workdir: Path, standin: bool = False) -> str:
 
 def local_images(workdir: Path, *, standin_launcher: bool = False) -> dict[str, LocalImage]:
     """The images the twin can run, by name.  ``standin_launcher``: the training images launch with the
-    stand-in ``torchrun`` even where PyTorch's is installed -- for runs whose point is not the launcher:
-    PyTorch's agent imports torch, some 2.5 s of CPU a pod, a fifth of what a tests' run's pod costs."""
+    stand-in ``torchrun`` even where PyTorch's is installed -- for runs whose point is not the launcher
+    (PyTorch's agent imports torch: some 2.5 s of CPU a pod)."""
     launcher = (_launcher_dir(workdir, standin_launcher),)
     train = REPO / "retrain_local" / "train"
     nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher)
