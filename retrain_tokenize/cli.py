@@ -70,7 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-empty", action="store_true", help='write "" texts as empty documents (Megatron)')
     p.add_argument("--max-document-bytes", type=int, default=records.DEFAULT_MAX_DOCUMENT_BYTES)
     p.add_argument("--runner", default="FnApiRunner")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--workers", type=int, default=2, help="Dataflow's max_num_workers (locally: one worker, every core)"
+    )
     p.add_argument("--no-wait", action="store_true", help="return once the job is submitted (templates)")
     return p
 

@@ -39,7 +39,8 @@ class TokenizeOptions:
     runner: str = "FnApiRunner"
     """Beam's runner: ``FnApiRunner`` here, ``DataflowRunner`` in the cloud."""
     workers: int = 2
-    """Threads of the local runners (one: in-process, ``in_memory``); Dataflow's ``max_num_workers``."""
+    """Dataflow's ``max_num_workers``.  The local runners run one in-process worker whatever this says
+    (``pipeline.LOCAL_RUNNERS`` says why); their tokenizer uses every core."""
     pipeline_args: tuple[str, ...] = ()
     """Beam's own pipeline options, passed as given (``--project``, ``--temp_location`` ...)."""
     wait: bool = True

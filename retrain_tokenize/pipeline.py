@@ -365,13 +365,21 @@ class WriteIndexedDataset(beam.PTransform):
 # --------------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------------
+#: Beam's runners on this machine.  They run one SDK worker in process (``in_memory``), whatever
+#: ``workers`` says: several workers talk to the runner over gRPC, and that data stream is corrupted now
+#: and then under load (apache/beam#23944, open: "Unknown type tag", "Invalid PaneInfoEncoding"; #21104).
+#: Here it failed a test's decode once and, twice, grew a process to 20 GB until the kernel killed it.
+#: Every core still tokenizes: the BPE encodes a batch on a thread per core (``TiktokenBPE``).
+LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner")
+
+
 def pipeline_options(runner: str, workers: int, pipeline_args: Sequence[str] | None) -> PipelineOptions:
+    """Beam's options for ``runner``: ``workers`` is Dataflow's ``max_num_workers`` (unless the pipeline
+    arguments set it); the local runners run one in-process worker (``LOCAL_RUNNERS``)."""
     args = list(pipeline_args or [])
     kw: dict[str, Any] = {"runner": runner}
-    if runner in ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner"):
-        kw.update(
-            direct_num_workers=workers, direct_running_mode="multi_threading" if workers > 1 else "in_memory"
-        )
+    if runner in LOCAL_RUNNERS:
+        kw.update(direct_num_workers=1, direct_running_mode="in_memory")
     elif not any(a.startswith("--max_num_workers") for a in args):
         kw["max_num_workers"] = workers
     return PipelineOptions(args, **kw)

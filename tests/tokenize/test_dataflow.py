@@ -43,3 +43,19 @@ def test_template_args_parse_as_cli_args():
     assert (args.shard_root, args.report, args.append_eod) == ("gs://a/shards", "gs://a/r.json", False)
     assert args.json_keys == ["text", "title"] and args.runner == "DataflowRunner" and args.no_wait
     assert beam_args == ["--project=p", "--region=us-central1", "--temp_location=gs://a/tmp"]
+
+
+def test_workers_size_dataflow_and_never_split_a_local_run_over_grpc():
+    """Dataflow gets ``workers`` as max_num_workers (the pipeline's own flag wins); the local runners run one
+    in-process worker whatever it says: multi-worker FnApiRunner's gRPC stream corrupts under load
+    (apache/beam#23944), here a failed decode and two processes grown to 20 GB."""
+    from apache_beam.options.pipeline_options import DirectOptions, WorkerOptions
+
+    from retrain_tokenize.pipeline import LOCAL_RUNNERS, pipeline_options
+
+    for runner in LOCAL_RUNNERS:
+        direct = pipeline_options(runner, 8, []).view_as(DirectOptions)
+        assert (direct.direct_num_workers, direct.direct_running_mode) == (1, "in_memory")
+    assert pipeline_options("DataflowRunner", 8, []).view_as(WorkerOptions).max_num_workers == 8
+    given = pipeline_options("DataflowRunner", 8, ["--max_num_workers=3"]).view_as(WorkerOptions)
+    assert given.max_num_workers == 3

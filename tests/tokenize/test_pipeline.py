@@ -23,7 +23,7 @@ def docs() -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, docs):
-    """The same JSONL through workers=1 (defaults) and workers=2 (tiny splits and batches: many parts)."""
+    """The same JSONL with the default splits and batches, and with tiny ones (many parts)."""
     d = tmp_path_factory.mktemp("runs")
     src = write_jsonl(d / "good.jsonl", docs)
     one = tokenize_to_prefix([str(src)], str(d / "w1" / "out"), TokenizeOptions(workers=1))
@@ -44,7 +44,7 @@ def test_exact_bytes_against_hand_packed_spec(runs, docs, gpt2):
     assert not list((d / "w1").glob("*_tmp*")), "temporary parts left behind"
 
 
-def test_deterministic_across_workers_splits_and_batches(runs):
+def test_deterministic_across_splits_and_batches(runs):
     d, one, two = runs
     assert read_pair(d / "w1" / "out_text_document") == read_pair(d / "w2" / "out_text_document")
     assert {k: one[k] for k in ("documents", "tokens")} == {k: two[k] for k in ("documents", "tokens")}
