@@ -37,13 +37,28 @@ TIER_MARKS = {"e2e": {"e2e", "faults"}, "integration": {"integration", "emulator
 #: starting a ten-minute test when the others are done.
 TIER_ORDER = ("e2e", "integration", "unit")
 
+#: Packages whose tests share a package-scoped fixture: all their tests on one worker, so that it starts
+#: once and stops after their last test.  tests/k8s's control plane costs some 18 CPU s to start and
+#: 2.25 a minute while it idles (measured alone); held per worker for the session, three idled on
+#: through the whole suite.
+SHARED_PACKAGES = ("tests/k8s",)
+
+
+def xdist_group_of(nodeid: str, long: bool) -> str:
+    """A ``long`` test alone, a shared package's tests together, and otherwise a module's tests."""
+    if long:
+        return nodeid
+    module = nodeid.split("::")[0]
+    return next((p for p in SHARED_PACKAGES if module.startswith(p + "/")), module)
+
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give every test exactly one tier mark, so that ``-m unit`` (``./scripts/test --fast``) selects the
     unit tier and a test carries no tier mark that contradicts its needs; order the tests longest
     first; and group them for ``--dist loadgroup``: a module's tests on one worker (they share its
-    fixtures: a module's stack boots once), a ``long`` test on a worker by itself."""
+    fixtures: a module's stack boots once), a shared package's too, a ``long`` test on a worker by
+    itself."""
     tiers: dict[str, str] = {}
     for item in items:
         marks = {m.name for m in item.iter_markers()}
@@ -55,7 +70,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             )
         item.add_marker(tier)
         tiers[item.nodeid] = tier
-        group = item.nodeid if "long" in marks else item.nodeid.split("::")[0]
+        group = xdist_group_of(item.nodeid, "long" in marks)
         # xdist reads a group after the last "@", and only past any "]" (loadgroup._split_scope)
         item.add_marker(pytest.mark.xdist_group(re.sub(r"[^\w./:-]+", "-", group)))
     items.sort(key=lambda i: (TIER_ORDER.index(tiers[i.nodeid]), i.get_closest_marker("long") is None))

@@ -96,3 +96,32 @@ def test_a_test_that_takes_its_worker_past_the_memory_limit_fails_and_the_worker
     out = "\n".join(result.outlines)
     assert "the largest growths: test_memory.py::test_holds +40" in out  # 400-odd MB
     assert "this worker's memory went past" in out and "MB in test_memory.py::test_holds" in out
+
+
+def test_a_shared_packages_fixture_starts_once_over_several_workers(pytester: pytest.Pytester) -> None:
+    """tests/k8s's modules share a package-scoped control plane: ``--dist loadgroup`` runs all of them on
+    one worker, so it starts once, not once per worker that drew one of its modules."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini(MARKERS)
+    started = pytester.path / "started.log"
+    k8s = pytester.mkpydir("tests") / "k8s"
+    k8s.mkdir()
+    (k8s / "__init__.py").write_text("")
+    (k8s / "conftest.py").write_text(
+        "import os\nimport pytest\n\n"
+        '@pytest.fixture(scope="package")\n'
+        "def plane():\n"
+        f"    with open({str(started)!r}, 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
+        "    yield\n"
+    )
+    for m in range(6):
+        (k8s / f"test_k{m}.py").write_text(
+            "import pytest\n\n"
+            + "".join(f"@pytest.mark.envtest\ndef test_{t}(plane):\n    pass\n\n" for t in range(3))
+        )
+    for m in range(4):
+        (pytester.path / "tests" / f"test_other{m}.py").write_text("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-q", "-p", "xdist", "-n", "3", "--dist", "loadgroup")
+    result.assert_outcomes(passed=22)
+    assert len(started.read_text().split()) == 1, started.read_text()

@@ -1,4 +1,5 @@
-"""One real control plane (etcd + kube-apiserver, CRDs loaded) per test session for tests/k8s."""
+"""One real control plane (etcd + kube-apiserver, CRDs loaded) for tests/k8s, stopped after its last test
+(``tests/conftest.py`` runs the package's tests on one worker: ``SHARED_PACKAGES``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from retrain_local.envtest import ControlPlane, envtest_unavailable_reason
 _counter = itertools.count()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     reason = envtest_unavailable_reason()
     if reason is not None:
