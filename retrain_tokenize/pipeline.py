@@ -368,7 +368,9 @@ class WriteIndexedDataset(beam.PTransform):
 #: Beam's runners on this machine.  They run one SDK worker in process (``in_memory``), whatever
 #: ``workers`` says: several workers talk to the runner over gRPC, and that data stream is corrupted now
 #: and then under load (apache/beam#23944, open: "Unknown type tag", "Invalid PaneInfoEncoding"; #21104).
-#: Here it failed a test's decode once and, twice, grew a process to 20 GB until the kernel killed it.
+#: Here it failed a test's decode once; and the any-size bench, whose longest work in that phase is this
+#: pipeline on two threads, grew to 20 GB under the whole suite until the kernel killed it (read as the
+#: same corruption: a length decoded from garbage; not reproduced alone, in 14 runs).
 #: Every core still tokenizes: the BPE encodes a batch on a thread per core (``TiktokenBPE``).
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner")
 

@@ -48,7 +48,7 @@ def test_template_args_parse_as_cli_args():
 def test_workers_size_dataflow_and_never_split_a_local_run_over_grpc():
     """Dataflow gets ``workers`` as max_num_workers (the pipeline's own flag wins); the local runners run one
     in-process worker whatever it says: multi-worker FnApiRunner's gRPC stream corrupts under load
-    (apache/beam#23944), here a failed decode and two processes grown to 20 GB."""
+    (apache/beam#23944): here a failed decode, and most likely a bench grown to 20 GB."""
     from apache_beam.options.pipeline_options import DirectOptions, WorkerOptions
 
     from retrain_tokenize.pipeline import LOCAL_RUNNERS, pipeline_options
