@@ -56,8 +56,9 @@ def runtime_modules() -> dict[str, Path]:
 def _distribution_of_file() -> dict[Path, str]:
     index = {}
     for dist in metadata.distributions():
+        name = dist.metadata["Name"].lower().replace("_", "-")  # parsed anew on every access: once a dist
         for f in dist.files or ():
-            index[Path(str(dist.locate_file(f))).resolve()] = dist.metadata["Name"].lower().replace("_", "-")
+            index[Path(str(dist.locate_file(f))).resolve()] = name
     return index
 
 
