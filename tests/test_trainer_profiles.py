@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -240,3 +242,33 @@ def test_an_interpolation_in_a_path_is_refused_though_quoted(name: str) -> None:
     plan = dataclasses.replace(example_plan(), profile=name, eval_set=planted)
     with pytest.raises(PlanError, match=r"holds '\$\{', which Hydra would resolve as an interpolation"):
         profile(name).render(plan, GcsMounts().path)
+
+
+@pytest.mark.integration
+def test_hydra_is_imported_whole_by_one_thread_before_either_profile_uses_it() -> None:
+    """Two runs of the two profiles handed over at once, in one function server, imported Hydra's
+    circle from two ends and failed on Python's import-deadlock check.  In a fresh interpreter, both
+    profiles' compositions at once from eight threads; and load_hydra leaves every module they import
+    loaded."""
+    code = (
+        "import sys, threading\n"
+        "from retrain.trainers import hydra, megatron_bridge, nemo\n"
+        "assert 'hydra' not in sys.modules\n"
+        "gate, errors = threading.Barrier(8), []\n"
+        "def go(i):\n"
+        "    gate.wait()\n"
+        "    try:\n"
+        "        if i % 2:\n"
+        "            megatron_bridge.compose([])\n"
+        "        else:\n"
+        "            hydra.compose(nemo.CONFIG_DIR, nemo.CONFIG_NAME, [])\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "print(errors, [m for m in hydra.HYDRA_MODULES if m not in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] []", out.stdout

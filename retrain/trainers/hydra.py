@@ -49,9 +49,32 @@ def hydra_blend(blend: Sequence[float | str], mount: Callable[[str], str]) -> st
 
 #: Hydra's global state is per process; compositions take turns.
 _LOCK = threading.Lock()
+#: Hydra's modules import one another in a circle.  Two threads entering the circle at different modules
+#: at once (a NeMo and a Megatron-Bridge run handed over together, in one function server) met Python's
+#: import-deadlock check: "_DeadlockError: deadlock detected by _ModuleLock('hydra._internal.
+#: config_loader_impl')", and the run failed.  One thread imports it all first, from the top.
+_IMPORTING = threading.Lock()
+HYDRA_MODULES = (
+    "hydra",
+    "hydra.errors",
+    "hydra._internal.config_loader_impl",
+    "hydra.core.override_parser.overrides_parser",
+    "omegaconf",
+    "omegaconf.errors",
+)
+
+
+def load_hydra() -> None:
+    """Import Hydra's modules that retrain uses, one thread at a time; call before importing any of them."""
+    import importlib
+
+    with _IMPORTING:
+        for name in HYDRA_MODULES:
+            importlib.import_module(name)
 
 
 def _compose(config_dir: Path, config_name: str, overrides: Sequence[str]) -> Any:
+    load_hydra()
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -96,6 +119,7 @@ def _type_problem(key: str, default: Any, value: Any) -> str | None:
 
 def compose(config_dir: Path, config_name: str, overrides: Sequence[str]) -> Any:
     """The ``DictConfig`` the trainer would compose; PlanError for an override it would refuse."""
+    load_hydra()
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 

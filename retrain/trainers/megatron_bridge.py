@@ -53,7 +53,7 @@ from typing import Any
 from retrain.domain.runs import ProfileName
 from retrain.tensorboard import Scalar
 from retrain.trainers import BatchShape, Command, MountPath, PlanError, TrainingPlan
-from retrain.trainers.hydra import hydra_blend, hydra_string
+from retrain.trainers.hydra import hydra_blend, hydra_string, load_hydra
 
 NAME = ProfileName.MEGATRON_BRIDGE
 #: The Megatron-Bridge release whose config the overrides are checked against.
@@ -150,6 +150,7 @@ def compose(overrides: Sequence[str]) -> Any:
     """The recipe's config with ``overrides`` applied as Bridge applies them (``parse_hydra_overrides``:
     Hydra's parser and ``ConfigLoaderImpl._apply_overrides_to_config`` on the struct-mode tree), each
     value also checked against its field's type; PlanError naming the first one refused."""
+    load_hydra()  # before any of Hydra's modules: hydra.load_hydra says why
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
