@@ -74,7 +74,7 @@ def load_hydra() -> None:
 
 
 def _compose(config_dir: Path, config_name: str, overrides: Sequence[str]) -> Any:
-    load_hydra()
+    """Only through :func:`compose`, which has loaded Hydra (``load_hydra``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
