@@ -22,6 +22,10 @@ from retrain.domain.runs import BatchState, RunStatus, Trigger
 from retrain.domain.transitions import RunEnd, RunPlanned
 from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
 
+#: How long a start claim stays fresh in these tests: longer than any of them, however loaded the machine
+#: (a storm's test once took 171 s, and its first claim went stale before its second storm).
+FRESH = 24 * 3600.0
+
 pytestmark = pytest.mark.emulators
 
 
@@ -103,9 +107,9 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
     ledger.record_arrival(arrival("a"), "ds", "h-a")
     first = ledger.seal("ds", "manual").run
     assert first is not None
-    claim = ledger.claim_start(first, stale_after_s=60)
+    claim = ledger.claim_start(first, stale_after_s=FRESH)
     assert (claim.verdict, uris(claim.objects)) == (StartVerdict.CLAIMED, ("gs://land/incoming/a",))
-    assert ledger.claim_start(first, stale_after_s=60).verdict == StartVerdict.STARTING  # claimed already
+    assert ledger.claim_start(first, stale_after_s=FRESH).verdict == StartVerdict.STARTING  # claimed already
     for name, content in (("b", "h-b"), ("a-again", "h-a"), ("c", "h-c")):
         ledger.record_arrival(arrival(name), "ds", content)
         sealed = ledger.seal("ds", "manual")
@@ -117,9 +121,9 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
         "gs://land/incoming/b",
         "gs://land/incoming/c",
     )  # h-a: trained
-    assert ledger.claim_start(pending, stale_after_s=60).verdict == StartVerdict.QUEUED  # first is live
+    assert ledger.claim_start(pending, stale_after_s=FRESH).verdict == StartVerdict.QUEUED  # first is live
     overwrite_run(ledger, first.run_id, {"status": "succeeded"})
-    started = ledger.claim_start(pending, stale_after_s=60)
+    started = ledger.claim_start(pending, stale_after_s=FRESH)
     assert started.verdict == StartVerdict.CLAIMED and len(started.objects) == 2
     assert ledger.get_run(pending.run_id).objects == 2  # type: ignore[union-attr]
 
@@ -135,25 +139,25 @@ def test_a_storm_of_seals_contends_only_to_claim(
     first = ledger.seal("ds", "manual").run
     assert first is not None
     with ThreadPoolExecutor(8) as pool:
-        storm = Counter(pool.map(lambda _: ledger.claim_start(first, stale_after_s=60).verdict, range(8)))
+        storm = Counter(pool.map(lambda _: ledger.claim_start(first, stale_after_s=FRESH).verdict, range(8)))
     assert storm == {StartVerdict.CLAIMED: 1, StartVerdict.STARTING: 7}
 
     transactions: list[object] = []
     contended = ledger._contended
     monkeypatch.setattr(ledger, "_contended", lambda *a: transactions.append(a) or contended(*a))
     with ThreadPoolExecutor(8) as pool:
-        again = Counter(pool.map(lambda _: ledger.claim_start(first, stale_after_s=60).verdict, range(16)))
+        again = Counter(pool.map(lambda _: ledger.claim_start(first, stale_after_s=FRESH).verdict, range(16)))
     assert again == {StartVerdict.STARTING: 16} and transactions == []
     ledger.record_arrival(arrival("b"), "ds", "h-b")
     behind = ledger.seal("ds", "manual").run  # its content joins a new pending run in a transaction
     assert behind is not None and behind.run_id != first.run_id
     transactions.clear()
-    assert [ledger.claim_start(behind, stale_after_s=60).verdict for _ in range(4)] == [
+    assert [ledger.claim_start(behind, stale_after_s=FRESH).verdict for _ in range(4)] == [
         StartVerdict.QUEUED
     ] * 4
     assert transactions == []
     overwrite_run(ledger, first.run_id, {"status": "succeeded"})
-    assert ledger.claim_start(behind, stale_after_s=60).verdict == StartVerdict.CLAIMED
+    assert ledger.claim_start(behind, stale_after_s=FRESH).verdict == StartVerdict.CLAIMED
     assert len(transactions) == 1
 
 
@@ -163,7 +167,8 @@ def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: Firestor
     for name in ("a", "b"):
         ledger.record_arrival(arrival(name, generation=3), "ds", f"h-{name}")
     failed = ledger.seal("ds", "manual").run
-    assert failed is not None and ledger.claim_start(failed, stale_after_s=60).verdict == StartVerdict.CLAIMED
+    assert failed is not None
+    assert ledger.claim_start(failed, stale_after_s=FRESH).verdict == StartVerdict.CLAIMED
     overwrite_run(ledger, failed.run_id, {"status": "failed"})
     # identical content under another name is still counted trained until the run gives it back
     ledger.record_arrival(arrival("copy-of-a", generation=5), "ds", "h-a")
@@ -193,10 +198,10 @@ def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: Firestor
     ledger.record_arrival(arrival("z"), "ds", "h-z")
     run = ledger.seal("ds", "manual").run
     assert run is not None
-    first = ledger.claim_start(run, stale_after_s=60)
+    first = ledger.claim_start(run, stale_after_s=FRESH)
     assert first.verdict == StartVerdict.CLAIMED and first.token
     # ...the starter died before attaching an execution
-    assert ledger.claim_start(run, stale_after_s=60).verdict == StartVerdict.STARTING
+    assert ledger.claim_start(run, stale_after_s=FRESH).verdict == StartVerdict.STARTING
     second = ledger.claim_start(run, stale_after_s=0)
     assert second.verdict == StartVerdict.CLAIMED and second.token != first.token
     assert ledger.record_claimed(run.run_id, second.token, RunPlanned({"run_id": run.run_id}))
@@ -213,7 +218,7 @@ def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Fires
     ledger.record_arrival(arrival("z"), "ds", "h-z")
     run = ledger.seal("ds", "manual").run
     assert run is not None
-    slow = ledger.claim_start(run, stale_after_s=60)
+    slow = ledger.claim_start(run, stale_after_s=FRESH)
     sweep = ledger.claim_start(run, stale_after_s=0)  # the slow starter seems stuck
     parent = "projects/{}/locations/l/workflows/w/executions/"
     assert ledger.attach_execution(run.run_id, sweep.token, parent.format("p") + "early") is None  # no plan
@@ -239,7 +244,7 @@ def test_an_execution_binds_only_to_a_pending_run(ledger: FirestoreLedger) -> No
     ledger.record_arrival(arrival("y"), "ds", "h-y")
     run = ledger.seal("ds", "manual").run
     assert run is not None
-    claim = ledger.claim_start(run, stale_after_s=60)
+    claim = ledger.claim_start(run, stale_after_s=FRESH)
     assert ledger.record_claimed(run.run_id, claim.token, RunPlanned({"run_id": run.run_id}))
     overwrite_run(ledger, run.run_id, {"status": "cancelled"})  # e.g. ended by an operator before it began
     assert (
