@@ -52,27 +52,32 @@ class LocalImage:
     """Host folders put first on ``PATH`` (the image's executables)."""
 
 
-def _launcher_dir(workdir: Path, standin: bool = False) -> str:
+def _launcher_dir(workdir: Path, standin: bool = False, fork_server: Path | None = None) -> str:
     """A folder holding ``torchrun``: PyTorch's own next to this interpreter (unless ``standin``), else
-    the stand-in's."""
+    the stand-in's, forking its ranks from ``fork_server`` when one is given."""
     own = Path(sys.executable).with_name("torchrun")
     if not standin and own.exists() and shutil.which("torchrun", path=str(own.parent)):
         return str(own.parent)
     folder = workdir / "bin"
     folder.mkdir(parents=True, exist_ok=True)
     shim = folder / "torchrun"
+    server = f"Path({str(fork_server)!r})" if fork_server else "None"
     shim.write_text(
-        f"#!{sys.executable}\nfrom retrain_local.torchrun import main\nraise SystemExit(main())\n"
+        f"#!{sys.executable}\nfrom pathlib import Path\n\nfrom retrain_local.torchrun import main\n\n"
+        f"raise SystemExit(main(fork_server={server}))\n"
     )
     shim.chmod(0o755)
     return str(folder)
 
 
-def local_images(workdir: Path, *, standin_launcher: bool = False) -> dict[str, LocalImage]:
+def local_images(
+    workdir: Path, *, standin_launcher: bool = False, fork_server: Path | None = None
+) -> dict[str, LocalImage]:
     """The images the twin can run, by name.  ``standin_launcher``: the training images launch with the
     stand-in ``torchrun`` even where PyTorch's is installed -- for runs whose point is not the launcher
-    (PyTorch's agent imports torch: some 2.5 s of CPU a pod)."""
-    launcher = (_launcher_dir(workdir, standin_launcher),)
+    (PyTorch's agent imports torch: some 2.5 s of CPU a pod), and its ranks fork from ``fork_server``
+    (:mod:`retrain_local.forkserver`) when one is given (each rank's own import is as much again)."""
+    launcher = (_launcher_dir(workdir, standin_launcher, fork_server),)
     train = REPO / "retrain_local" / "train"
     nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher)
     bridge_image = LocalImage(

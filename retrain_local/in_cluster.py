@@ -98,8 +98,11 @@ def cluster_twin(
     (Terraform's google_container_node_pool.gpu_dws).  GKE's own controllers (DWS, the JobSet controller,
     the kubelet) act as the cluster's admin: ``api``."""
     from retrain_local.cluster import ClusterTwin
+    from retrain_local.forkserver import ForkServer
     from retrain_local.images import local_images
+    from retrain_local.torchrun import RANK_PRELOAD
 
+    ranks = ForkServer(RANK_PRELOAD, workdir / "logs" / "fork-server.log") if standin_launcher else None
     twin = ClusterTwin(
         api,
         scale_down_delay_s=s.scale_down_delay_s,
@@ -113,7 +116,10 @@ def cluster_twin(
         pod_env=pod_env,
         faults=parse_faults(s.twin_faults),
         pod_identity=pod_identity,
-        images=local_images(workdir, standin_launcher=standin_launcher),
+        images=local_images(
+            workdir, standin_launcher=standin_launcher, fork_server=ranks.socket_path if ranks else None
+        ),
+        fork_server=ranks,
     )
     size = {p.name: pool_size(p) for p in gke_api.cluster.node_pools}.get(s.node_pool)
     if size is None:

@@ -4,6 +4,10 @@ It launches ``--nproc-per-node`` copies of a script the way torchrun's static re
 ``RANK`` = node rank x processes per node + local rank, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, and exits with the first
 failure's code (0 when every process succeeds).  Only what the JobSet's launcher passes is accepted.
+
+Given a fork server (:mod:`retrain_local.forkserver`, started with :data:`RANK_PRELOAD`), it forks each
+process from that warm interpreter instead of starting a fresh one: the same script, arguments,
+environment and output, without each rank's own ``import torch``.
 """
 
 from __future__ import annotations
@@ -12,9 +16,28 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Protocol
+
+from retrain_local import forkserver
+
+#: What a stand-in rank imports before its first step (PyTorch, its process group, the stand-in trainers
+#: and Hydra's composition): what a fork server for ranks imports once.
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "retrain.trainers.hydra",
+    "retrain_local.train.gpt",
+    "retrain_local.train.standin",
+    "retrain_local.train.bridge_standin",
+)
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Process(Protocol):
+    def wait(self) -> int: ...
+
+
+def main(argv: list[str] | None = None, fork_server: Path | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchrun")
     p.add_argument("--nnodes", type=int, required=True)
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, required=True)
@@ -25,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     world = a.nnodes * a.nproc
-    procs = []
+    procs: list[_Process] = []
     for local in range(a.nproc):
         env = {
             **os.environ,
@@ -37,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             "MASTER_ADDR": a.master_addr,
             "MASTER_PORT": str(a.master_port),
         }
-        procs.append(subprocess.Popen([sys.executable, a.script, *a.args], env=env))
+        proc: _Process
+        if fork_server is not None:
+            proc = forkserver.Child(fork_server, [a.script, *a.args], env)
+        else:
+            proc = subprocess.Popen([sys.executable, a.script, *a.args], env=env)
+        procs.append(proc)
     codes = [proc.wait() for proc in procs]
     return next((c for c in codes if c), 0)
 

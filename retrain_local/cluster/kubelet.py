@@ -25,6 +25,7 @@ from retrain.adapters.credentials import LOCAL_TOKEN_VAR
 from retrain_local import processes
 from retrain_local.cluster.faults import Faults
 from retrain_local.cluster.status import timestamp
+from retrain_local.forkserver import ForkServer
 from retrain_local.gcsfuse import DRIVER as GCSFUSE_DRIVER
 from retrain_local.gcsfuse import FuseMount, named_paths
 from retrain_local.images import LocalImage, translate
@@ -94,6 +95,7 @@ class Kubelet:
         pod_env: dict[str, str],
         pod_identity: Callable[[str, str], Mapping[str, str]] | None,
         faults: Faults,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.core = core
         self.namespace = namespace
@@ -102,6 +104,7 @@ class Kubelet:
         self.pod_env = pod_env
         self.pod_identity = pod_identity
         self.faults = faults
+        self.fork_server = fork_server
         self._crashed_once = False
 
     def run(self, pod: Pod, obj: dict[str, Any], meet: Rendezvous, attempt_dir: Path) -> None:
@@ -241,6 +244,8 @@ class Kubelet:
         ):  # what left the containers' sessions (torchrun's workers have their own)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        if self.fork_server:  # ranks forked there carry the mark in their environment, not in /proc's
+            self.fork_server.kill(POD_MARK, pod.name)
         for proc in pod.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)

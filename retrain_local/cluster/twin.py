@@ -22,6 +22,7 @@ from retrain_local.cluster.faults import Faults
 from retrain_local.cluster.jobset import JobSetController
 from retrain_local.cluster.kubelet import Kubelet, Pod
 from retrain_local.cluster.nodes import NodePool
+from retrain_local.forkserver import ForkServer
 from retrain_local.images import LocalImage, local_images
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ClusterTwin:
         scale_down_delay_s: float = 0.0,
         booking_window_s: float = 600.0,
         pod_identity: Callable[[str, str], Mapping[str, str]] | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         """``booking_window_s``: how long provisioned nodes wait for their pods before the booking expires
         ("You have 10 minutes to start the Pods to consume provisioned resources", GKE's
@@ -73,7 +75,9 @@ class ClusterTwin:
             pod_env=dict(pod_env or {}),
             pod_identity=pod_identity,
             faults=faults,
+            fork_server=fork_server,
         )
+        self.fork_server = fork_server
         self.jobsets = JobSetController(
             objects, core, self.pool, self.kubelet, faults=faults, workdir=self.workdir, errors=self.errors
         )
@@ -106,6 +110,8 @@ class ClusterTwin:
         from retrain_local.envtest import ensure_service_account
 
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.fork_server:
+            self.fork_server.start()
         ensure_service_account(self.api, self.namespace)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="cluster-twin", daemon=True)
@@ -121,6 +127,8 @@ class ClusterTwin:
             self.jobsets.stop()
             for node in self.pool.names():
                 self.pool.delete(node)
+        if self.fork_server:
+            self.fork_server.stop()
 
     def set_autoscaling(self, min_nodes: int, max_nodes: int) -> None:
         """The node pool's autoscaling bounds; requests beyond ``max_nodes`` are not provisioned and idle

@@ -255,3 +255,44 @@ def test_an_idle_twin_lists_less_often_and_a_request_wakes_it(cluster: Cluster, 
     assert after.index(0.1) <= 1, waits  # seen by the list after the idle wait under way when it was made
     assert after[-1] == 0.5 and 0.1 in after, waits  # busy while it lived, idle again once its node went
     assert not twin.errors
+
+
+def test_the_ranks_a_pod_forked_from_the_warm_interpreter_go_with_its_jobset(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The stand-in image's ``torchrun`` forks its ranks from the fork server, outside the pod's process
+    group and with the server's /proc environment: deleting the JobSet still kills every rank, by the
+    pod's mark, before the twin counts the pod ended."""
+    from retrain_local.forkserver import ForkServer
+    from retrain_local.images import local_images
+    from retrain_ops.deployment import NEMO_STANDIN
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        "import os, pathlib, time\n"
+        "pathlib.Path(os.environ['PIDS'], str(os.getpid())).write_text(os.environ['RETRAIN_TWIN_POD'])\n"
+        "time.sleep(120)\n"
+    )
+    fs = ForkServer((), tmp_path / "fork.log")
+    image = local_images(tmp_path / "images", standin_launcher=True, fork_server=fs.socket_path)[NEMO_STANDIN]
+    launch = (
+        "import os; os.execvp('torchrun', ['torchrun', '--nnodes=2', '--nproc-per-node=1', "
+        f"'--node-rank=' + os.environ['NODE_RANK'], {str(rank)!r}])"
+    )
+    with make_twin(
+        cluster, tmp_path, images={"local": image}, fork_server=fs, pod_env={"PIDS": str(pids)}
+    ) as twin:
+        cluster.create_pr("fork-1", nodes=2)
+        wait_for(lambda: len(twin.node_names()) == 2)
+        js = cluster.create_jobset("fork-1", 2, launch)
+        ranks = wait_for(lambda: len(list(pids.iterdir())) == 2 and [int(p.name) for p in pids.iterdir()])
+        assert fs.proc is not None
+        for pid in ranks:  # forked by the server, not started by the pod's launcher
+            assert Path(f"/proc/{pid}/status").read_text().split("PPid:")[1].split()[0] == str(fs.proc.pid)
+        assert {(pids / str(pid)).read_text() for pid in ranks} == {p.name for p in twin.pods()}
+        cluster.objects.delete_namespaced_custom_object(*JS[:2], cluster.ns, JS[2], js)
+        wait_for(lambda: not twin.pods())  # torn down (the twin's pass holds its lock till then)
+        assert [pid for pid in ranks if Path(f"/proc/{pid}").exists()] == []  # killed and reaped
+    assert fs.proc.poll() is not None  # stopped with the twin
