@@ -117,26 +117,30 @@ class _Server:
             self._reap()
 
     def _accept(self) -> None:
+        """One caller's request; a request it cannot serve is answered with an error, and the server
+        goes on serving the others."""
         conn, _ = self.listener.accept()
         conn.settimeout(10.0)  # a caller sends its request at once
+        fds: list[int] = []
         try:
             request, fds = _read_request(conn)
-        except (OSError, ValueError, ForkServerError) as e:
-            _send(conn, {"error": f"bad request: {e}"})
-            conn.close()
-            return
-        if "kill" in request:
-            name, value = request["kill"]
-            _send(conn, {"killed": self._kill_marked(str(name), str(value))})
-            conn.close()
-            return
-        try:
+            if "kill" in request:
+                name, value = (str(v) for v in request["kill"])
+                _send(conn, {"killed": self._kill_marked(name, value)})
+                conn.close()
+                return
+            argv, env = request.get("run"), request.get("env") or {}
+            if not argv or not isinstance(argv, list) or not isinstance(env, dict):
+                raise ForkServerError(f"neither a run nor a kill: {sorted(request)}")
             pid = self._fork(request, fds)
+        except (OSError, ValueError, TypeError, ForkServerError) as e:  # fork failed too (no memory)
+            _send(conn, {"error": f"{type(e).__name__}: {e}"})
+            conn.close()
+            return
         finally:
             for fd in fds:
                 os.close(fd)
-        env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
-        self.children[pid] = _Child(pid, conn, env)
+        self.children[pid] = _Child(pid, conn, {str(k): str(v) for k, v in env.items()})
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, pid)
         _send(conn, {"pid": pid})
@@ -383,13 +387,13 @@ class ForkServer:
 
 
 def serve(path: Path, preload: list[str]) -> None:
-    """Import ``preload`` (a module that cannot be imported is skipped, as a script would fail on it
-    itself), then serve at ``path`` until SIGTERM."""
+    """Import ``preload`` (a module that cannot be imported is skipped), then serve at ``path`` until
+    SIGTERM."""
     for module in preload:
         try:
             importlib.import_module(module)
-        except ImportError as e:
-            print(f"fork server: not preloaded: {module}: {e}", flush=True)
+        except Exception as e:  # the script that needs it fails on it itself, with its own traceback
+            print(f"fork server: not preloaded: {module}: {type(e).__name__}: {e}", flush=True)
     server = _Server(path)
 
     def stop(*_: object) -> None:

@@ -4,8 +4,10 @@ and none of its children outlives its caller, its pod's kill or the server."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +111,22 @@ def test_a_child_starts_with_the_preload_imported(server: ForkServer, tmp_path: 
     )
     code, out, _ = forked(server, [str(script)], {}, tmp_path, tmp_path)
     assert (code, out) == (0, "['email.parser', 'json']\n")
+
+
+@pytest.mark.parametrize(
+    "request_line", [b"not json\n", b'{"run": []}\n', b'{"run": "s.py"}\n', b'{"kill": 3}\n', b"{}\n"]
+)
+def test_a_request_it_cannot_serve_is_refused_and_the_server_serves_on(
+    server: ForkServer, tmp_path: Path, request_line: bytes
+) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(server.socket_path))
+        sock.sendall(request_line)
+        answer = json.loads(sock.makefile("rb").readline())
+    assert list(answer) == ["error"] and answer["error"]
+    script = tmp_path / "s.py"
+    script.write_text("print('served')\n")
+    assert forked(server, [str(script)], {}, tmp_path, tmp_path)[:2] == (0, "served\n")
 
 
 def test_a_pods_kill_kills_its_children_and_no_other(server: ForkServer, tmp_path: Path) -> None:
