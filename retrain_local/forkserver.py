@@ -60,7 +60,9 @@ class ForkServerError(RuntimeError):
 
 
 @dataclass
-class _Child:
+class _Forked:
+    """A child the server forked, and the caller's connection it answers on."""
+
     pid: int
     conn: socket.socket
     env: dict[str, str]
@@ -81,7 +83,12 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
                 os.close(fd)
             raise ForkServerError("incomplete request")
         data += more
-    return json.loads(data), fds
+    request = json.loads(data)
+    if not isinstance(request, dict):
+        for fd in fds:
+            os.close(fd)
+        raise ForkServerError(f"not a request: {data[:80]!r}")
+    return request, fds
 
 
 class _Server:
@@ -94,7 +101,7 @@ class _Server:
             path.unlink()
         self.listener.bind(str(path))
         self.listener.listen(64)
-        self.children: dict[int, _Child] = {}
+        self.children: dict[int, _Forked] = {}
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
@@ -140,7 +147,7 @@ class _Server:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.children[pid] = _Child(pid, conn, {str(k): str(v) for k, v in env.items()})
+        self.children[pid] = _Forked(pid, conn, {str(k): str(v) for k, v in env.items()})
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, pid)
         _send(conn, {"pid": pid})

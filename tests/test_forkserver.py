@@ -114,11 +114,13 @@ def test_a_child_starts_with_the_preload_imported(server: ForkServer, tmp_path: 
 
 
 @pytest.mark.parametrize(
-    "request_line", [b"not json\n", b'{"run": []}\n', b'{"run": "s.py"}\n', b'{"kill": 3}\n', b"{}\n"]
+    "request_line",
+    [b"not json\n", b'{"run": []}\n', b'{"run": "s.py"}\n', b'{"kill": 3}\n', b"{}\n", b"[1]\n"],
 )
 def test_a_request_it_cannot_serve_is_refused_and_the_server_serves_on(
     server: ForkServer, tmp_path: Path, request_line: bytes
 ) -> None:
+    Child(server.socket_path, [str(tmp_path / "absent.py")], {}).wait()  # serving (it binds once preloaded)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(server.socket_path))
         sock.sendall(request_line)
