@@ -3,7 +3,7 @@
 A stand-in rank's first 2.5 s of CPU, over half of it, is ``import torch``, and the local stack starts a
 rank for every pod of every attempt.  The fork server imports the heavy modules once (``preload``), then
 forks a child for each script it is asked to run: the child takes the caller's argv, environment, working
-folder and output, runs the script as ``__main__`` (:func:`runpy.run_path`) and exits with the code
+folder and output, runs the script as ``__main__`` and exits with the code
 ``python script`` would have.  Forking after ``import torch`` and before any of its work is what
 PyTorch's own DataLoader workers do.
 
@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import builtins
 import contextlib
 import ctypes
 import importlib
+import importlib.machinery
+import io
 import json
 import os
-import runpy
 import selectors
 import shutil
 import signal
@@ -42,6 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +142,7 @@ class _Server:
             argv, env = request.get("run"), request.get("env") or {}
             if not argv or not isinstance(argv, list) or not isinstance(env, dict):
                 raise ForkServerError(f"neither a run nor a kill: {sorted(request)}")
-            pid = self._fork(request, fds)
+            pid = self._fork(request, fds, conn)
         except (OSError, ValueError, TypeError, ForkServerError) as e:  # fork failed too (no memory)
             _send(conn, {"error": f"{type(e).__name__}: {e}"})
             conn.close()
@@ -152,7 +155,7 @@ class _Server:
         self.selector.register(conn, selectors.EVENT_READ, pid)
         _send(conn, {"pid": pid})
 
-    def _fork(self, request: dict[str, Any], fds: list[int]) -> int:
+    def _fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         server = os.getpid()
@@ -160,14 +163,14 @@ class _Server:
         if pid:
             return pid
         try:  # the child: never returns into the server's loop
-            code = self._become(request, fds, server)
+            code = self._become(request, fds, server, conn)
         except BaseException:
             traceback.print_exc()
             code = 1
         _exit(code)
         raise AssertionError("unreachable")
 
-    def _become(self, request: dict[str, Any], fds: list[int], server: int) -> int:
+    def _become(self, request: dict[str, Any], fds: list[int], server: int, conn: socket.socket) -> int:
         """The child: a fresh process's state as ``python script args`` in ``cwd`` with ``env`` would
         have it, then the script."""
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -179,12 +182,14 @@ class _Server:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.selector.close()
-        for s in (self.listener, self.wake_r, self.wake_w, *(c.conn for c in self.children.values())):
+        for s in (self.listener, self.wake_r, self.wake_w, conn, *(c.conn for c in self.children.values())):
             s.close()
         out = fds[0] if fds else os.open(os.devnull, os.O_WRONLY)
         err = fds[1] if len(fds) > 1 else out
         os.dup2(out, 1)
         os.dup2(err, 2)
+        for fd in {out, err} - {0, 1, 2}:  # a fresh process holds its three standard streams only
+            os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -192,11 +197,13 @@ class _Server:
         os.chdir(request.get("cwd") or os.getcwd())
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
-        script = os.path.abspath(argv[0])
-        sys.argv = [script, *argv[1:]]
-        sys.path[0] = os.path.dirname(script)  # as `python script` puts the script's folder first
+        # as `python script` names it: argv[0] as given, __file__ joined to the folder, and the script's
+        # real folder first on sys.path
+        script = os.path.join(os.getcwd(), argv[0])
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
         try:
-            runpy.run_path(script, run_name="__main__")
+            _run_main(script)
         except SystemExit as e:
             return _exit_code(e.code)
         except BaseException as e:
@@ -259,6 +266,24 @@ def _kill(pid: int) -> None:
     for kill in (os.kill, os.killpg):
         with contextlib.suppress(ProcessLookupError):
             kill(pid, signal.SIGKILL)
+
+
+def _run_main(script: str) -> None:
+    """Run ``script`` as the interpreter runs its main script: a fresh ``__main__`` with its ``__file__``
+    and a source loader (:func:`runpy.run_path` would set ``sys.argv[0]`` to the path it is given)."""
+    with io.open_code(script) as f:
+        code = compile(f.read(), script, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=script,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", script),
+        __package__=None,
+        __spec__=None,
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _returncode(status: int) -> int:

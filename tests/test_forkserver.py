@@ -28,8 +28,9 @@ pytestmark = pytest.mark.integration
 
 SCRIPT = """\
 import os, sys
-print("argv", sys.argv[1:], "cwd", os.getcwd(), "path0", sys.path[0] == os.path.dirname(__file__))
+print("argv", sys.argv, "file", __file__, "cwd", os.getcwd(), "path0", sys.path[0])
 print("env", sorted(k for k in os.environ if k.startswith("T_")), os.environ.get("T_VALUE"))
+print("fds", sorted(int(fd) for fd in os.listdir("/proc/self/fd")))
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
 if how == "exit":
@@ -95,13 +96,13 @@ def test_a_forked_script_is_what_python_runs(server: ForkServer, tmp_path: Path,
     cwd = tmp_path / "work"
     cwd.mkdir()
     env = {"PATH": os.environ["PATH"], "T_VALUE": "given", "T_OTHER": "x"}
-    fresh = subprocess.run(
-        [sys.executable, str(script), *how], env=env, cwd=cwd, capture_output=True, text=True
-    )
+    named = "../s.py"  # relative to the folder, as a command may name it
+    fresh = subprocess.run([sys.executable, named, *how], env=env, cwd=cwd, capture_output=True, text=True)
     (tmp_path / "f").mkdir()
-    code, out, err = forked(server, [str(script), *how], env, cwd, tmp_path / "f")
+    code, out, err = forked(server, [named, *how], env, cwd, tmp_path / "f")
     assert (code, out, err) == (fresh.returncode, fresh.stdout, fresh.stderr)
-    assert f"cwd {cwd} path0 True" in out and "env ['T_OTHER', 'T_VALUE'] given" in out
+    assert f"file {cwd}/../s.py cwd {cwd} path0 {tmp_path}" in out
+    assert "env ['T_OTHER', 'T_VALUE'] given" in out and "fds [0, 1, 2, 3]" in out
 
 
 def test_a_child_starts_with_the_preload_imported(server: ForkServer, tmp_path: Path) -> None:
