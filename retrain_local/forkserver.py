@@ -77,20 +77,21 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
 
 
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One JSON line and the descriptors sent with it."""
+    """One JSON object on a line, and the descriptors sent with it (closed here if the request is bad)."""
     data, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, 2)
-    while not data.endswith(b"\n"):
-        more = conn.recv(MAX_REQUEST)
-        if not more or len(data) > MAX_REQUEST:
-            for fd in fds:
-                os.close(fd)
-            raise ForkServerError("incomplete request")
-        data += more
-    request = json.loads(data)
-    if not isinstance(request, dict):
+    try:
+        while not data.endswith(b"\n"):
+            more = conn.recv(MAX_REQUEST)
+            if not more or len(data) > MAX_REQUEST:
+                raise ForkServerError("incomplete request")
+            data += more
+        request = json.loads(data)
+        if not isinstance(request, dict):
+            raise ForkServerError(f"not a request: {data[:80]!r}")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ForkServerError(f"not a request: {data[:80]!r}")
+        raise
     return request, fds
 
 
@@ -142,7 +143,9 @@ class _Server:
             argv, env = request.get("run"), request.get("env") or {}
             if not argv or not isinstance(argv, list) or not isinstance(env, dict):
                 raise ForkServerError(f"neither a run nor a kill: {sorted(request)}")
-            pid = self._fork(request, fds, conn)
+            argv = [str(a) for a in argv]
+            env = {str(k): str(v) for k, v in env.items()}
+            pid = self._fork(argv, env, str(request.get("cwd") or os.getcwd()), fds, conn)
         except (OSError, ValueError, TypeError, ForkServerError) as e:  # fork failed too (no memory)
             _send(conn, {"error": f"{type(e).__name__}: {e}"})
             conn.close()
@@ -150,12 +153,14 @@ class _Server:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.children[pid] = _Forked(pid, conn, {str(k): str(v) for k, v in env.items()})
+        self.children[pid] = _Forked(pid, conn, env)
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, pid)
         _send(conn, {"pid": pid})
 
-    def _fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
+    def _fork(
+        self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int], conn: socket.socket
+    ) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         server = os.getpid()
@@ -163,14 +168,16 @@ class _Server:
         if pid:
             return pid
         try:  # the child: never returns into the server's loop
-            code = self._become(request, fds, server, conn)
+            code = self._become(argv, env, cwd, fds, server, conn)
         except BaseException:
             traceback.print_exc()
             code = 1
         _exit(code)
         raise AssertionError("unreachable")
 
-    def _become(self, request: dict[str, Any], fds: list[int], server: int, conn: socket.socket) -> int:
+    def _become(
+        self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int], server: int, conn: socket.socket
+    ) -> int:
         """The child: a fresh process's state as ``python script args`` in ``cwd`` with ``env`` would
         have it, then the script."""
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -193,10 +200,9 @@ class _Server:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        argv = [str(a) for a in request["run"]]
-        os.chdir(request.get("cwd") or os.getcwd())
+        os.chdir(cwd)
         os.environ.clear()
-        os.environ.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
+        os.environ.update(env)
         # as `python script` names it: argv[0] as given, __file__ joined to the folder, and the script's
         # real folder first on sys.path
         script = os.path.join(os.getcwd(), argv[0])
