@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import os
 import random
 import time
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
-from google.api_core.exceptions import AlreadyExists, Conflict
+from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
 
@@ -30,10 +31,15 @@ THROUGH = "through"
 ARRIVAL_SHARDS = 16
 #: Content entries written per transaction (well under Firestore's 500 writes per commit).
 CONTENT_CHUNK = 400
-#: Attempts of the transactions every seal of a dataset makes on its document (they contend by design).
-CONTENDED_ATTEMPTS = 20
-#: Rounds of CONTENDED_ATTEMPTS a contended transaction makes, with random backoff between them.
-CONTENDED_ROUNDS = 5
+#: How long a write that concurrent seals make on the same documents (they contend by design) keeps
+#: trying before it fails: well inside a function's 60 s.
+CONTENDED_BUDGET_S = 40.0
+#: The first backoff after an aborted attempt, and the most one grows to (doubling, full jitter).
+CONTENDED_BACKOFF_S = (0.05, 2.0)
+
+#: What a write whose preconditions (:meth:`FirestoreBase._unchanged_since`, a create) no longer hold
+#: raises: another writer committed first.
+LOST_RACE = (AlreadyExists, Conflict, FailedPrecondition)
 
 
 def _key(text: str) -> str:
@@ -167,21 +173,37 @@ class FirestoreBase:
         writes.create(ref, {**_arrival_fields(arrival, content_hash), ARRIVED_AT: firestore.SERVER_TIMESTAMP})
 
     def _contended(self, body: Callable[..., T], *args: Any) -> T:
-        """Run the transactional ``body(tx, *args)`` that every seal of a dataset runs on the same documents.
+        """Run the transactional ``body(tx, *args)`` that concurrent calls run on the same documents.
 
-        The client retries an aborted transaction at once, CONTENDED_ATTEMPTS times (its
-        base_transaction._EXCEED_ATTEMPTS_TEMPLATE); when as many seals still hold the lock (a loaded
-        emulator answers "Transaction lock timeout"), back off at random and go again, CONTENDED_ROUNDS
-        times, rather than fail the seal."""
-        rounds = 0
-        while True:
-            rounds += 1
+        One attempt per transaction, retried by :meth:`_retried`.  The client's own retry goes again at
+        once, trusting its place in line (``retry_transaction``); the emulator keeps no such line: a
+        commit waits for every other lock on what it read, so transactions that read together wait each
+        other out (its "Transaction lock timeout", 2 s), come back together and deadlock again (eight
+        start claims in one transaction each: 100 attempts over 200 s, and seven failed)."""
+
+        def attempt() -> T:
+            return body(self.db.transaction(max_attempts=1), *args)
+
+        return self._retried(attempt, lambda e: str(e).startswith("Failed to commit transaction"))
+
+    def _retried(self, attempt: Callable[[], T], retryable: Callable[[Exception], bool]) -> T:
+        """``attempt()`` again while it fails ``retryable``, each time after a random wait (full jitter,
+        doubling up to CONTENDED_BACKOFF_S's cap), until CONTENDED_BUDGET_S is spent."""
+        deadline = time.monotonic() + CONTENDED_BUDGET_S
+        first, cap = CONTENDED_BACKOFF_S
+        for n in itertools.count():
             try:
-                return body(self.db.transaction(max_attempts=CONTENDED_ATTEMPTS), *args)
-            except ValueError as e:
-                if not str(e).startswith("Failed to commit transaction") or rounds >= CONTENDED_ROUNDS:
+                return attempt()
+            except Exception as e:
+                if not retryable(e) or time.monotonic() >= deadline:
                     raise
-                time.sleep(random.uniform(0.0, 0.2 * 2**rounds))
+            time.sleep(random.uniform(0.0, min(cap, first * 2**n)))
+        raise AssertionError("unreachable")
+
+    def _unchanged_since(self, snap: Any) -> Any:
+        """A write's precondition: the document is as ``snap`` read it (its update time), so that of
+        writers who read the same version exactly one commits, and none holds a lock to decide."""
+        return self.db.write_option(last_update_time=snap.update_time)
 
     def _commit_in_batches(self, items: list[Any], add: Callable[[firestore.WriteBatch, Any], None]) -> None:
         """``add`` each item's writes (at most two) to a batch, committed every CONTENT_CHUNK // 2 items."""

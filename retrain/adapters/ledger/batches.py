@@ -7,11 +7,18 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from google.api_core.exceptions import AlreadyExists, Conflict, FailedPrecondition
+from google.api_core.exceptions import AlreadyExists, Conflict
 from google.cloud import firestore
 from google.cloud.firestore_v1.base_query import FieldFilter
 
-from retrain.adapters.ledger.base import CONTENT_CHUNK, THROUGH, FirestoreBase, _first_by_content, _key
+from retrain.adapters.ledger.base import (
+    CONTENT_CHUNK,
+    LOST_RACE,
+    THROUGH,
+    FirestoreBase,
+    _first_by_content,
+    _key,
+)
 from retrain.domain.events import ObjectVersion
 from retrain.domain.runs import BatchState, Run, Trigger, new_run_id, now_iso, read_trigger
 from retrain.ports import SealOutcome, SealPreview, SealVerdict
@@ -149,13 +156,13 @@ class BatchRecords(FirestoreBase):
                 writes.update(
                     slot,
                     {"run_id": fresh.run_id},
-                    option=self.db.write_option(last_update_time=snap.update_time),
+                    option=self._unchanged_since(snap),
                 )
             else:
                 writes.create(slot, {"run_id": fresh.run_id})
             try:
                 writes.commit()
-            except (AlreadyExists, Conflict, FailedPrecondition):
+            except LOST_RACE:
                 continue  # another seal made one first: join it
             return fresh
 
