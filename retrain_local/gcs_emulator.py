@@ -29,6 +29,9 @@ with the current one, so a reader pinned to a generation that is gone silently g
   nothing is written (cloud.google.com/storage/docs/request-preconditions).  Out of the box the
   emulator ignores them and writes (and starts an upload at metageneration 2).  The XML API's
   ``x-goog-if-generation-match`` is not played.
+- **A bucket is created as asked**: ``buckets.insert`` keeps the resource's ``versioning``
+  (cloud.google.com/storage/docs/json_api/v1/buckets/insert takes a bucket resource).  Out of the box
+  every new bucket was plain, and only a later patch made it keep versions.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any
 
 from gcp_storage_emulator import storage as emulated
 from gcp_storage_emulator.exceptions import NotFound
-from gcp_storage_emulator.handlers import objects
+from gcp_storage_emulator.handlers import buckets, objects
 
 NONCURRENT_DIR = ".noncurrent"
 NONCURRENT_META = ".noncurrent-meta"
@@ -185,6 +188,20 @@ def _listing_versions(handler: Any) -> Any:
         items = sorted(live + kept, key=lambda o: (o.get("name") or "", int(o.get("generation") or 0)))
         response.json({"kind": "storage#objects", "prefixes": [], "items": items})
         return None
+
+    return handle
+
+
+def _inserting_as_asked(handler: Any) -> Any:
+    def handle(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        asked = request.data or {}
+        name, versioning = asked.get("name"), asked.get("versioning")
+        new = bool(name) and not storage.get_bucket(name)
+        handler(request, response, storage, *args, **kwargs)
+        if new and versioning and response.status == HTTPStatus.OK:
+            bucket = {**storage.buckets[name], "versioning": versioning}
+            storage.create_bucket(name, bucket)
+            response.json(bucket)
 
     return handle
 
@@ -356,6 +373,7 @@ def main() -> None:
     emulated.Storage.create_file = _conditional(_keeping_versions(emulated.Storage.create_file))
     emulated.Storage.delete_file = _keeping_versions(emulated.Storage.delete_file)
     objects._make_object_resource = _first_metageneration(objects._make_object_resource)
+    buckets.insert = _inserting_as_asked(buckets.insert)
     objects.get = _by_generation(objects.get)
     objects.download = _by_generation(objects.download)
     objects.ls = _listing_versions(objects.ls)

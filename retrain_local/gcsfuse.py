@@ -20,8 +20,6 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from google.api_core.exceptions import NotFound
-
 from retrain.adapters import credentials, objects
 
 log = logging.getLogger(__name__)
@@ -101,7 +99,7 @@ class FuseMount:
             self._synced[rel] = (stat.st_size, stat.st_mtime_ns)
             uploaded += 1
         for rel in [r for r in self._synced if r not in seen]:
-            with contextlib.suppress(NotFound):
+            with contextlib.suppress(FileNotFoundError):
                 objects.delete(self._uri(rel))
             del self._synced[rel]
             deleted += 1

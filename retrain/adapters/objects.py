@@ -165,8 +165,13 @@ def open_write(uri: str, content_type: str = "application/octet-stream") -> Iter
 
 
 def delete(uri: str) -> None:
+    """Deletes the object's live version (kept as a noncurrent version in a versioned bucket);
+    FileNotFoundError when there is none (GCS's 404).  A local file that is gone is no error."""
     if is_gcs(uri):
-        _blob(uri).delete()
+        try:
+            _blob(uri).delete()
+        except NotFound:
+            raise FileNotFoundError(f"no object {uri}") from None
     else:
         Path(uri).unlink(missing_ok=True)
 
@@ -210,7 +215,7 @@ def stat(uri: str, generation: int | None = None) -> ObjectInfo:
         blob = storage_client().bucket(bucket).get_blob(name, generation=generation)
         if blob is None:
             raise FileNotFoundError(uri + (f" at generation {generation}" if generation else ""))
-        return ObjectInfo(uri, int(blob.size or 0), blob.generation, blob.md5_hash)
+        return ObjectInfo(uri, int(blob.size or 0), blob.generation, blob.md5_hash, blob.updated)
     st = Path(uri).stat()
     return ObjectInfo(uri, st.st_size, st.st_mtime_ns)
 
