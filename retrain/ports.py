@@ -60,6 +60,15 @@ class SealOutcome:
     skipped: int = 0
     """Objects of the batch that add nothing (their content is held by a run already)."""
 
+    @classmethod
+    def nothing_new(cls, skipped: int) -> SealOutcome:
+        """A batch none of whose content is new: no run."""
+        reason = (
+            f"nothing new: {skipped} object(s) skipped, their content trained before or is in the live or "
+            "pending run"
+        )
+        return cls(None, SealVerdict.NOTHING_NEW, reason, skipped=skipped)
+
 
 @dataclass(frozen=True)
 class SealPreview:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.ledger import InMemoryLedger
 from kubernetes import client
 
 from retrain.adapters.ledger import FirestoreLedger
@@ -214,8 +215,11 @@ def stored_plan(ledger: FirestoreLedger, run_id: str) -> dict[str, Any] | None:
     return dict(plan) if isinstance(plan, dict) else None
 
 
-def overwrite_run(ledger: FirestoreLedger, run_id: str, fields: dict[str, Any]) -> None:
+def overwrite_run(ledger: FirestoreLedger | InMemoryLedger, run_id: str, fields: dict[str, Any]) -> None:
     """Set a run record's fields as a test's setup: the states and outcomes the workflow's ``record``
     sub-workflow writes, or a record an older release left.  Python's own writes are typed changes
     (:mod:`retrain.domain.transitions`); only tests write fields by name."""
-    ledger.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})
+    if isinstance(ledger, InMemoryLedger):
+        ledger.overwrite_run(run_id, fields)
+    else:
+        ledger.db.collection("runs").document(run_id).update({**fields, "updated_at": now_iso()})

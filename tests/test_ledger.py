@@ -1,4 +1,7 @@
-"""The Firestore ledger against the real Firestore emulator: dedup, batches, seals, snapshots."""
+"""The ledger port's behaviour, one suite for the in-memory fake (``tests/fakes/ledger.py``, unit tier) and
+the Firestore ledger on the real Firestore emulator (integration tier): dedup, batches, seals, snapshots,
+claims, exports.  What only Firestore does (contention, lock timeouts, the stored documents, the hot
+path's raw commit) is tested on the emulator alone (``firestore_only``)."""
 
 from __future__ import annotations
 
@@ -12,21 +15,20 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from fakes.ledger import InMemoryLedger
 from google.cloud import firestore
-from stack_support import overwrite_run, stored_plan
+from stack_support import overwrite_run
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.ledger.base import _key
 from retrain.domain.events import ObjectArrival
 from retrain.domain.runs import BatchState, RunStatus, Trigger
 from retrain.domain.transitions import RunEnd, RunPlanned
-from retrain.ports import ExportJob, SealVerdict, StartVerdict, Watermark
+from retrain.ports import ExportJob, Ledger, SealVerdict, StartVerdict, Watermark
 
 #: How long a start claim stays fresh in these tests: longer than any of them, however loaded the machine
 #: (a storm's test once took 171 s, and its first claim went stale before its second storm).
 FRESH = 24 * 3600.0
-
-pytestmark = pytest.mark.emulators
 
 
 def progress(mark: Watermark) -> tuple[object, bool, int, str]:
@@ -51,12 +53,27 @@ def arrival(name: str, event_id: str | None = None, generation: int = 1, md5: st
     )
 
 
-@pytest.fixture
-def ledger(firestore_host: str, project: str) -> FirestoreLedger:
-    return FirestoreLedger(project)
+@pytest.fixture(
+    params=[
+        pytest.param("in-memory", id="in-memory"),
+        pytest.param("firestore", id="firestore-emulator", marks=pytest.mark.emulators),
+    ]
+)
+def ledger(request: pytest.FixtureRequest) -> Ledger:
+    """The same tests against the fake and against the Firestore ledger on the emulator."""
+    if request.param == "in-memory":
+        return InMemoryLedger()
+    request.getfixturevalue("firestore_host")
+    return FirestoreLedger(request.getfixturevalue("project"))
 
 
-def test_redelivered_event_and_same_object_version_are_duplicates(ledger: FirestoreLedger) -> None:
+#: A test of what only Firestore does: the ledger fixture's Firestore parameter alone.
+firestore_only = pytest.mark.parametrize(
+    "ledger", [pytest.param("firestore", id="firestore-emulator", marks=pytest.mark.emulators)], indirect=True
+)
+
+
+def test_redelivered_event_and_same_object_version_are_duplicates(ledger: Ledger) -> None:
     assert ledger.record_arrival(arrival("a"), "ds", "h-a").status == "new"
     assert ledger.record_arrival(arrival("a"), "ds", "h-a").status == "duplicate"  # the event, redelivered
     same_object = arrival("a", event_id="another-id")
@@ -66,7 +83,7 @@ def test_redelivered_event_and_same_object_version_are_duplicates(ledger: Firest
     assert sealed.run is not None and len(sealed.objects) == 2  # both versions, once each
 
 
-def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedger) -> None:
+def test_seal_makes_one_run_with_every_object_then_nothing(ledger: Ledger) -> None:
     for name in ("a", "b", "c"):
         ledger.record_arrival(arrival(name), "ds", f"h-{name}")
     (pending,) = ledger.pending()
@@ -87,7 +104,7 @@ def test_seal_makes_one_run_with_every_object_then_nothing(ledger: FirestoreLedg
     assert uris(ledger.run_objects(later.run)) == (*uris(sealed.objects), "gs://land/incoming/d")
 
 
-def test_identical_data_never_trains_twice(ledger: FirestoreLedger) -> None:
+def test_identical_data_never_trains_twice(ledger: Ledger) -> None:
     for name in ("a", "b"):
         ledger.record_arrival(arrival(name), "ds", f"h-{name}")
     first = ledger.seal("ds", "manual")
@@ -101,7 +118,7 @@ def test_identical_data_never_trains_twice(ledger: FirestoreLedger) -> None:
     assert [r.run_id for r in ledger.list_runs()] == [first.run.run_id]
 
 
-def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) -> None:
+def test_one_pending_run_absorbs_seals_until_it_starts(ledger: Ledger) -> None:
     """Per-object content identity: each content joins one run, whatever the grouping; a started run's
     list is fixed, and what arrives after joins the next pending run."""
     ledger.record_arrival(arrival("a"), "ds", "h-a")
@@ -128,6 +145,7 @@ def test_one_pending_run_absorbs_seals_until_it_starts(ledger: FirestoreLedger) 
     assert ledger.get_run(pending.run_id).objects == 2  # type: ignore[union-attr]
 
 
+@firestore_only
 def test_a_storm_of_seals_contends_only_to_claim(
     ledger: FirestoreLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,7 +183,7 @@ def test_a_storm_of_seals_contends_only_to_claim(
     assert writes == ["batch", "batch"]  # the claim, then the run's object count and snapshot
 
 
-def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: FirestoreLedger) -> None:
+def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: Ledger) -> None:
     """A failed (or cancelled) run's content is not "trained": identical bytes dropped again are new
     again, nothing re-runs by itself, and a requeue brings back the very versions the run held."""
     for name in ("a", "b"):
@@ -198,7 +216,7 @@ def test_a_run_that_did_not_succeed_gives_its_content_back_once(ledger: Firestor
     }
 
 
-def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: FirestoreLedger) -> None:
+def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: Ledger) -> None:
     ledger.record_arrival(arrival("z"), "ds", "h-z")
     run = ledger.seal("ds", "manual").run
     assert run is not None
@@ -214,7 +232,7 @@ def test_a_start_claim_left_by_a_crash_is_taken_over_once_stale(ledger: Firestor
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
 
 
-def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: FirestoreLedger) -> None:
+def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Ledger) -> None:
     """A start that outlasts ``stuck_after_s`` is taken over by a sweep: the two starters each keep a plan
     and create an execution, and only the claim's holder may.  The slow one's writes are refused, and so
     is its execution, whether it binds before or after the other's; the run's execution binds again under
@@ -230,7 +248,7 @@ def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Fires
     assert ledger.record_claimed(run.run_id, sweep.token, RunPlanned(plan, base_step=7))
     assert not ledger.record_claimed(run.run_id, slow.token, RunPlanned({**plan, "by": "slow"}, base_step=1))
     assert not ledger.record_claimed(run.run_id, slow.token, RunEnd(RunStatus.FAILED, "slow"))  # nor end it
-    assert stored_plan(ledger, run.run_id) == plan
+    assert ledger.plan_of(run.run_id) == plan
     stored = ledger.get_run(run.run_id)
     assert stored is not None and (stored.base_step, stored.status) == (7, "pending")
 
@@ -244,7 +262,7 @@ def test_a_slow_starter_whose_claim_was_taken_over_changes_nothing(ledger: Fires
     assert ledger.claim_start(run, stale_after_s=0).verdict == StartVerdict.STARTED
 
 
-def test_an_execution_binds_only_to_a_pending_run(ledger: FirestoreLedger) -> None:
+def test_an_execution_binds_only_to_a_pending_run(ledger: Ledger) -> None:
     ledger.record_arrival(arrival("y"), "ds", "h-y")
     run = ledger.seal("ds", "manual").run
     assert run is not None
@@ -257,6 +275,7 @@ def test_an_execution_binds_only_to_a_pending_run(ledger: FirestoreLedger) -> No
     )
 
 
+@firestore_only
 def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(
     ledger: FirestoreLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,7 +314,7 @@ def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(
     assert claim_while_locked(budget_s=deployed) == StartVerdict.CLAIMED
 
 
-def test_datasets_have_separate_batches(ledger: FirestoreLedger) -> None:
+def test_datasets_have_separate_batches(ledger: Ledger) -> None:
     ledger.record_arrival(arrival("a"), "one", "h-a")
     ledger.record_arrival(arrival("b"), "two", "h-b")
     assert sorted(p.dataset for p in ledger.pending()) == ["one", "two"]
@@ -304,7 +323,7 @@ def test_datasets_have_separate_batches(ledger: FirestoreLedger) -> None:
     assert uris(one.objects) == ("gs://land/incoming/a",) and uris(two.objects) == ("gs://land/incoming/b",)
 
 
-def test_concurrent_duplicated_reordered_arrivals_land_exactly_once(ledger: FirestoreLedger) -> None:
+def test_concurrent_duplicated_reordered_arrivals_land_exactly_once(ledger: Ledger) -> None:
     objects = [arrival(f"f{i:03d}") for i in range(40)]
     deliveries = objects + random.Random(7).sample(objects, 15)  # at-least-once: some twice
     random.Random(8).shuffle(deliveries)
@@ -315,7 +334,7 @@ def test_concurrent_duplicated_reordered_arrivals_land_exactly_once(ledger: Fire
     assert uris(sealed.objects) == tuple(sorted(a.uri for a in objects))
 
 
-def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: FirestoreLedger) -> None:
+def test_seals_racing_arrivals_put_every_arrival_in_exactly_one_batch(ledger: Ledger) -> None:
     """The batch boundary is a commit timestamp: whatever the interleaving, nothing is lost or doubled."""
     objects = [arrival(f"r{i:04d}") for i in range(300)]
     batches: list[tuple[str, ...]] = []
@@ -355,9 +374,9 @@ def export_job(table: str, after: object, through: object, job_id: str = "job-1"
     )
 
 
-def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(ledger: FirestoreLedger) -> None:
+def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(ledger: Ledger) -> None:
     table = "p.sales.orders"
-    assert ledger.watermark(table) is None and ledger.pending_export(table) is None
+    assert ledger.export_mark(table).value is None and ledger.pending_export(table) is None
     first = export_job(table, None, 10)
     assert ledger.begin_export(first)
     assert ledger.pending_export(table) == first and ledger.pending_exports() == [first]
@@ -385,10 +404,10 @@ def test_an_export_is_recorded_before_it_starts_and_moves_the_watermark_once(led
     assert ledger.finish_export(written_meanwhile, []) and ledger.export_mark(table).backlog
     sealed = ledger.seal("ds", "manual")
     assert uris(sealed.objects) == tuple(f"gs://land/incoming/bq-{i}" for i in (1, 2, 3))
-    assert ledger.watermark(table) == 13
+    assert ledger.export_mark(table).value == 13
 
 
-def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: FirestoreLedger) -> None:
+def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: Ledger) -> None:
     table = "p.sales.returns"
     failed = export_job(table, None, 10)
     assert ledger.begin_export(failed)
@@ -398,8 +417,6 @@ def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: Fires
     assert not ledger.abandon_export(failed, "again", "")  # once
     assert ledger.pending_export(table) is None
     assert progress(ledger.export_mark(table)) == (None, True, 1, "2026-11-25T00:01:00+00:00")
-    mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
-    assert mark["last_failure"]["job_id"] == "job-1" and "Not found" in mark["last_failure"]["reason"]
     second = export_job(table, None, 10, "job-2")
     assert ledger.begin_export(second) and ledger.abandon_export(
         second, "timeout", "2026-11-25T00:03:00+00:00"
@@ -408,10 +425,25 @@ def test_an_abandoned_export_leaves_the_watermark_for_the_next_one(ledger: Fires
     again = export_job(table, None, 10, "job-3")
     assert ledger.begin_export(again) and ledger.finish_export(again, [arrival("bq-r")])
     assert progress(ledger.export_mark(table)) == (10, False, 0, "")  # landed: the failures are forgotten
+
+
+@firestore_only
+def test_an_abandoned_exports_reason_is_kept_until_one_lands(ledger: FirestoreLedger) -> None:
+    """What an operator reads on the watermark's document (split from the test above, whose port-level
+    part runs on the fake too)."""
+    table = "p.sales.returns"
+    failed = export_job(table, None, 10)
+    assert ledger.begin_export(failed)
+    assert ledger.abandon_export(failed, "Not found: Table p:sales.returns", "2026-11-25T00:01:00+00:00")
+    mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
+    assert mark["last_failure"]["job_id"] == "job-1" and "Not found" in mark["last_failure"]["reason"]
+    again = export_job(table, None, 10, "job-3")
+    assert ledger.begin_export(again) and ledger.finish_export(again, [arrival("bq-r")])
     mark = ledger.db.collection("watermarks").document(_key(table)).get().to_dict() or {}
     assert "last_failure" not in mark
 
 
+@firestore_only
 def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: FirestoreLedger) -> None:
     # record_arrival builds its create as raw protobuf (a storm's hot path); finish_export uses the client
     ledger.record_arrival(arrival("fast", generation=3), "ds", "md5:md5-fast:text")
@@ -426,6 +458,7 @@ def test_both_ways_of_recording_an_arrival_store_the_same_document(ledger: Fires
     assert fast["arrived_at"] < tx["arrived_at"]  # the server's commit time, as in the transaction
 
 
+@pytest.mark.integration
 def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
     monkeypatch: pytest.MonkeyPatch, project: str
 ) -> None:
@@ -447,6 +480,7 @@ def test_an_unreachable_ledger_is_retried_until_the_commit_deadline_then_raised(
     assert 1.0 < time.monotonic() - started < 6.0
 
 
+@firestore_only
 def test_a_batch_an_earlier_release_sealed_for_a_retry_still_makes_its_run(
     ledger: FirestoreLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,7 @@
-"""The workflow's steps in Python (retrain.steps, the run_step function) against the Firestore and GCS
-emulators: handover turns the tokenize report into the trainer's command and JobSet, results turns what
-the trainer wrote into the record's metrics and checkpoint and promotes it."""
+"""The workflow's steps in Python (retrain.steps, the run_step function) on the ledger's and Cloud
+Storage's fakes (the function's own server on the emulators): handover turns the tokenize report into the
+trainer's command and JobSet, results turns what the trainer wrote into the record's metrics and checkpoint
+and promotes it."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from typing import Any
 
 import pytest
 import requests
+from fakes.ledger import InMemoryLedger
+from fakes.objects import InMemoryObjects
 from run_events_support import Told
 from stack_support import overwrite_run
 
 from retrain import config
-from retrain.adapters import objects
-from retrain.adapters.ledger import FirestoreLedger
 from retrain.contracts import StepName, StepRequest, tokenize_detail_uri
 from retrain.domain.errors import PlanError, Rejected
 from retrain.domain.events import ObjectVersion
@@ -29,17 +30,23 @@ from retrain.steps import Steps, checkpoint_fingerprint
 from retrain.tensorboard import EventWriter
 from retrain.trainers import TrainingPlan
 
-pytestmark = pytest.mark.emulators
-
 #: Shards as the tokenize job names them (``<format>-<sha256>``).
 A, B, C = (f"text-{c * 64}" for c in "abc")
 
 
 @pytest.fixture
-def steps(firestore_host: str, gcs_host: str, project: str) -> Steps:
+def steps(project: str) -> Steps:
+    """The steps on the ledger's and Cloud Storage's fakes (``tests/fakes``, held to the real adapters by
+    ``tests/test_ledger.py`` and ``tests/ports/test_object_store.py``)."""
     settings = dataclasses.replace(config.load({}), project=project, artifacts_bucket=f"art-{project}")
-    objects.storage_client().create_bucket(settings.artifacts_bucket)
-    return Steps(settings, FirestoreLedger(project), objects, Told())
+    store = InMemoryObjects(buckets=[settings.artifacts_bucket, settings.landing_bucket])
+    return Steps(settings, InMemoryLedger(), store, Told())
+
+
+def fake_ledger(steps: Steps) -> InMemoryLedger:
+    """The steps' ledger, to store a run record as a test's setup."""
+    assert isinstance(steps.ledger, InMemoryLedger)
+    return steps.ledger
 
 
 def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = None) -> dict[str, Any]:
@@ -47,7 +54,7 @@ def new_run(steps: Steps, dataset: str = "news", champion: Champion | None = Non
     and that plan."""
     run_id = f"{dataset}-{uuid.uuid4().hex[:8]}"
     run = Run(run_id=run_id, dataset=dataset, trigger="manual", service_account=run_account_name(run_id))
-    steps.ledger.db.collection("runs").document(run.run_id).set(run.to_dict())  # type: ignore[attr-defined]
+    fake_ledger(steps).put_run(run)
     return keep_plan(steps, run_id, champion, dataset)
 
 
@@ -65,7 +72,7 @@ def request(step: StepName, plan: dict[str, Any], **extra: Any) -> dict[str, Any
     return {"step": str(step), "run_id": plan["run_id"], **extra}
 
 
-def write_report(plan: dict[str, Any], **override: Any) -> None:
+def write_report(store: InMemoryObjects, plan: dict[str, Any], **override: Any) -> None:
     art = plan["output_dir"].split("/")[2]
     report = {
         "documents": 3,
@@ -109,7 +116,7 @@ def write_report(plan: dict[str, Any], **override: Any) -> None:
         "held_out": None,
         **override,
     }
-    objects.write_bytes(f"{plan['output_dir']}/tokenize_report.json", json.dumps(report).encode())
+    store.write_bytes(f"{plan['output_dir']}/tokenize_report.json", json.dumps(report).encode())
 
 
 def test_a_run_planned_before_runs_had_accounts_of_their_own_is_refused_at_handover(steps: Steps) -> None:
@@ -117,14 +124,14 @@ def test_a_run_planned_before_runs_had_accounts_of_their_own_is_refused_at_hando
     account that does not exist, whose pods Kubernetes refuses, while its GPUs wait. Refused first."""
     plan = new_run(steps)
     overwrite_run(steps.ledger, plan["run_id"], {"service_account": None})
-    write_report(plan)
+    write_report(steps.store, plan)
     with pytest.raises(Rejected, match="planned before runs had service accounts of their own"):
         steps.handle(request(StepName.HANDOVER, plan, callback_url="https://cb/1"))
 
 
 def test_handover_renders_the_command_from_the_report_and_records_it(steps: Steps) -> None:
     plan = new_run(steps)
-    write_report(plan)
+    write_report(steps.store, plan)
     answer = steps.handle(request(StepName.HANDOVER, plan, callback_url="https://cb/1"))
     art = steps.settings.artifacts_bucket
     shards = f"/gcs/{art}/shards"
@@ -178,7 +185,7 @@ def test_handover_refuses_data_the_trainer_cannot_take(
 ) -> None:
     plan = new_run(steps)
     art = steps.settings.artifacts_bucket
-    write_report(plan, **json.loads(json.dumps(report).replace("gs://ART/", f"gs://{art}/")))
+    write_report(steps.store, plan, **json.loads(json.dumps(report).replace("gs://ART/", f"gs://{art}/")))
     with pytest.raises(Rejected, match=complaint):
         steps.handle(request(StepName.HANDOVER, plan))
 
@@ -190,6 +197,7 @@ def test_handover_without_a_report_says_so(steps: Steps) -> None:
 
 
 def upload_outputs(
+    store: InMemoryObjects,
     plan: dict[str, Any],
     tmp_path: Path,
     *,
@@ -205,7 +213,7 @@ def upload_outputs(
     end = plan["base_step"] + 60
     name = f"megatron_gpt--val_loss={val_loss:.2f}-step={end}-consumed_samples={end * 8}.0"
     for folder in (name, f"{name}-last"):
-        objects.write_bytes(f"{run_dir}/checkpoints/{folder}/common.pt", b"weights")
+        store.write_bytes(f"{run_dir}/checkpoints/{folder}/common.pt", b"weights")
     if events:
         writer = EventWriter(tmp_path / f"events.out.tfevents.{uuid.uuid4().hex[:6]}.host.1.0")
         if base_val is not None:
@@ -215,13 +223,13 @@ def upload_outputs(
         writer.scalars(end, {"val_loss": val_loss})
         for step, values in (planted or {}).items():
             writer.scalars(step, values)
-        objects.upload_file(writer.path, f"{run_dir}/{writer.path.name}")
+        store.write_bytes(f"{run_dir}/{writer.path.name}", writer.path.read_bytes())
     return f"{run_dir}/checkpoints/{name}-last"
 
 
 def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: Steps, tmp_path: Path) -> None:
     plan = new_run(steps, "results")
-    last = upload_outputs(plan, tmp_path, events=True)
+    last = upload_outputs(steps.store, plan, tmp_path, events=True)
     answer = steps.handle(request(StepName.RESULTS, plan))
     assert answer["checkpoint"] == last and answer["promoted"] is True and answer["reason"] == ""
     metrics = answer["metrics"]
@@ -239,7 +247,7 @@ def test_results_record_the_trainers_metrics_and_promote_its_checkpoint(steps: S
     assert record is not None and record.checkpoint == last and record.metrics is not None
     assert record.metrics.to_dict() == answer["metrics"]
     champion = steps.ledger.champion("results")
-    fingerprint = checkpoint_fingerprint(objects, last)  # the files promoted: a restore checks them
+    fingerprint = checkpoint_fingerprint(steps.store, last)  # the files promoted: a restore checks them
     assert champion == Champion(
         plan["run_id"], last, 60, pytest.approx(3.1), consumed_samples=480, fingerprint=fingerprint
     )
@@ -261,7 +269,7 @@ def test_the_eval_gate_promotes_a_checkpoint_only_when_it_is_not_worse_than_the_
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         steps.settings = dataclasses.replace(steps.settings, promotion_margin=margin)
         plan = new_run(steps, "gated", steps.ledger.champion("gated"))
-        upload_outputs(plan, tmp_path, events=True, val_loss=val_loss, base_val=base_val)
+        upload_outputs(steps.store, plan, tmp_path, events=True, val_loss=val_loss, base_val=base_val)
         answer = steps.handle(request(StepName.RESULTS, plan))
         record = steps.ledger.get_run(plan["run_id"])
         assert record is not None and record.eval is not None
@@ -314,7 +322,7 @@ def test_a_loss_that_is_not_a_number_never_promotes_and_the_answer_stays_json(
     steps: Steps, tmp_path: Path
 ) -> None:
     plan = new_run(steps, "nan")
-    upload_outputs(plan, tmp_path, events=True, val_loss=float("nan"))
+    upload_outputs(steps.store, plan, tmp_path, events=True, val_loss=float("nan"))
     answer = steps.handle(request(StepName.RESULTS, plan))
     json.dumps(answer, allow_nan=False)  # the workflow parses the answer as JSON, which has no NaN
     assert answer["promoted"] is False and answer["metrics"]["val_loss"] is None
@@ -330,13 +338,13 @@ def test_a_loss_that_is_not_a_number_never_promotes_and_the_answer_stays_json(
 def test_scalars_at_steps_outside_the_plan_are_left_out_and_counted(steps: Steps, tmp_path: Path) -> None:
     plan = new_run(steps, "planted")
     planted = {10**12: {"consumed_samples": 1.0, "reduced_train_loss": 0.1}, -5: {"val_loss": 0.01}}
-    upload_outputs(plan, tmp_path, events=True, planted=planted)
+    upload_outputs(steps.store, plan, tmp_path, events=True, planted=planted)
     metrics = steps.handle(request(StepName.RESULTS, plan))["metrics"]
     assert (metrics["steps"], metrics["run_steps"], metrics["outside_plan"]) == (60, 60, 3)
     assert (metrics["consumed_samples"], metrics["final_loss"]) == (480, 3.0)
     # a count no run of this plan could reach (60 steps of 8 sequences from nothing): not the lineage's
     inflated = new_run(steps, "inflated")
-    upload_outputs(inflated, tmp_path, events=True, planted={60: {"consumed_samples": 1e15}})
+    upload_outputs(steps.store, inflated, tmp_path, events=True, planted={60: {"consumed_samples": 1e15}})
     metrics = steps.handle(request(StepName.RESULTS, inflated))["metrics"]
     assert (metrics["consumed_samples"], metrics["tokens_seen"], metrics["outside_plan"]) == (None, None, 1)
     champion = steps.ledger.champion("planted")
@@ -346,7 +354,7 @@ def test_scalars_at_steps_outside_the_plan_are_left_out_and_counted(steps: Steps
 def test_with_an_eval_set_the_champion_is_judged_on_the_same_documents(steps: Steps, tmp_path: Path) -> None:
     def result(val_loss: float) -> dict[str, Any]:
         plan = new_run(steps, "judged", steps.ledger.champion("judged"))
-        upload_outputs(plan, tmp_path, events=True, val_loss=val_loss)
+        upload_outputs(steps.store, plan, tmp_path, events=True, val_loss=val_loss)
         steps.handle(request(StepName.RESULTS, plan))
         record = steps.ledger.get_run(plan["run_id"])
         assert record is not None and record.eval is not None
@@ -369,7 +377,7 @@ def test_with_an_eval_set_the_champion_is_judged_on_the_same_documents(steps: St
 
 def test_missing_metrics_are_recorded_as_missing_not_as_a_failure(steps: Steps, tmp_path: Path) -> None:
     plan = new_run(steps, "quiet")
-    last = upload_outputs(plan, tmp_path, events=False)
+    last = upload_outputs(steps.store, plan, tmp_path, events=False)
     answer = steps.handle(request(StepName.RESULTS, plan))
     assert answer["metrics"] is None and answer["checkpoint"] == last
     assert "no TensorBoard events under" in answer["reason"]
@@ -382,7 +390,7 @@ def test_a_step_reads_the_ledgers_plan_never_the_requests(steps: Steps, tmp_path
     would have results read, and promote, whatever checkpoint lies there.  A kept plan whose paths are not
     the ones the settings and the run id give (a record written by hand) is refused."""
     victim = new_run(steps, "forged")
-    upload_outputs(victim, tmp_path, events=True)
+    upload_outputs(steps.store, victim, tmp_path, events=True)
     forger = new_run(steps, "forged")
     forged = {**forger, "output_dir": victim["output_dir"]}
     answer = steps.handle({**request(StepName.RESULTS, forger), "training": forged})
@@ -410,6 +418,7 @@ def test_malformed_requests_are_rejected_with_the_reason() -> None:
             StepRequest.parse(body)
 
 
+@pytest.mark.emulators
 def test_the_function_answers_400_with_the_reason(serve_function: Any) -> None:
     fn = serve_function("run_step", signature="http")
     bad = requests.post(
@@ -438,7 +447,7 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     assert steps.handle(request(StepName.FINISH, plan)) == {"returned": 0}  # a retried step
     assert ledger.pending("fin") == []  # eligible again, but nothing re-runs by itself
     # its OpenLineage events, kept in its folder (retrain.lineage): what it read, and how it ended
-    lineage = json.loads(objects.read_bytes(f"{plan['output_dir']}/openlineage.json"))
+    lineage = json.loads(steps.store.read_bytes(f"{plan['output_dir']}/openlineage.json"))
     assert [e["eventType"] for e in lineage] == ["START", "RUNNING", "FAIL"]
     assert [d["name"] for d in lineage[1]["inputs"]] == ["in/a.txt", "in/b.txt"]  # read back, given back
 
@@ -451,7 +460,7 @@ def test_finish_gives_a_failed_runs_content_back_and_a_successful_ones_never(ste
     good_plan = keep_plan(steps, good.run_id)
     assert steps.handle(request(StepName.FINISH, good_plan)) == {"returned": 0}
     assert [v.uri for v in ledger.run_objects(good)] == ["gs://land/in/c.txt"]  # still held: trained
-    good_lineage = json.loads(objects.read_bytes(f"{good_plan['output_dir']}/openlineage.json"))
+    good_lineage = json.loads(steps.store.read_bytes(f"{good_plan['output_dir']}/openlineage.json"))
     assert good_lineage[-1]["eventType"] == "COMPLETE"
 
     # an execution that failed after promoting (its release failed): the champion holds that content,
@@ -495,7 +504,7 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
     steps.ledger.promote("bridged", base)
     plan = new_run(steps, "bridged", base)
     assert plan["profile"] == "megatron-bridge"
-    write_report(plan)
+    write_report(steps.store, plan)
     answer = steps.handle(request(StepName.HANDOVER, plan))
     assert "/opt/Megatron-Bridge/scripts/training/run_recipe.py" in answer["command"]
     assert "checkpoint.pretrained_checkpoint=/gcs/x/runs/old/checkpoints/iter_0000040" in answer["command"]
@@ -505,15 +514,15 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
 
     out = plan["output_dir"]
     for folder in ("iter_0000030", "iter_0000060"):
-        objects.write_bytes(f"{out}/checkpoints/{folder}/common.pt", b"weights")
-    objects.write_bytes(f"{out}/checkpoints/latest_checkpointed_iteration.txt", b"60")
+        steps.store.write_bytes(f"{out}/checkpoints/{folder}/common.pt", b"weights")
+    steps.store.write_bytes(f"{out}/checkpoints/latest_checkpointed_iteration.txt", b"60")
     writer = EventWriter(tmp_path / f"events.out.tfevents.{uuid.uuid4().hex[:6]}.host.1.0")
     writer.scalars(0, {"lm loss validation": 3.4})  # the base, validated on this run's data
     for step in (30, 60):
         writer.scalars(step, {"lm loss": 4.0 - step / 60})
         writer.scalars(step * 8, {"lm loss vs samples": 4.0 - step / 60})
     writer.scalars(60, {"lm loss validation": 3.0})
-    objects.upload_file(writer.path, f"{out}/tb_logs/{writer.path.name}")
+    steps.store.write_bytes(f"{out}/tb_logs/{writer.path.name}", writer.path.read_bytes())
     answer = steps.handle(request(StepName.RESULTS, plan))
     assert answer["checkpoint"] == f"{out}/checkpoints/iter_0000060" and answer["promoted"] is True
     assert answer["metrics"] == {
@@ -536,7 +545,7 @@ def test_a_megatron_bridge_run_is_handed_over_read_and_promoted_in_bridges_terms
         None,
         "megatron-bridge",
         800,
-        checkpoint_fingerprint(objects, promoted),
+        checkpoint_fingerprint(steps.store, promoted),
     )
     # the same dataset under NeMo's profile cannot continue from a Bridge checkpoint
     steps.settings = dataclasses.replace(steps.settings, profiles="")
@@ -551,8 +560,8 @@ def _landed(steps: Steps, name: str, body: bytes) -> ObjectVersion:
     from retrain.domain.events import ObjectArrival
 
     uri = f"gs://{steps.settings.landing_bucket}/incoming/back/{name}"
-    objects.write_bytes(uri, body)
-    info = objects.stat(uri)
+    steps.store.write_bytes(uri, body)
+    info = steps.store.stat(uri)
     event = ObjectArrival(
         f"ev-{uuid.uuid4()}",
         steps.settings.landing_bucket,
@@ -569,15 +578,13 @@ def _landed(steps: Steps, name: str, body: bytes) -> ObjectVersion:
 def test_a_run_that_succeeded_gives_back_what_it_could_not_read(steps: Steps) -> None:
     """Its tokenize job set an object aside whole (gone since it arrived): that content never trained, so
     it goes back, and a copy of those bytes under another name (skipped as held) arrives again."""
-    if objects.storage_client().lookup_bucket(steps.settings.landing_bucket) is None:
-        objects.storage_client().create_bucket(steps.settings.landing_bucket)
     gone = _landed(steps, f"gone-{uuid.uuid4().hex}.txt", b"bytes that were overwritten")
     read = _landed(steps, f"read-{uuid.uuid4().hex}.txt", b"bytes that trained")
     run = steps.ledger.seal("back", "manual").run
     assert run is not None
     copy = _landed(steps, f"copy-{uuid.uuid4().hex}.txt", b"bytes that were overwritten")  # held: skipped
     assert steps.ledger.seal("back", "manual").verdict == "nothing-new"
-    objects.write_bytes(gone.uri, b"other bytes now")
+    steps.store.write_bytes(gone.uri, b"other bytes now")
     quarantined = [
         {"object": gone.uri, "generation": gone.generation, "reason": "object_changed", "detail": ""}
     ]
@@ -595,8 +602,6 @@ def test_a_run_that_succeeded_gives_back_what_it_could_not_read(steps: Steps) ->
 def test_every_object_set_aside_goes_back_also_past_the_hundred_the_record_names(steps: Steps) -> None:
     """The report (which the workflow reads into a variable) and the run record name the first 100
     objects set aside whole; the report's detail object names all of them, and all go back."""
-    if objects.storage_client().lookup_bucket(steps.settings.landing_bucket) is None:
-        objects.storage_client().create_bucket(steps.settings.landing_bucket)
     landed = [
         _landed(steps, f"aside-{i:03d}-{uuid.uuid4().hex}.txt", f"set aside {i}".encode()) for i in range(150)
     ]
@@ -606,7 +611,7 @@ def test_every_object_set_aside_goes_back_also_past_the_hundred_the_record_names
         {"object": v.uri, "generation": v.generation, "reason": "unreadable", "detail": ""} for v in landed
     ]
     report = tokenize_report_uri(run_root(steps.settings, run.run_id))
-    objects.write_bytes(
+    steps.store.write_bytes(
         tokenize_detail_uri(report), json.dumps({"shards": [], "quarantined_objects": aside}).encode()
     )
     fields = {"status": "succeeded", "quarantined_objects": aside[:100], "quarantined_object_count": 150}
@@ -618,8 +623,6 @@ def test_every_object_set_aside_goes_back_also_past_the_hundred_the_record_names
 
 
 def test_a_run_that_failed_after_its_checkpoint_was_promoted_keeps_its_content(steps: Steps) -> None:
-    if objects.storage_client().lookup_bucket(steps.settings.landing_bucket) is None:
-        objects.storage_client().create_bucket(steps.settings.landing_bucket)
     _landed(steps, f"p-{uuid.uuid4().hex}.txt", b"promoted bytes")
     run = steps.ledger.seal("back", "manual").run
     assert run is not None
@@ -633,24 +636,24 @@ def test_a_champion_rewritten_since_its_promotion_is_never_restored(steps: Steps
     """A checkpoint unpickles: one rewritten in place (by anyone who can write under runs/) must not be
     loaded by the next run. Its files' generations were recorded at promotion; the handover checks them."""
     first = new_run(steps, "guarded")
-    last = upload_outputs(first, tmp_path, events=True)
+    last = upload_outputs(steps.store, first, tmp_path, events=True)
     assert steps.handle(request(StepName.RESULTS, first))["promoted"] is True
     champion = steps.ledger.champion("guarded")
     assert champion is not None and champion.fingerprint
 
     unchanged = new_run(steps, "guarded", champion)
-    write_report(unchanged)
+    write_report(steps.store, unchanged)
     steps.handle(request(StepName.HANDOVER, unchanged))  # restores it: its files are as promoted
 
-    objects.write_bytes(f"{last}/common.pt", b"weights, rewritten")  # same bytes' name, a new generation
+    steps.store.write_bytes(f"{last}/common.pt", b"weights, rewritten")  # same bytes' name, a new generation
     rewritten = new_run(steps, "guarded", champion)
-    write_report(rewritten)
+    write_report(steps.store, rewritten)
     with pytest.raises(Rejected, match=f"the champion checkpoint {last} changed since it was promoted"):
         steps.handle(request(StepName.HANDOVER, rewritten))
 
     elsewhere = dataclasses.replace(champion, checkpoint=f"{last}-planted")  # not the ledger's champion
     forged = new_run(steps, "guarded", elsewhere)
-    write_report(forged)
+    write_report(steps.store, forged)
     with pytest.raises(Rejected, match="is not the dataset's champion"):
         steps.handle(request(StepName.HANDOVER, forged))
 
@@ -737,13 +740,13 @@ def test_a_cancel_is_the_ledgers_never_the_callbacks(steps: Steps) -> None:
     assert ended is not None and ended.cancel_requested_by is None
 
 
-def carve(plan: dict[str, Any], members: list[str], held_out_for: str) -> str:
+def carve(store: InMemoryObjects, plan: dict[str, Any], members: list[str], held_out_for: str) -> str:
     """A held-out set as a run's tokenize job writes it: a pack under the shard root, marked as the
     carving run's in its ``_pack.json``; its data prefix."""
     art = plan["output_dir"].split("/")[2]
     prefix = f"gs://{art}/shards/eval-{uuid.uuid4().hex * 2}/data_text_document"
     body = {"data_prefix": prefix, "tokens": 5, "members": members, "held_out_for": held_out_for}
-    objects.write_bytes(prefix + "_pack.json", json.dumps(body).encode())
+    store.write_bytes(prefix + "_pack.json", json.dumps(body).encode())
     return prefix
 
 
@@ -756,8 +759,8 @@ def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, t
     plan = new_run(steps, "carved")
     assert hold_out_objects(steps.settings, TrainingPlan.parse(plan), 40) == 2  # 5% of 40
     art = steps.settings.artifacts_bucket
-    carved = carve(plan, [f"gs://{art}/shards/{C}/data_text_document"], plan["run_id"])
-    write_report(plan, held_out={"data_prefix": carved, "tokens": 5, "shards": 1})
+    carved = carve(steps.store, plan, [f"gs://{art}/shards/{C}/data_text_document"], plan["run_id"])
+    write_report(steps.store, plan, held_out={"data_prefix": carved, "tokens": 5, "shards": 1})
     answer = steps.handle(request(StepName.HANDOVER, plan))
     (data,) = [a for a in answer["command"] if a.startswith("model.data.data_prefix=")]
     held = f"[1.0,{carved.replace('gs://', '/gcs/')}]"
@@ -765,7 +768,7 @@ def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, t
     record = steps.ledger.get_run(plan["run_id"])
     assert record is not None and record.eval_set == carved
 
-    upload_outputs(plan, tmp_path, events=True, val_loss=3.1)
+    upload_outputs(steps.store, plan, tmp_path, events=True, val_loss=3.1)
     assert steps.handle(request(StepName.RESULTS, plan))["promoted"] is True  # its plan still has none
     champion = steps.ledger.champion("carved")
     assert champion is not None and champion.eval_set == carved
@@ -774,7 +777,9 @@ def test_a_carved_eval_set_validates_the_run_and_every_later_one(steps: Steps, t
     # a later run whose report trains on the dataset's eval set is refused
     later = new_run(steps, "carved", champion)
     assert later["eval_set"] == carved
-    write_report(later, data_prefix_blend=[0.5, carved, 0.5, f"gs://{art}/shards/{A}/data_text_document"])
+    write_report(
+        steps.store, later, data_prefix_blend=[0.5, carved, 0.5, f"gs://{art}/shards/{A}/data_text_document"]
+    )
     with pytest.raises(Rejected, match="blend trains on its eval set's data"):
         steps.handle(request(StepName.HANDOVER, later))
 
@@ -798,10 +803,12 @@ def test_a_held_out_set_the_runs_job_did_not_carve_is_refused(
     plan = new_run(steps)
     art = steps.settings.artifacts_bucket
     if held == "ANOTHER_RUNS":
-        held = carve(plan, [f"gs://{art}/shards/{C}/data_text_document"], "another-run")
+        held = carve(steps.store, plan, [f"gs://{art}/shards/{C}/data_text_document"], "another-run")
     elif held == "UNCOMMITTED":
         held = f"gs://{art}/shards/eval-{'d' * 64}/data_text_document"
-    write_report(plan, held_out={"data_prefix": held.replace("ART", art), "tokens": 1, "shards": 1})
+    write_report(
+        steps.store, plan, held_out={"data_prefix": held.replace("ART", art), "tokens": 1, "shards": 1}
+    )
     with pytest.raises(Rejected, match=complaint):
         steps.handle(request(StepName.HANDOVER, plan))
 
@@ -813,10 +820,13 @@ def test_a_held_out_set_that_the_blend_trains_on_is_refused(steps: Steps) -> Non
     art = steps.settings.artifacts_bucket
     pack = f"gs://{art}/shards/pack-{'f' * 64}/data_text_document"
     member = f"gs://{art}/shards/{C}/data_text_document"
-    objects.write_bytes(pack + "_pack.json", json.dumps({"members": [member, "gs://x/other"]}).encode())
-    held = carve(plan, [member], plan["run_id"])
+    steps.store.write_bytes(pack + "_pack.json", json.dumps({"members": [member, "gs://x/other"]}).encode())
+    held = carve(steps.store, plan, [member], plan["run_id"])
     write_report(
-        plan, data_prefix_blend=[1.0, pack], held_out={"data_prefix": held, "tokens": 1, "shards": 1}
+        steps.store,
+        plan,
+        data_prefix_blend=[1.0, pack],
+        held_out={"data_prefix": held, "tokens": 1, "shards": 1},
     )
     with pytest.raises(Rejected, match="blend trains on its eval set's data"):
         steps.handle(request(StepName.HANDOVER, plan))
@@ -831,7 +841,7 @@ def test_a_configured_eval_set_is_never_read_at_handover(
     steps.settings = dataclasses.replace(steps.settings, eval_sets=f"fixed={eval_set}")
     plan = new_run(steps, "fixed")
     assert plan["eval_set"] == eval_set
-    write_report(plan)
+    write_report(steps.store, plan)
     read = steps.store.read_bytes
     seen: list[str] = []
 

@@ -1,6 +1,7 @@
 """Seals other than the marker, one run at a time per dataset, the sweeper's crash recovery, and what
-a seal would do before it is made (``retrain plan``, the cost cap): the real Firestore emulator,
-retrain's executions service, and functions-framework's own app."""
+a seal would do before it is made (``retrain plan``, the cost cap): on the ledger's and Cloud Storage's
+fakes (on the emulators where the test is of Firestore's own behaviour), retrain's executions service, and
+functions-framework's own app."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import functions_framework
 import pytest
+from fakes.ledger import InMemoryLedger
+from fakes.objects import InMemoryObjects
 from run_events_support import Told
-from stack_support import overwrite_run, stored_plan
+from stack_support import overwrite_run
 
 from cloudworkflows import ExecutionsServer
 from retrain import config
@@ -32,15 +35,18 @@ from retrain.domain.runs import RunStatus, Trigger
 from retrain.ingest import Ingest
 from retrain.ingest.outcomes import Outcome
 from retrain.plan import budget_month
+from retrain.ports import Ledger, ObjectStore
 from retrain.steps import Steps
 from retrain_ops.deployment import Deployment
 
-pytestmark = pytest.mark.emulators
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: ExecutionsServer) -> Ingest:
+def ingest(request: pytest.FixtureRequest, project: str, held_executions: ExecutionsServer) -> Ingest:
+    """Ingest on the ledger's and Cloud Storage's fakes (``tests/fakes``, held to the real adapters by
+    ``tests/test_ledger.py`` and ``tests/ports/test_object_store.py``), and for a test of what Firestore
+    does too (``on_both``) on the emulators; retrain's executions service either way."""
     settings = dataclasses.replace(
         config.load({}),
         project=project,
@@ -49,12 +55,21 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
         max_batch_age_s=3600,
         stuck_after_s=30,
     )
-    artifacts = objects.storage_client().create_bucket(settings.artifacts_bucket)
-    artifacts.versioning_enabled = True  # as deployed (infra/platform/storage.tf)
-    artifacts.patch()
+    ledger: Ledger
+    store: ObjectStore
+    if getattr(request, "param", "in-memory") == "firestore":
+        request.getfixturevalue("firestore_host")
+        request.getfixturevalue("gcs_host")
+        artifacts = objects.storage_client().create_bucket(settings.artifacts_bucket)
+        artifacts.versioning_enabled = True  # as deployed (infra/platform/storage.tf)
+        artifacts.patch()
+        ledger, store = FirestoreLedger(project), objects  # type: ignore[assignment]
+    else:
+        ledger = InMemoryLedger()
+        store = InMemoryObjects(buckets=[settings.landing_bucket], versioned=[settings.artifacts_bucket])
     return Ingest(
         settings,
-        FirestoreLedger(project),
+        ledger,
         WorkflowsExecutions(
             project,
             settings.region,
@@ -62,9 +77,20 @@ def ingest(firestore_host: str, gcs_host: str, project: str, held_executions: Ex
             held_executions.base_url,
             grpc_endpoint=held_executions.grpc_target,
         ),
-        objects,
+        store,
         events=Told(),
     )
+
+
+#: A test of what Firestore does too (concurrent writers contend): Ingest on the fakes and on the emulators.
+on_both = pytest.mark.parametrize(
+    "ingest",
+    [
+        pytest.param("in-memory", id="in-memory"),
+        pytest.param("firestore", id="firestore-emulator", marks=pytest.mark.emulators),
+    ],
+    indirect=True,
+)
 
 
 def arrive(ingest: Ingest, dataset: str, name: str, size: int = 10) -> None:
@@ -157,7 +183,7 @@ def test_a_crash_between_seal_and_start_loses_nothing(
     assert ingest.sweep(now=later(31)) == []  # exactly once
     assert held_executions.get(recovered.detail)["state"] == "ACTIVE"
     manifest = json.loads(
-        objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json")
+        ingest.store.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json")
     )
     stored = ingest.ledger.get_run(sealed.run.run_id)
     assert [o["uri"] for o in manifest["objects"]] == ["gs://land/incoming/c/1.txt"] and manifest[
@@ -206,7 +232,7 @@ def test_a_start_that_outlasts_its_claim_leaves_the_run_one_execution(
     made = {e["name"]: json.loads(e["argument"]) for e in held_executions.list()}
     mine = {name: a["claim"] for name, a in made.items() if a["run_id"] == run.run_id}
     assert len(mine) == 2 and len(set(mine.values())) == 2  # each starter made one, under its own claim
-    steps = Steps(ingest.settings, ingest.ledger, objects)
+    steps = Steps(ingest.settings, ingest.ledger, ingest.store)
     begun = {name: steps.begin(run.run_id, claim, name.rsplit("/", 1)[-1]) for name, claim in mine.items()}
     assert {name for name, b in begun.items() if b.plan is not None} == {run.execution}
     (refused,) = (b for b in begun.values() if b.plan is None)
@@ -217,7 +243,7 @@ def test_a_start_that_outlasts_its_claim_leaves_the_run_one_execution(
 def manifest_versions(ingest: Ingest, run_id: str) -> list[int | None]:
     """Every version, live or noncurrent, of the run's manifest (the artifacts bucket is versioned)."""
     uri = f"{ingest.settings.artifacts_uri}/runs/{run_id}/objects.json"
-    return [o.generation for o in objects.list_objects(uri, versions=True)]
+    return [o.generation for o in ingest.store.list_objects(uri, versions=True)]
 
 
 def stall_before_pricing(
@@ -278,7 +304,7 @@ def test_the_claims_holder_rewrites_a_manifest_whose_content_changed_at_the_gene
     assert rewritten is not None and written is not None and rewritten > written
     assert manifest_versions(ingest, sealed.run.run_id) == [written, rewritten]
     uri = f"{ingest.settings.artifacts_uri}/runs/{sealed.run.run_id}/objects.json"
-    assert objects.read_bytes(uri) == second.to_json()
+    assert ingest.store.read_bytes(uri) == second.to_json()
 
 
 def test_a_slow_starter_that_would_refuse_the_run_leaves_it_to_the_one_that_took_over(
@@ -298,6 +324,7 @@ def test_a_slow_starter_that_would_refuse_the_run_leaves_it_to_the_one_that_took
     assert run.status == RunStatus.PENDING and run.failure is None and not run.content_returned
 
 
+@on_both
 def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
     """The scenario of a new user: 8 concurrent droppers of 200 files, each sealing when done, then the
     same 200 files again under new names: every content trains exactly once, in at most two runs."""
@@ -331,11 +358,10 @@ def test_coalescing_under_concurrent_drops_and_a_redrop(ingest: Ingest) -> None:
     overwrite_run(ingest.ledger, live.run_id, {"status": str(RunStatus.SUCCEEDED)})
     started = [o.run_id for o in ingest.sweep() if o.action == "started"]
     assert started == [r.run_id for r in runs if not r.execution]
-    contents = ingest.ledger.db.collection("datasets").document("s").collection("contents")
-    holders = [d.get("run_id") for d in contents.stream()]
+    holders = [h.run_id for h in ingest.ledger.dataset_records("s").holdings]
     assert len(holders) == 200 and set(holders) == {r.run_id for r in runs}
     manifests = [
-        json.loads(objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{r.run_id}/objects.json"))[
+        json.loads(ingest.store.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{r.run_id}/objects.json"))[
             "objects"
         ]
         for r in runs
@@ -415,6 +441,7 @@ def functions_env(firestore_host: str, gcs_host: str, held_executions: Execution
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+@pytest.mark.emulators
 def test_run_step_answers_503_where_the_workflow_may_retry(functions_env: str) -> None:
     """begin and cancel are idempotent: their failures answer 503, which the workflow's http.default_retry
     retries (a ledger hiccup in cancel's confirmation would otherwise fail the run); a malformed request
@@ -431,6 +458,7 @@ def test_run_step_answers_503_where_the_workflow_may_retry(functions_env: str) -
     assert fine.status_code == 200 and fine.get_json() == {"requested_by": None, "reason": ""}
 
 
+@pytest.mark.emulators
 def test_run_http_entrypoint(functions_env: str) -> None:
     app = functions_framework.create_app("run_http", str(REPO / "functions" / "main.py"))
     http = app.test_client()
@@ -443,6 +471,7 @@ def test_run_http_entrypoint(functions_env: str) -> None:
     assert resp.status_code == 200 and [o["action"] for o in resp.get_json()["outcomes"]] == ["started"]
 
 
+@pytest.mark.emulators
 def test_scheduler_tick_entrypoint(functions_env: str) -> None:
     app = functions_framework.create_app(
         "on_scheduler_tick", str(REPO / "functions" / "main.py"), "cloudevent"
@@ -606,7 +635,7 @@ def test_a_run_over_the_cost_cap_is_refused_and_its_training_deadline_follows_th
     ingest.settings = dataclasses.replace(ingest.settings, max_run_cost_usd=50.0)
     retried = ingest.retry(refused.run_id)
     assert retried.action == "started"
-    argument = stored_plan(ingest.ledger, retried.run_id)
+    argument = ingest.ledger.plan_of(retried.run_id)
     assert argument is not None
     assert (argument["train_timeout_s"], argument["train_deadline_reason"]) == (
         1134,
@@ -719,15 +748,15 @@ def test_the_audit_job_records_an_object_whose_event_never_came(ingest: Ingest) 
 
     landing = f"land-{uuid.uuid4().hex[:12]}"  # its own: the audit reads the whole bucket
     ingest.settings = dataclasses.replace(ingest.settings, audit_grace_s=0, landing_bucket=landing)
-    objects.storage_client().create_bucket(landing)
+    ingest.store.create_bucket(landing)  # type: ignore[attr-defined]
     dataset = f"lost{uuid.uuid4().hex[:6]}"
     uri = f"gs://{ingest.settings.landing_bucket}/incoming/{dataset}/never-announced.jsonl"
-    objects.write_bytes(uri, b'{"text": "its event was lost"}\n')
-    before = audit(ingest.settings, ingest.ledger, objects, dataset)
+    ingest.store.write_bytes(uri, b'{"text": "its event was lost"}\n')
+    before = audit(ingest.settings, ingest.ledger, ingest.store, dataset)
     assert [(e.uri, e.account) for e in before.findings] == [(uri, Account.UNRECORDED)]
     (outcome,) = ingest.on_scheduler_tick({"job": "audit"})
     assert outcome.action == "audited" and "1 arrival(s) recorded" in outcome.detail
-    after = audit(ingest.settings, ingest.ledger, objects, dataset)
+    after = audit(ingest.settings, ingest.ledger, ingest.store, dataset)
     assert [(e.uri, e.account) for e in after.entries] == [(uri, Account.PENDING)]
     started = ingest.seal(dataset, "manual")
     assert started.action == "started"
@@ -764,10 +793,10 @@ def test_the_execution_is_told_the_generation_of_the_manifest_it_was_started_for
     (started,) = ingest.seal_pending("pinned", "manual")
     run = ingest.ledger.get_run(started.run_id)
     assert run is not None and run.execution
-    argument = stored_plan(ingest.ledger, run.run_id)
+    argument = ingest.ledger.plan_of(run.run_id)
     assert argument is not None
     manifest = f"{ingest.settings.artifacts_uri}/{argument['manifest_object']}"
-    assert argument["manifest_generation"] == objects.stat(manifest).generation
+    assert argument["manifest_generation"] == ingest.store.stat(manifest).generation
     assert run.manifest_generation == argument["manifest_generation"]  # what audit and report read
     assert argument["manifest_generation"] > 0
 
@@ -843,7 +872,7 @@ def test_a_batch_of_empty_objects_ends_at_once_with_nothing_to_train(ingest: Ing
         2,
     )
     manifest = json.loads(
-        objects.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{run.run_id}/objects.json")
+        ingest.store.read_bytes(f"{ingest.settings.artifacts_uri}/runs/{run.run_id}/objects.json")
     )
     assert len(manifest["objects"]) == 2  # its lineage, as any run's
     assert isinstance(ingest.events, Told)

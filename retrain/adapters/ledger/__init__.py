@@ -15,7 +15,8 @@ none); content some run already holds (trained, live or pending) adds nothing, s
 any name, in any grouping, train once.  A seal that brings nothing new makes no run.  The pending run's
 object list is fixed when it starts: every ``contents/`` entry naming it.  Each entry is written in a
 transaction that checks the run is still the dataset's pending run, and starting a run clears that in
-a transaction on the same document, so no entry can join a run after its list was read.
+a write conditioned on the same document's update time, so no entry can join a run after its list was
+read.
 
 Arrivals are sharded (``arrivals00`` .. ``arrivals15`` by the first byte of their key): "If a
 collection contains documents with sequential indexed values, Cloud Firestore limits the write rate to

@@ -103,13 +103,7 @@ class BatchRecords(FirestoreBase):
             fields["run_id"] = run.run_id
         batch_ref.update(fields)
         if not added:
-            return SealOutcome(
-                None,
-                SealVerdict.NOTHING_NEW,
-                f"nothing new: {skipped} object(s) skipped, their content trained before or is in the "
-                "live or pending run",
-                skipped=skipped,
-            )
+            return SealOutcome.nothing_new(skipped)
         return SealOutcome(
             self.get_run(run.run_id) if run else None, SealVerdict.SEALED, "sealed", tuple(added), skipped
         )
