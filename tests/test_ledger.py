@@ -21,8 +21,8 @@ from stack_support import overwrite_run
 
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.ledger.base import _key
-from retrain.domain.events import ObjectArrival
-from retrain.domain.runs import BatchState, RunStatus, Trigger
+from retrain.domain.events import ObjectArrival, ObjectVersion
+from retrain.domain.runs import BatchState, Champion, RunStatus, Trigger
 from retrain.domain.transitions import RunEnd, RunPlanned
 from retrain.ports import ExportJob, Ledger, SealVerdict, StartVerdict, Watermark
 
@@ -312,6 +312,123 @@ def test_a_start_claim_outlasts_a_lock_held_past_the_emulators_lock_timeout(
 
     assert claim_while_locked(budget_s=0.0) == "Aborted: 409 Transaction lock timeout."
     assert claim_while_locked(budget_s=deployed) == StartVerdict.CLAIMED
+
+
+def test_a_cancel_is_requested_once_and_only_of_a_run_that_has_not_ended(ledger: Ledger) -> None:
+    ledger.record_arrival(arrival("c"), "ds", "h-c")
+    run = ledger.seal("ds", "manual").run
+    assert run is not None
+    assert ledger.request_cancel(run.run_id, "alice@example.com", "wrong data")
+    assert ledger.request_cancel(run.run_id, "bob@example.com", "again")  # the first request stands
+    stored = ledger.get_run(run.run_id)
+    assert stored is not None and (stored.cancel_requested_by, stored.cancel_reason) == (
+        "alice@example.com",
+        "wrong data",
+    )
+    overwrite_run(ledger, run.run_id, {"status": "cancelled"})
+    assert not ledger.request_cancel(run.run_id, "alice@example.com", "ended")
+    assert not ledger.request_cancel("ds-no-such-run", "alice@example.com", "unknown")
+
+
+def test_a_promotion_is_made_once_and_the_next_runs_continue_from_it(ledger: Ledger) -> None:
+    assert ledger.champion("ds") is None
+    first = Champion("ds-1", "gs://art/runs/ds-1/ckpt", 60, val_loss=3.1)
+    assert ledger.promote("ds", first) and ledger.champion("ds") == first
+    second = Champion("ds-2", "gs://art/runs/ds-2/ckpt", 120, val_loss=2.9, fingerprint="sha256:f")
+    assert ledger.promote("ds", second) and ledger.champion("ds") == second
+    assert ledger.promote("ds", first) and ledger.champion("ds") == second  # promoted before: not again
+    assert ledger.champion("other") is None
+
+
+def test_a_months_runs_are_the_ones_budgeted_in_it(ledger: Ledger) -> None:
+    made = []
+    for name, month in (("a", "2026-10"), ("b", "2026-11"), ("c", "2026-11")):
+        ledger.record_arrival(arrival(name), f"ds-{name}", f"h-{name}")
+        run = ledger.seal(f"ds-{name}", "manual").run
+        assert run is not None
+        overwrite_run(ledger, run.run_id, {"budget_month": month})
+        made.append(run.run_id)
+    assert sorted(r.run_id for r in ledger.runs_budgeted_in("2026-11")) == sorted(made[1:])
+    assert [r.run_id for r in ledger.runs_budgeted_in("2026-09")] == []
+    assert [r.run_id for r in ledger.list_runs(limit=2)] == made[1:]  # the latest, oldest first
+
+
+def test_a_run_gives_back_only_what_it_could_not_read_and_that_content_arrives_again(ledger: Ledger) -> None:
+    """A run that trained but could not read some objects gives back their content alone (it keeps the
+    rest); the versions of a content are listed newest first, and one arriving again is pending again."""
+    for name in ("a", "b", "c"):
+        ledger.record_arrival(arrival(name), "ds", f"h-{name}")
+    run = ledger.seal("ds", "manual").run
+    assert run is not None and ledger.claim_start(run, stale_after_s=FRESH).verdict == StartVerdict.CLAIMED
+    unread = [v for v in ledger.run_objects(run) if v.uri.endswith("/b")]
+    assert ledger.give_back(run, unread) == 1
+    assert ledger.give_back(run, unread) == 0  # it holds it no more
+    kept = ledger.get_run(run.run_id)
+    assert kept is not None and kept.returned_untrained == 1 and not kept.content_returned
+    assert uris(ledger.run_objects(kept)) == ("gs://land/incoming/a", "gs://land/incoming/c")
+    ledger.record_arrival(arrival("b", generation=2), "ds", "h-b")  # the same content, a newer version
+    assert [v.generation for v in ledger.versions_of("ds", "h-b")] == [2, 1]
+    assert ledger.seal("ds", "manual").run is not None  # h-b is new again: it joins a pending run
+    (back,) = [v for v in ledger.versions_of("ds", "h-b") if v.generation == 1]
+    ledger.arrive_again("ds", back, "read again")
+    ledger.arrive_again("ds", back, "read again")  # once per reason
+    (pending,) = ledger.pending("ds")
+    assert pending.objects == 1
+
+
+def test_a_refused_object_is_recorded_once_per_version_and_a_run_records_its_end(ledger: Ledger) -> None:
+    bad = ObjectVersion("gs://land/incoming/News/a.jsonl", 5)
+    ledger.record_rejection(bad, "not a valid dataset name")
+    ledger.record_rejection(bad, "not a valid dataset name: redelivered")  # the same version: rewritten
+    ledger.record_rejection(ObjectVersion("gs://land/incoming/News/a.jsonl", 6), "x" * 2000)
+    rejections = sorted(ledger.rejections(), key=lambda r: r.version.generation)
+    assert [(r.version.generation, r.reason) for r in rejections] == [
+        (5, "not a valid dataset name: redelivered"),
+        (6, "x" * 1000),  # kept to its first thousand characters
+    ]
+    assert ledger.datasets() == []  # a refusal names no dataset
+    ledger.record_arrival(arrival("a"), "two", "h-a")
+    ledger.record_arrival(arrival("b"), "one", "h-b")
+    assert sorted(ledger.datasets()) == ["one", "two"]
+    run = ledger.seal("one", "manual").run
+    assert run is not None
+    ledger.record(run.run_id, RunEnd(RunStatus.FAILED, "refused: no tokens", nodes_at_end=0))
+    ended = ledger.get_run(run.run_id)
+    assert ended is not None and (ended.status, ended.reason, ended.nodes_at_end) == (
+        RunStatus.FAILED,
+        "refused: no tokens",
+        0,
+    )
+    assert [r.run_id for r in ledger.unsettled()] == [run.run_id]  # it still holds its content
+
+
+def test_a_preview_says_what_a_seal_would_do_and_writes_nothing(ledger: Ledger) -> None:
+    ledger.record_arrival(arrival("a"), "ds", "h-a")
+    pending = ledger.seal("ds", "manual").run
+    assert pending is not None
+    for name, content in (("b", "h-b"), ("copy-of-a", "h-a"), ("c", "h-c")):
+        ledger.record_arrival(arrival(name), "ds", content)
+    preview = ledger.preview("ds")
+    assert uris(preview.objects) == ("gs://land/incoming/b", "gs://land/incoming/c")
+    assert preview.skipped == 1 and preview.pending_run is not None
+    assert preview.pending_run.run_id == pending.run_id
+    assert uris(preview.pending_objects) == ("gs://land/incoming/a",)
+    assert ledger.preview("ds") == preview  # it wrote nothing
+    (waiting,) = ledger.pending("ds")
+    assert waiting.objects == 3
+
+
+def test_a_pending_run_that_ended_before_it_started_is_replaced_by_the_next_seal(ledger: Ledger) -> None:
+    ledger.record_arrival(arrival("a"), "ds", "h-a")
+    cancelled = ledger.seal("ds", "manual").run
+    assert cancelled is not None
+    overwrite_run(ledger, cancelled.run_id, {"status": "cancelled"})  # an operator ended it before it began
+    assert ledger.pending_run("ds") is None
+    ledger.record_arrival(arrival("b"), "ds", "h-b")
+    fresh = ledger.seal("ds", "scheduler").run
+    assert fresh is not None and fresh.run_id != cancelled.run_id and fresh.trigger == Trigger.SCHEDULER
+    assert ledger.pending_run("ds") == fresh
+    assert uris(ledger.run_objects(fresh)) == ("gs://land/incoming/b",)  # h-a is still the cancelled run's
 
 
 def test_datasets_have_separate_batches(ledger: Ledger) -> None:
