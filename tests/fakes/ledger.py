@@ -18,14 +18,23 @@ the adapter does not sort.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import threading
 import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from retrain.adapters.ledger.base import _arrival_fields, _first_by_content  # the stored shape, one rule
+# The Firestore layout's document ids and stored shapes, and its one rule for a batch's first object by
+# content: one definition each, here and in the adapter.
+from retrain.adapters.ledger.base import (
+    _arrival_fields,
+    _arrival_shard,
+    _export_job,
+    _first_by_content,
+    _key,
+    _watermark,
+)
 from retrain.domain.events import ObjectArrival, ObjectVersion
 from retrain.domain.runs import (
     BatchState,
@@ -59,14 +68,6 @@ from retrain.ports import (
     Watermark,
 )
 
-#: Arrival collections per dataset in the Firestore layout: a dataset's arrivals stream shard by shard.
-ARRIVAL_SHARDS = 16
-
-
-def _doc_id(text: str) -> str:
-    """The Firestore layout's document id for a key (its SHA-1): what a collection's stream is ordered by."""
-    return hashlib.sha1(text.encode()).hexdigest()
-
 
 def _stored(value: Any) -> Any:
     """``value`` as a document holds it: a copy, sequences as arrays (lists), maps as maps."""
@@ -75,11 +76,6 @@ def _stored(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_stored(v) for v in value]
     return value
-
-
-def _arrival_order(key: str) -> tuple[int, str]:
-    """Where an arrival keyed ``key`` streams: its shard, then its id."""
-    return int(key[:2], 16) % ARRIVAL_SHARDS, key
 
 
 class InMemoryLedger:
@@ -133,7 +129,7 @@ class InMemoryLedger:
         arrivals = self._arrivals.get(dataset, {})
         return [
             dict(arrivals[key])
-            for key in sorted(arrivals, key=_arrival_order)
+            for key in sorted(arrivals, key=lambda k: (_arrival_shard(k), k))  # shard by shard
             if (after is None or arrivals[key]["arrived_at"] > after)
             and (through is None or arrivals[key]["arrived_at"] <= through)
         ]
@@ -166,13 +162,13 @@ class InMemoryLedger:
         with self._lock:
             self._ensure_dataset(dataset)
             fields = _arrival_fields(arrival, content_hash)
-            new = self._add_arrival(dataset, _doc_id(arrival.identity), fields, overwrite=False)
+            new = self._add_arrival(dataset, _key(arrival.identity), fields, overwrite=False)
             return ArrivalOutcome(ArrivalStatus.NEW if new else ArrivalStatus.DUPLICATE)
 
     def record_rejection(self, version: ObjectVersion, reason: str) -> None:
         with self._lock:
             fields = {**version.to_dict(), "reason": reason[:1000], "at": now_iso()}
-            self._rejections[_doc_id(f"{version.uri}#{version.generation}")] = _stored(fields)
+            self._rejections[_key(f"{version.uri}#{version.generation}")] = _stored(fields)
 
     def rejections(self) -> list[Rejection]:
         with self._lock:
@@ -253,7 +249,7 @@ class InMemoryLedger:
                 batch.update({"state": str(BatchState.DUPLICATE), "new_objects": 0, "skipped": 0})
                 return SealOutcome(None, SealVerdict.NOTHING_PENDING, "nothing pending")
             held = self._contents.setdefault(dataset, {})
-            new = {h: v for h, v in _first_by_content(arrivals).items() if _doc_id(h) not in held}
+            new = {h: v for h, v in _first_by_content(arrivals).items() if _key(h) not in held}
             added = list(new.values())
             run: Run | None = None
             if added:
@@ -261,7 +257,7 @@ class InMemoryLedger:
                 run = self._pending_run(dataset, batch_id, trigger, batch.get("retry_of") or retried)
                 for h, version in new.items():
                     entry = {"content_hash": h, **version.to_dict(), "run_id": run.run_id, "at": now_iso()}
-                    held[_doc_id(h)] = _stored(entry)
+                    held[_key(h)] = _stored(entry)
             skipped = len(arrivals) - len(added)
             batch.update(
                 {
@@ -289,7 +285,7 @@ class InMemoryLedger:
         with self._lock:
             arrivals = self._window(dataset, self._last_cut(dataset))
             held = self._contents.get(dataset, {})
-            new = tuple(v for h, v in _first_by_content(arrivals).items() if _doc_id(h) not in held)
+            new = tuple(v for h, v in _first_by_content(arrivals).items() if _key(h) not in held)
             pending = self.pending_run(dataset)
             objects = self.run_objects(pending) if pending else ()
             return SealPreview(dataset, new, len(arrivals) - len(new), pending, objects)
@@ -330,7 +326,7 @@ class InMemoryLedger:
                 entries = [e for e in entries if ObjectVersion.parse(e) in wanted]
             kept = self._returned.setdefault(run.run_id, {})
             for entry in entries:
-                key = _doc_id(str(entry["content_hash"]))
+                key = _key(str(entry["content_hash"]))
                 kept[key] = self._contents[run.dataset].pop(key)
             if versions is None:
                 self._patch_run(run.run_id, {"content_returned": True})
@@ -349,7 +345,7 @@ class InMemoryLedger:
         bucket, name = version.uri.removeprefix("gs://").split("/", 1)
         arrival = ObjectArrival(event_id, bucket, name, version.generation, version.size, "", now_iso())
         fields = _arrival_fields(arrival, version.content_hash)
-        self._add_arrival(dataset, _doc_id(f"{arrival.identity}:{why}"), fields, overwrite=True, at=at)
+        self._add_arrival(dataset, _key(f"{arrival.identity}:{why}"), fields, overwrite=True, at=at)
 
     def arrive_again(self, dataset: str, version: ObjectVersion, why: str) -> None:
         with self._lock:
@@ -368,19 +364,13 @@ class InMemoryLedger:
 
     def export_mark(self, table: str) -> Watermark:
         with self._lock:
-            doc = self._marks.get(table, {})
-            return Watermark(
-                value=doc.get("value"),
-                backlog=bool(doc.get("backlog")),
-                failures=int(doc.get("failures") or 0),
-                retry_after=str(doc.get("retry_after") or ""),
-            )
+            return _watermark(self._marks.get(table, {}))
 
     def begin_export(self, job: ExportJob) -> bool:
         with self._lock:
             if self._marks.get(job.table, {}).get("value") != job.after or job.table in self._exports:
                 return False
-            self._exports[job.table] = _stored(_job_fields(job))
+            self._exports[job.table] = _stored(dataclasses.asdict(job))
             return True
 
     def want_export(self, table: str) -> bool:
@@ -409,7 +399,7 @@ class InMemoryLedger:
 
     def pending_exports(self) -> list[ExportJob]:
         with self._lock:
-            return [_export_job(self._exports[t]) for t in sorted(self._exports, key=_doc_id)]
+            return [_export_job(self._exports[t]) for t in sorted(self._exports, key=_key)]
 
     def finish_export(self, job: ExportJob, arrivals: list[ObjectArrival]) -> bool:
         with self._lock:
@@ -418,7 +408,7 @@ class InMemoryLedger:
             if under_way.get("job_id") != job.job_id:
                 return False
             taken = self._arrivals.get(job.dataset, {})
-            if any(_doc_id(a.identity) in taken for a in arrivals):  # the transaction's create fails whole
+            if any(_key(a.identity) in taken for a in arrivals):  # the transaction's create fails whole
                 raise ValueError(f"an arrival of export {job.job_id} was recorded before")
             backlog = job.capped or bool(under_way.get("wanted"))
             fields = {"table": job.table, "value": job.through, "job_id": job.job_id, "at": now_iso()}
@@ -426,7 +416,7 @@ class InMemoryLedger:
             at = self._stamp()
             for arrival in arrivals:
                 fields = _arrival_fields(arrival, arrival.content_hash)
-                self._add_arrival(job.dataset, _doc_id(arrival.identity), fields, overwrite=False, at=at)
+                self._add_arrival(job.dataset, _key(arrival.identity), fields, overwrite=False, at=at)
             del self._exports[job.table]
             return True
 
@@ -569,14 +559,6 @@ class InMemoryLedger:
             self._promotions[(dataset, champion.run_id)] = _stored(entry)
             record["champion"] = _stored(champion.to_dict())
             return True
-
-
-def _job_fields(job: ExportJob) -> dict[str, Any]:
-    return {name: getattr(job, name) for name in ExportJob.__dataclass_fields__}
-
-
-def _export_job(doc: dict[str, Any]) -> ExportJob:
-    return ExportJob(**{k: v for k, v in doc.items() if k in ExportJob.__dataclass_fields__})
 
 
 def _standing(
