@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from retrain.domain.datasets import is_dataset_name
-from retrain.domain.runs import DEFAULT_PROFILE, ProfileName
+from retrain.domain.runs import DEFAULT_PROFILE, VALIDATION_BATCHES, ProfileName
 
 #: A BigQuery table as settings, SQL and ``bq://`` inputs name it: ``project.dataset.table``.
 TABLE_RE = re.compile(r"^[a-z0-9][a-z0-9.:-]{0,99}\.[A-Za-z0-9_]{1,1024}\.[A-Za-z0-9_-]{1,1024}$")
@@ -126,19 +126,17 @@ class Settings:
     every run of that dataset instead of the validation split of its blend, so that every checkpoint,
     the champion's too, is judged on the same documents."""
     hold_out_fraction: float = 0.05
-    """A dataset without an eval set gets one, carved from its run's data and never trained on: this
-    fraction of the run's objects (at least one, at most ``hold_out_max_objects``; none from a run of
-    fewer than four objects), chosen by content.  That run and every later one of the dataset validate on
-    it once a checkpoint validated on it is the champion (:func:`retrain.plan.hold_out_objects`).  0:
-    never carve (runs validate on their blend's split, which a dataset of few large documents leaves
-    empty)."""
+    """A dataset without an eval set gets one, carved from its run's data and never trained on: this fraction
+    of the run's objects (at least one, at most ``hold_out_max_objects``; none from a run of fewer than four
+    objects), chosen by content.  That run and every later one of the dataset validate on it once a checkpoint
+    validated on it is the champion (:func:`retrain.plan.hold_out_objects`).  0: never carve (runs validate on
+    their blend's split, which a dataset of few large documents leaves empty)."""
     hold_out_max_objects: int = 100
     """The most objects a carved eval set holds."""
     max_run_cost_usd: float = 0.0
-    """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for
-    capacity; a run may train only until the cap's node time, less each node's start-up and release,
-    runs out: one still training then is stopped (it ends failed, its reason naming the cap) and
-    releases every node."""
+    """Per-run cost cap in USD (0: none).  A run estimated over it is refused before it asks for capacity; a
+    run may train only until the cap's node time, less each node's start-up and release, runs out: one still
+    training then is stopped (it ends failed, its reason naming the cap) and releases every node."""
     alert_capacity_wait_s: float = 6 * 3600
     """A run waiting for DWS capacity longer than this is logged for the capacity-wait alert by every
     sweep (:class:`retrain.logs.Alert`)."""
@@ -193,6 +191,8 @@ class Settings:
     """Pipeline model parallel size."""
     seq_length: int = 2048
     """Tokens per training sequence."""
+    validation_batches: int = VALIDATION_BATCHES
+    """Held-out batches each validation reads, what the eval gate compares (``VALIDATION_BATCHES``)."""
     gpudirect_tcpx: bool = True
     """Multi-node runs use GPUDirect-TCPX (the platform stage builds its networks when this is on)."""
     provision_timeout_s: int = 3600

@@ -105,6 +105,7 @@ def training_plan(
         ),
         steps=settings.steps_per_run,
         seq_length=settings.seq_length,
+        validation_batches=settings.validation_batches,
         output_dir=run_root(settings, run_id),
         base_checkpoint=champion.checkpoint if champion else None,
         base_step=champion.step if champion else 0,

@@ -65,11 +65,13 @@ NEMO_STANDIN = "retrain.local/nemo-24.12-standin"
 BRIDGE_STANDIN = "retrain.local/megatron-bridge-standin"
 #: What the local stack plays differently, and why: each training image is its stand-in (the same
 #: command, run by the cluster twin as local processes; ``retrain_local.images``), and sequences are
-#: short enough for two CPU cores to train in seconds.
+#: short enough for two CPU cores to train in seconds, and validations read few enough of them (50
+#: batches through GPT-2's 50,257-wide head were over half of a stand-in rank's CPU).
 LOCAL_STAND_INS = {
     "RETRAIN_IMAGE": NEMO_STANDIN,
     "RETRAIN_BRIDGE_IMAGE": BRIDGE_STANDIN,
     "RETRAIN_SEQ_LENGTH": "128",
+    "RETRAIN_VALIDATION_BATCHES": "4",
     # Data Lineage has no emulator and the stack no twin of it: a run's OpenLineage events are kept in
     # its folder (retrain report shows them), not reported.
     "RETRAIN_LINEAGE_LOCATION": "",

@@ -30,9 +30,11 @@ from retrain_ops.deployment import local_settings
 
 
 def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Iterator[LocalStack]:
-    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps, a
-    released run's nodes gone a second after they are unneeded (the demo's test keeps the autoscaler's
-    10 minutes / 60; each of these runs would wait them out), and any other settings in ``overrides``."""
+    """The local stack on infra/'s values, scaled for tests: one stand-in rank per node, 4 steps of 2
+    sequences (a stand-in rank of infra's 8 spent most of a run's CPU on its 32 forward and backward
+    passes through GPT-2's 50,257-wide head), a released run's nodes gone a second after they are
+    unneeded (the demo's test keeps the autoscaler's 10 minutes / 60; each of these runs would wait them
+    out), and any other settings in ``overrides``."""
     for reason in (emulators.java_emulators_unavailable_reason(), envtest_unavailable_reason()):
         if reason:
             pytest.skip(reason)
@@ -40,6 +42,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> 
         local_settings({}),  # what the local stack runs on: infra/'s values (retrain_ops.deployment)
         gpus_per_node=1,  # one stand-in rank per node: these runs are about their endings, not training
         steps_per_run=4,
+        global_batch_size=2,
         provision_timeout_s=8,
         provision_reask_s=3,
         provision_delay_s=0.5,

@@ -32,6 +32,7 @@ def retrain(args: list[str], state: Path, **settings: str) -> subprocess.Complet
         "RETRAIN_STATE_DIR": str(state),
         "RETRAIN_GPUS_PER_NODE": "1",
         "RETRAIN_STEPS_PER_RUN": "4",
+        "RETRAIN_GLOBAL_BATCH_SIZE": "2",  # scaled for tests as tests/stack_support's stacks are
         "RETRAIN_PROVISION_DELAY_S": "0.5",
         "RETRAIN_SCALE_DOWN_DELAY_S": "1",  # a released run's nodes go a second after (tests/stack_support)
         "RETRAIN_QUIET_PERIOD_S": "5",

@@ -84,6 +84,7 @@ locals {
     RETRAIN_TENSOR_PARALLEL            = tostring(var.tensor_parallel)
     RETRAIN_PIPELINE_PARALLEL          = tostring(var.pipeline_parallel)
     RETRAIN_SEQ_LENGTH                 = tostring(var.seq_length)
+    RETRAIN_VALIDATION_BATCHES         = tostring(var.validation_batches)
     RETRAIN_GPUDIRECT_TCPX             = tostring(local.platform.gpudirect_tcpx)
     RETRAIN_PROVISION_TIMEOUT_S        = tostring(var.provision_timeout_s)
     RETRAIN_PROVISION_REASK_S          = tostring(var.provision_reask_s)

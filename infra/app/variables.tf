@@ -578,6 +578,17 @@ variable "seq_length" {
   default     = 2048
 }
 
+variable "validation_batches" {
+  type        = number
+  description = "Batches of held-out data each validation reads (RETRAIN_VALIDATION_BATCHES): NeMo's trainer.limit_val_batches, Megatron-Bridge's validation.eval_iters; the eval gate compares checkpoints on them."
+  default     = 50
+
+  validation {
+    condition     = var.validation_batches >= 1
+    error_message = "validation_batches must be at least 1."
+  }
+}
+
 variable "tokenize_timeout_s" {
   type        = number
   description = "Fixed part of a run's tokenize deadline (RETRAIN_TOKENIZE_TIMEOUT_S): the job is cancelled and the run fails after this plus its batch's bytes at tokenize_min_bytes_per_s and its objects at tokenize_min_objects_per_s."

@@ -181,6 +181,10 @@ class ProfileName(StrEnum):
 #: The trainer profile a dataset trains with unless configured otherwise, and the one of every record
 #: written before profiles were recorded (NeMo 24.12's, the only one then): ``retrain.trainers.nemo``.
 DEFAULT_PROFILE = ProfileName.NEMO_24_12
+#: Batches of held-out data each validation reads, the eval gate's evidence: NeMo 24.12's own
+#: ``trainer.limit_val_batches`` (megatron_gpt_config.yaml), also given to Megatron-Bridge (its
+#: ``validation.eval_iters``, 32 by default) so that both profiles' checkpoints are judged on as much.
+VALIDATION_BATCHES = 50
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from retrain.domain.errors import PlanError
-from retrain.domain.runs import DEFAULT_PROFILE
+from retrain.domain.runs import DEFAULT_PROFILE, VALIDATION_BATCHES
 from retrain.tensorboard import Scalar
 
 
@@ -138,6 +138,9 @@ class TrainingPlan:
     profile: str = DEFAULT_PROFILE
     """The trainer profile that renders the run's command and reads its results (chosen for the
     dataset when the run starts; a plan written before profiles were chosen per dataset was NeMo's)."""
+    validation_batches: int = VALIDATION_BATCHES
+    """Batches of held-out data each validation reads (a plan written before it was set read NeMo's
+    default)."""
     base_consumed_samples: int = 0
     """Sequences the lineage had trained on up to the base checkpoint (0: none, or not recorded)."""
 
@@ -151,6 +154,8 @@ class TrainingPlan:
             out.append(f"steps must be at least 1, not {self.steps}")
         if self.seq_length < 1:
             out.append(f"seq_length must be at least 1, not {self.seq_length}")
+        if self.validation_batches < 1:
+            out.append(f"validation_batches must be at least 1, not {self.validation_batches}")
         if self.base_step < 0:
             out.append(f"base_step must be >= 0, not {self.base_step}")
         if not self.output_dir.startswith("gs://"):

@@ -311,6 +311,7 @@ class MegatronBridgeProfile:
             f"train.global_batch_size={shape.global_batch_size}",
             f"train.micro_batch_size={shape.micro_batch_size}",
             f"validation.eval_interval={every}",
+            f"validation.eval_iters={plan.validation_batches}",
             f"scheduler.lr_warmup_iters={max(1, plan.steps // 10)}",
             f"rng.seed={plan.seed}",
             f"dataset.seq_length={plan.seq_length}",

@@ -102,6 +102,7 @@ class NemoProfile:
             f"trainer.devices={shape.gpus_per_node}",
             f"trainer.max_steps={plan.final_step}",
             f"trainer.val_check_interval={validation_interval(plan)}",
+            f"trainer.limit_val_batches={plan.validation_batches}",
             f"model.micro_batch_size={shape.micro_batch_size}",
             f"model.global_batch_size={shape.global_batch_size}",
             f"model.tensor_model_parallel_size={shape.tensor_parallel}",

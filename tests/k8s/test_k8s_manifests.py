@@ -125,6 +125,24 @@ def allowed(
         time.sleep(0.1)
 
 
+def test_the_control_plane_serves_the_clusters_groups_and_not_kueue(api: Any, namespace: str) -> None:
+    """The custom groups served are the deployed cluster's (envtest.CLUSTER_GROUPS), from the CRDs of
+    ../shared/crds; Kueue's, which the deployment does not install, are not served: a LocalQueue is
+    refused with a 404 as on a GKE cluster without Kueue."""
+    from kubernetes import client
+
+    from retrain_local.envtest import CLUSTER_GROUPS
+
+    served = {g.name for g in client.ApisApi(api).get_api_versions().groups}
+    assert {g for g in served if g.endswith((".x-k8s.io", ".gke.io"))} == CLUSTER_GROUPS
+    queue = {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue", "metadata": {"name": "q"}}
+    with pytest.raises(client.ApiException) as refused:
+        client.CustomObjectsApi(api).create_namespaced_custom_object(
+            "kueue.x-k8s.io", "v1beta1", namespace, "localqueues", {**queue, "spec": {"clusterQueue": "c"}}
+        )
+    assert refused.value.status == 404
+
+
 def test_tcpx_network_objects_accepted(api: Any, namespace: str) -> None:
     """GPUDirect-TCPX's Network and GKENetworkParamSet objects, created on the API server serving GKE's
     own multi-networking CRDs: nothing pruned."""
