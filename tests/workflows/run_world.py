@@ -95,6 +95,8 @@ class Scenario:
     """The autoscaler removes nodes this long after their capacity request is deleted."""
     nodes: int | None = None
     """Nodes per run (None: infra/'s ``nodes``)."""
+    withdraw_request_s: float | None = None
+    """Someone deletes the run's capacity request this long after it is made (None: never)."""
     steps_account: bool = True
     """Whether run_step answers the ``account`` step (False: it is down then, answering 503)."""
 
@@ -150,6 +152,8 @@ class _Kube:
         scenario, clock = self.world.scenario, self.world.clock
         if body["kind"] == "ProvisioningRequest" and scenario.provision_s is not None:
             clock.after(scenario.provision_s, lambda: self._provision(path, body["metadata"]["uid"]))
+        if body["kind"] == "ProvisioningRequest" and scenario.withdraw_request_s is not None:
+            clock.after(scenario.withdraw_request_s, lambda: self.objects.pop(path, None))
         if body["kind"] == "JobSet" and scenario.train_s is not None:
             clock.after(scenario.train_s, lambda: self._end_training(path, body))
         return self._answer(copy.deepcopy(body), 201)

@@ -133,6 +133,19 @@ def test_capacity_dws_refuses_fails_the_run_with_its_condition() -> None:
     assert_released(world)
 
 
+def test_a_capacity_request_deleted_under_the_run_ends_it_with_a_capacity_error() -> None:
+    """Someone deletes the run's capacity request while it waits (and, in tests/test_workflow_failures.py,
+    makes it again, which the run may read between): the next poll reads a 404, and the run fails as it
+    does when the request was replaced, not with the connector's bare error."""
+    world = World(Scenario(provision_s=None, withdraw_request_s=60.0))
+    error = ended(world)
+    assert world.record["failure"] == "CapacityError" and error.value["tags"] == ["failed"]
+    name = next(p for _, p in world.kube.created if "/provisioningrequests" in p).rsplit("/", 1)[1]
+    assert error.value["message"].startswith(f"capacity request {name} is no longer the one this run made")
+    assert error.value["message"].endswith(", now gone)")
+    assert_released(world)
+
+
 def test_training_that_fails_releases_its_nodes_and_bills_them_to_their_removal() -> None:
     world = World(Scenario(train_condition="Failed"))
     error = ended(world)
@@ -248,6 +261,7 @@ PATHS = [
     Scenario(cancel_at_s=PROVISIONED + 600),
     Scenario(forged_at_s=PROVISIONED + 600),
     Scenario(provision_s=None, cancel_at_s=TOKENIZED + 50),
+    Scenario(provision_s=None, withdraw_request_s=60.0),
     Scenario(tokenize_s=None),
     Scenario(tokenize_state="JOB_STATE_FAILED"),
     Scenario(tokens=0),
