@@ -36,11 +36,12 @@ KINDS = (
     ("kube-apiserver", r"kube-apiserver"),
     ("etcd", r"\betcd\b"),
     ("function servers (functions-framework)", r"functions_framework|functions-framework"),
+    # before the training pods: a job forked from its fork server shows the server's command line
+    ("Dataflow jobs (dataflow/main.py, Beam)", r"dataflow/main\.py|retrain_tokenize|sdk_worker"),
     (
         "training pods (torchrun, stand-in trainers)",
         r"torchrun|pt_elastic|retrain_local\.(train|forkserver)|standin",
     ),
-    ("Dataflow jobs (dataflow/main.py, Beam)", r"dataflow/main\.py|retrain_tokenize|sdk_worker"),
     ("background stack (retrain up)", r"_serve\b"),
     ("retrain commands", r"bin/retrain\b|retrain_ops\.cli|-m retrain\b"),
     ("test workers (pytest-xdist: tests and in-process stacks)", r"exec\(eval\(sys\.stdin|execnet"),

@@ -308,11 +308,12 @@ def _exit_code(code: object) -> int:
 
 
 def _exit(code: int) -> None:
-    """End the child as an interpreter ends: its other threads joined, exit handlers run, output flushed."""
-    main = threading.main_thread()
-    for t in threading.enumerate():
-        if t is not main and not t.daemon:
-            t.join()
+    """End the child as an interpreter ends (``Py_FinalizeEx``): threading's shutdown, which first runs
+    the callbacks registered for it (``concurrent.futures`` wakes its idle pool workers so that they end)
+    and then joins every other non-daemon thread; then the exit handlers; then the output flushed.
+    Joining first, as this did, waited forever on a pool the script left open (a tokenize job's)."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls at exit
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -340,12 +341,21 @@ def _request(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> No
 
 
 class Child:
-    """A script the server forked for this process: waited on as a :class:`subprocess.Popen`."""
+    """A script the server forked for this process: waited on as a :class:`subprocess.Popen`.  Its
+    output goes to this process's (``stdout``, ``stderr``: other descriptors, as Popen's)."""
 
-    def __init__(self, path: Path, argv: list[str], env: dict[str, str], cwd: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        stdout: int = 1,
+        stderr: int = 2,
+    ) -> None:
         self.sock = _connect(path, CONNECT_TIMEOUT_S)
         self._answers = self.sock.makefile("rb")
-        _request(self.sock, {"run": argv, "env": env, "cwd": cwd or os.getcwd()}, [1, 2])
+        _request(self.sock, {"run": argv, "env": env, "cwd": cwd or os.getcwd()}, [stdout, stderr])
         self.pid = int(self._answer("pid"))
         self.returncode: int | None = None
 

@@ -378,7 +378,7 @@ class LocalStack:
         self.progress("starting the workflow executions service")
         guard = self.guard
         workflow_as = Caller(guard, deployed.workflow)
-        dataflow = LocalDataflow(
+        dataflow = LocalDataflow.forking(  # its fork server imports Beam while the rest starts
             self.state_dir / "dataflow", child_env, caller=workflow_as, identity_env=self.identity_env
         )
         self.lifetime.on_stop(dataflow.stop)

@@ -42,6 +42,12 @@ if how == "raise":
 if how == "signal":
     sys.stdout.flush()
     os.kill(os.getpid(), 9)
+if how == "threads":  # left running at the end: a pool never shut down, a thread, an exit handler
+    import atexit, concurrent.futures, threading, time
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="bpe")
+    print("pooled", pool.submit(sum, [1, 2]).result())
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread ended", flush=True))).start()
+    atexit.register(lambda: print("exit handler ran"))
 """
 
 
@@ -88,7 +94,8 @@ def forked(
 
 
 @pytest.mark.parametrize(
-    "how", [["exit", "0"], ["exit", "3"], ["exit", "300"], ["message"], ["raise"], ["signal"], ["end"]]
+    "how",
+    [["exit", "0"], ["exit", "3"], ["exit", "300"], ["message"], ["raise"], ["signal"], ["threads"], ["end"]],
 )
 def test_a_forked_script_is_what_python_runs(server: ForkServer, tmp_path: Path, how: list[str]) -> None:
     script = tmp_path / "s.py"

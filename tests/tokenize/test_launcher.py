@@ -1,11 +1,14 @@
 """The local flex-template launch keeps Dataflow's contract: the launch is checked against the template
 spec's metadata, the template's program (dataflow/main.py) runs with its parameters, and a program that
-runs no pipeline leaves no job to submit, so the job fails, as it does in the cloud."""
+runs no pipeline leaves no job to submit, so the job fails, as it does in the cloud.  Each job runs both
+ways the local Dataflow starts one: a process of its own, and forked from a warm interpreter (the stack's)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,8 @@ from cloudworkflows import WorkflowError
 from retrain.adapters import objects
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectVersion
-from retrain_local.dataflow import LocalDataflow
+from retrain_local.dataflow import JOB_PRELOAD, LocalDataflow
+from retrain_local.forkserver import ForkServer
 from retrain_ops.deployment import Deployment
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
@@ -28,6 +32,20 @@ def template(gcs_emulator: str) -> str:
     uri = f"{gcs_emulator}/templates/tokenize.json"
     objects.write_bytes(uri, spec, "application/json")
     return uri
+
+
+@pytest.fixture(params=["process", "forked"])
+def forks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ForkServer | None]:
+    """How jobs start: each a process of its own (None), or forked from a server that imported
+    JOB_PRELOAD (the stack's way)."""
+    if request.param == "process":
+        yield None
+        return
+    server = ForkServer(JOB_PRELOAD, tmp_path / "fork-server.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def launch_args(template: str, **parameters: str) -> dict[str, Any]:
@@ -56,7 +74,7 @@ def run_job(dataflow: LocalDataflow, args: dict[str, Any]) -> str:
 
 
 def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
-    gcs_emulator: str, template: str, tmp_path: Path
+    gcs_emulator: str, template: str, tmp_path: Path, forks: ForkServer | None
 ) -> None:
     """Every object's shard exists already (the run's retry): the program still runs a pipeline, so the
     launcher has a job, and the job writes the report."""
@@ -66,7 +84,7 @@ def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
     manifest = f"{gcs_emulator}/runs/r/objects.json"
     version = ObjectVersion(uri, int(info.generation or 0), info.size, f"md5:{info.md5_hash}:jsonl")
     objects.write_bytes(manifest, RunManifest("r", "d", "b", "s", [version]).to_json())
-    dataflow = LocalDataflow(tmp_path, {})
+    dataflow = LocalDataflow(tmp_path, {}, forks=forks)
     params = {
         "manifest": manifest,
         "shard_root": f"{gcs_emulator}/shards",
@@ -79,13 +97,38 @@ def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
     assert (report["new_objects"], report["reused_objects"], report["documents"]) == (0, 1, 1)
 
 
-def test_a_program_that_runs_no_pipeline_fails_its_launch(template: str, tmp_path: Path) -> None:
+def test_a_program_that_runs_no_pipeline_fails_its_launch(
+    template: str, tmp_path: Path, forks: ForkServer | None
+) -> None:
     program = tmp_path / "main.py"
     program.write_text("import sys\nprint('parsed', sys.argv[1:])\n")  # exits 0, submits nothing
-    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program)
+    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program, forks=forks)
     assert run_job(dataflow, launch_args(template, manifest="gs://b/m.json")) == "JOB_STATE_FAILED"
     (log,) = (tmp_path / "jobs").glob("*.log")
+    assert "parsed ['--manifest=gs://b/m.json'" in log.read_text()  # the program's own output
     assert "Failed to read the job file" in log.read_text()
+
+
+def test_a_cancelled_job_is_stopped_and_says_so(
+    template: str, tmp_path: Path, forks: ForkServer | None
+) -> None:
+    """jobs.update to JOB_STATE_CANCELLED stops the job's process at once (Dataflow's cancel), and the
+    job reads JOB_STATE_CANCELLED from then on."""
+    program = tmp_path / "main.py"
+    program.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program, forks=forks)
+    job = dataflow.launch(launch_args(template, manifest="gs://b/m.json"), {})["job"]["id"]
+    (log,) = (tmp_path / "jobs").glob("*.log")
+    deadline = time.monotonic() + 120
+    while "started" not in log.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pid = dataflow.jobs[job].pid
+    cancel = {"jobId": job, "projectId": "p", "body": {"requestedState": "JOB_STATE_CANCELLED"}}
+    assert dataflow.update(cancel, {})["currentState"] == "JOB_STATE_CANCELLED"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone, and reaped
+    assert dataflow.get({"jobId": job, "projectId": "p"}, {})["currentState"] == "JOB_STATE_CANCELLED"
 
 
 @pytest.mark.parametrize(
@@ -107,12 +150,14 @@ def test_a_launch_without_its_template_spec_is_refused(gcs_emulator: str, tmp_pa
         LocalDataflow(tmp_path, {}).launch(launch_args(f"{gcs_emulator}/templates/none.json"), {})
 
 
-def test_a_second_launch_under_an_active_job_s_name_is_refused(template: str, tmp_path: Path) -> None:
+def test_a_second_launch_under_an_active_job_s_name_is_refused(
+    template: str, tmp_path: Path, forks: ForkServer | None
+) -> None:
     """A job name is unique among active jobs (409 ALREADY_EXISTS, apache/beam#29441); once the job has
     ended, the name is free again."""
     program = tmp_path / "main.py"
     program.write_text("import time\ntime.sleep(3)\n")
-    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program)
+    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program, forks=forks)
     args = launch_args(template, manifest="gs://b/m.json")
     first = dataflow.launch(args, {})["job"]["id"]
     with pytest.raises(WorkflowError, match="already an active job named tokenize-test") as refused:
