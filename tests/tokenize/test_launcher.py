@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,7 @@ from cloudworkflows import WorkflowError
 from retrain.adapters import objects
 from retrain.contracts import RunManifest
 from retrain.domain.events import ObjectVersion
-from retrain_local.dataflow import JOB_PRELOAD, LocalDataflow
-from retrain_local.forkserver import ForkServer
+from retrain_local.dataflow import LocalDataflow
 from retrain_ops.deployment import Deployment
 
 pytestmark = pytest.mark.integration  # the Cloud Storage emulator, a process
@@ -35,17 +34,21 @@ def template(gcs_emulator: str) -> str:
 
 
 @pytest.fixture(params=["process", "forked"])
-def forks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ForkServer | None]:
-    """How jobs start: each a process of its own (None), or forked from a server that imported
-    JOB_PRELOAD (the stack's way)."""
-    if request.param == "process":
-        yield None
-        return
-    server = ForkServer(JOB_PRELOAD, tmp_path / "fork-server.log").start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def local_dataflow(request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalDataflow]]:
+    """Makes a LocalDataflow whose jobs start each as a process of its own, or fork from a fork server
+    of its own (``LocalDataflow.forking``, the stack's way); every one made is stopped after the test."""
+    made: list[LocalDataflow] = []
+
+    def make(log_dir: Path, **kwargs: Any) -> LocalDataflow:
+        dataflow = (LocalDataflow.forking if request.param == "forked" else LocalDataflow)(
+            log_dir, {}, **kwargs
+        )
+        made.append(dataflow)
+        return dataflow
+
+    yield make
+    for dataflow in made:
+        dataflow.stop()
 
 
 def launch_args(template: str, **parameters: str) -> dict[str, Any]:
@@ -74,7 +77,7 @@ def run_job(dataflow: LocalDataflow, args: dict[str, Any]) -> str:
 
 
 def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
-    gcs_emulator: str, template: str, tmp_path: Path, forks: ForkServer | None
+    gcs_emulator: str, template: str, tmp_path: Path, local_dataflow: Callable[..., LocalDataflow]
 ) -> None:
     """Every object's shard exists already (the run's retry): the program still runs a pipeline, so the
     launcher has a job, and the job writes the report."""
@@ -84,7 +87,7 @@ def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
     manifest = f"{gcs_emulator}/runs/r/objects.json"
     version = ObjectVersion(uri, int(info.generation or 0), info.size, f"md5:{info.md5_hash}:jsonl")
     objects.write_bytes(manifest, RunManifest("r", "d", "b", "s", [version]).to_json())
-    dataflow = LocalDataflow(tmp_path, {}, forks=forks)
+    dataflow = local_dataflow(tmp_path)
     params = {
         "manifest": manifest,
         "shard_root": f"{gcs_emulator}/shards",
@@ -98,27 +101,27 @@ def test_a_retry_with_nothing_new_still_runs_a_job_that_writes_the_report(
 
 
 def test_a_program_that_runs_no_pipeline_fails_its_launch(
-    template: str, tmp_path: Path, forks: ForkServer | None
+    template: str, tmp_path: Path, local_dataflow: Callable[..., LocalDataflow]
 ) -> None:
     program = tmp_path / "main.py"
     program.write_text("import sys\nprint('parsed', sys.argv[1:])\n")  # exits 0, submits nothing
-    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program, forks=forks)
+    dataflow = local_dataflow(tmp_path / "jobs", program=program)
     assert run_job(dataflow, launch_args(template, manifest="gs://b/m.json")) == "JOB_STATE_FAILED"
-    (log,) = (tmp_path / "jobs").glob("*.log")
+    (log,) = (tmp_path / "jobs").glob("tokenize-*.log")  # the job's, beside a fork server's
     assert "parsed ['--manifest=gs://b/m.json'" in log.read_text()  # the program's own output
     assert "Failed to read the job file" in log.read_text()
 
 
 def test_a_cancelled_job_is_stopped_and_says_so(
-    template: str, tmp_path: Path, forks: ForkServer | None
+    template: str, tmp_path: Path, local_dataflow: Callable[..., LocalDataflow]
 ) -> None:
     """jobs.update to JOB_STATE_CANCELLED stops the job's process at once (Dataflow's cancel), and the
     job reads JOB_STATE_CANCELLED from then on."""
     program = tmp_path / "main.py"
     program.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
-    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program, forks=forks)
+    dataflow = local_dataflow(tmp_path / "jobs", program=program)
     job = dataflow.launch(launch_args(template, manifest="gs://b/m.json"), {})["job"]["id"]
-    (log,) = (tmp_path / "jobs").glob("*.log")
+    (log,) = (tmp_path / "jobs").glob("tokenize-*.log")  # the job's, beside a fork server's
     deadline = time.monotonic() + 120
     while "started" not in log.read_text():
         assert time.monotonic() < deadline
@@ -151,13 +154,13 @@ def test_a_launch_without_its_template_spec_is_refused(gcs_emulator: str, tmp_pa
 
 
 def test_a_second_launch_under_an_active_job_s_name_is_refused(
-    template: str, tmp_path: Path, forks: ForkServer | None
+    template: str, tmp_path: Path, local_dataflow: Callable[..., LocalDataflow]
 ) -> None:
     """A job name is unique among active jobs (409 ALREADY_EXISTS, apache/beam#29441); once the job has
     ended, the name is free again."""
     program = tmp_path / "main.py"
     program.write_text("import time\ntime.sleep(3)\n")
-    dataflow = LocalDataflow(tmp_path / "jobs", {}, program=program, forks=forks)
+    dataflow = local_dataflow(tmp_path / "jobs", program=program)
     args = launch_args(template, manifest="gs://b/m.json")
     first = dataflow.launch(args, {})["job"]["id"]
     with pytest.raises(WorkflowError, match="already an active job named tokenize-test") as refused:
