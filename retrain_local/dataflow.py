@@ -128,8 +128,8 @@ class LocalDataflow:
     identity_env: Callable[[str], Mapping[str, str]] = lambda _member: {}
     """The environment a job's processes get to run as a member (its workers' service account)."""
     forks: forkserver.ForkServer | None = None
-    """A fork server started with :data:`JOB_PRELOAD` that jobs fork from; None: each job is a process
-    of its own."""
+    """A fork server started with :data:`JOB_PRELOAD` that jobs fork from; None (or a server that is no
+    longer running): each job is a process of its own."""
     jobs: dict[str, Job] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -200,7 +200,8 @@ class LocalDataflow:
         env = {**os.environ, **self.env, **identity, JOB_FILE_VAR: str(self._job_file(job_id))}
         with open(self.log_dir / f"{job_id}.log", "wb") as log:  # handed to the child
             proc: Job
-            if self.forks is not None:
+            # a fork server that went (killed: nothing restarts it) leaves each job a process of its own
+            if self.forks is not None and self.forks.running():
                 child = forkserver.Child(
                     self.forks.socket_path, argv[1:], env, stdout=log.fileno(), stderr=log.fileno()
                 )

@@ -409,9 +409,13 @@ class ForkServer:
         processes.record(self.proc.pid, f"fork server ({', '.join(self.preload)})")
         return self
 
+    def running(self) -> bool:
+        """Whether the server process is still there (it may be starting, or serving)."""
+        return self.proc is not None and self.proc.poll() is None
+
     def kill(self, name: str, value: str) -> list[int]:
         """Kill every child whose environment has ``name`` = ``value``; their pids, once they are gone."""
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.running():
             return []
         try:
             sock = _connect(self.socket_path, 0.0)

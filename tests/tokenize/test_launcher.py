@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -132,6 +133,27 @@ def test_a_cancelled_job_is_stopped_and_says_so(
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone, and reaped
     assert dataflow.get({"jobId": job, "projectId": "p"}, {})["currentState"] == "JOB_STATE_CANCELLED"
+
+
+def test_jobs_run_on_as_processes_of_their_own_once_the_fork_server_went(
+    template: str, tmp_path: Path
+) -> None:
+    """Nothing restarts a killed fork server: the jobs launched after it went start as processes of their
+    own, as a LocalDataflow without one starts them, instead of failing to reach it."""
+    program = tmp_path / "main.py"
+    program.write_text("print('ran', flush=True)\n")  # exits 0, submits nothing
+    dataflow = LocalDataflow.forking(tmp_path / "jobs", {}, program=program)
+    try:
+        assert dataflow.forks is not None and dataflow.forks.proc is not None
+        dataflow.forks.proc.kill()
+        dataflow.forks.proc.wait()
+        assert run_job(dataflow, launch_args(template, manifest="gs://b/m.json")) == "JOB_STATE_FAILED"
+        (job,) = dataflow.jobs.values()
+        assert isinstance(job, subprocess.Popen)
+        (log,) = (tmp_path / "jobs").glob("tokenize-*.log")
+        assert "ran" in log.read_text() and "Failed to read the job file" in log.read_text()
+    finally:
+        dataflow.stop()
 
 
 @pytest.mark.parametrize(
