@@ -31,7 +31,7 @@ from retrain.k8s.render import (
     run_principal,
 )
 from retrain.ports import ObjectStore
-from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan, profile
+from retrain.trainers import BatchShape, Command, TokenizerFiles, TrainingPlan, check, profile
 
 
 def run_folder(run_id: str) -> str:
@@ -128,7 +128,7 @@ def render_training(
     trainer = profile(plan.profile)
     mounts = GcsMounts()
     command = trainer.render(plan, mounts.path)
-    trainer.validate(command)
+    check(trainer, command)
     jobset = render_jobset(
         plan.run_id,
         nodes=plan.shape.nodes,

@@ -108,11 +108,11 @@ _BACKEND_BLOCK = re.compile(r'^\s*backend\s+"?[a-z0-9_]+"?\s*\{', re.MULTILINE)
 def _parse_tf(text: str, path: Path) -> tuple[set[str], bool]:
     """(declared variables, has a backend block) of one .tf file."""
     try:
-        import hcl2  # python-hcl2
+        from retrain_ops import hcl  # python-hcl2's parse, kept by content (lark's parse is slow)
     except ImportError:  # not a runtime dependency: fall back to the two block headers we need
         return set(_VARIABLE_BLOCK.findall(text)), bool(_BACKEND_BLOCK.search(text))
     try:
-        doc = hcl2.loads(text)
+        doc = hcl.parse(text)
     except Exception as e:
         raise UsageError(f"cannot parse {path}: {e}") from e
     variables = {_unquote(name) for entry in doc.get("variable", []) for name in entry}

@@ -17,7 +17,7 @@ from retrain.domain.runs import Champion, Run
 from retrain.k8s.render import GcsMounts, example_plan
 from retrain.plan import training_plan, workflow_argument
 from retrain.tensorboard import Scalar
-from retrain.trainers import BatchShape, Command, PlanError, TrainingPlan, profile
+from retrain.trainers import BatchShape, Command, PlanError, TrainingPlan, _verdict, check, profile
 from retrain.trainers.hydra import hydra_string
 from retrain.trainers.megatron_bridge import (
     CONFIG_FILE,
@@ -272,3 +272,24 @@ def test_hydra_is_imported_whole_by_one_thread_before_either_profile_uses_it() -
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] []", out.stdout
+
+
+@pytest.mark.parametrize("name", ["nemo-24.12", "megatron-bridge"])
+def test_a_commands_verdict_is_kept_and_a_refusal_stays_one(name: str) -> None:
+    """``check`` composes a command once (Hydra takes half a second); the same arguments get the same
+    verdict after, a refusal with its message, and other arguments are composed for themselves."""
+    trainer = profile(name)
+    command = trainer.render(
+        dataclasses.replace(example_plan(), profile=name, run_id="kept"), GcsMounts().path
+    )
+    refused = Command(command.command, [*command.args, "model.no_such_key=1"])
+    with pytest.raises(PlanError) as first:
+        trainer.validate(refused)
+    before = _verdict.cache_info()
+    for _ in range(2):
+        check(trainer, command)
+        with pytest.raises(PlanError) as again:
+            check(trainer, refused)
+        assert str(again.value) == str(first.value)
+    after = _verdict.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (2, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Protocol
 
 from retrain.domain.errors import PlanError
@@ -232,7 +233,8 @@ class Profile(Protocol):
         ...
 
     def validate(self, command: Command) -> None:
-        """Raise :class:`PlanError` naming the first argument the trainer would refuse."""
+        """Raise :class:`PlanError` naming the first argument the trainer would refuse, from the command and
+        its arguments alone (:func:`check` keeps the verdict)."""
         ...
 
     def run_dir(self, plan: TrainingPlan) -> str:
@@ -266,6 +268,27 @@ def profile(name: str) -> Profile:
         raise PlanError(f"unknown trainer profile {name!r} (one of {sorted(map(str, known))})") from None
 
 
+def check(trainer: Profile, command: Command) -> None:
+    """``trainer.validate(command)``, whose verdict is kept for the same arguments: composing a config takes
+    Hydra half a second of CPU, and the same command is checked again wherever it is rendered again (the
+    workflow's steps render a run's plan at each step that needs it; a forecast, a plan, a retry)."""
+    problem = _verdict(trainer.name, tuple(command.command), tuple(command.args))
+    if problem is not None:
+        raise PlanError(problem)
+
+
+@lru_cache(maxsize=64)
+def _verdict(name: str, command: tuple[str, ...], args: tuple[str, ...]) -> str | None:
+    """Why profile ``name`` refuses the command, or None.  A profile validates a command's arguments only
+    (its configuration files ship with retrain and never change under a process), so this is a pure
+    function of them."""
+    try:
+        profile(name).validate(Command(list(command), list(args)))
+    except PlanError as e:
+        return str(e)
+    return None
+
+
 __all__ = [
     "BatchShape",
     "Command",
@@ -273,6 +296,7 @@ __all__ = [
     "Profile",
     "TokenizerFiles",
     "TrainingPlan",
+    "check",
     "profile",
     "profiles",
 ]

@@ -28,7 +28,7 @@ from retrain_local import processes
 from retrain_ops import builds, deploy, pins, targets
 from retrain_ops.deployment import Deployment
 
-hcl2 = pytest.importorskip("hcl2")
+hcl = pytest.importorskip("retrain_ops.hcl")  # python-hcl2's parse, kept by content (tests/test_hcl_cache.py)
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "acme-retrain-01"
@@ -305,7 +305,7 @@ def plan_vars(call: dict[str, Any]) -> dict[str, str]:
 def declared(stage: str) -> set[str]:
     names: set[str] = set()
     for f in (REPO / "infra" / stage).glob("*.tf"):
-        for entry in hcl2.loads(f.read_text()).get("variable", []):
+        for entry in hcl.parse(f.read_text()).get("variable", []):
             names |= {k.strip('"') for k in entry}
     return names
 
@@ -706,7 +706,7 @@ def test_function_source_is_built_before_the_app_stage(tf: FakeTerraform, run: R
 
 
 def test_app_stage_zips_the_build_folder() -> None:
-    variables = hcl2.loads((REPO / "infra" / "app" / "variables.tf").read_text())["variable"]
+    variables = hcl.parse((REPO / "infra" / "app" / "variables.tf").read_text())["variable"]
     source_dir = next(e['"functions_source_dir"'] for e in variables if '"functions_source_dir"' in e)
     assert source_dir["default"].strip('"') == deploy.FUNCTIONS_BUILD_DIR
     assert len(source_dir["description"]) > 20
