@@ -45,6 +45,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,6 +394,9 @@ class ForkServer:
     log_path: Path
     socket_path: Path = field(default_factory=_private_socket_path)
     proc: subprocess.Popen[bytes] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Set in the server's own environment before it imports ``preload`` (what a library reads as it
+    loads: its children are forked with it loaded)."""
 
     def start(self) -> ForkServer:
         """Start it and return at once: it accepts once its preload is imported, and callers wait for
@@ -405,6 +409,7 @@ class ForkServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **self.env},
             )
         processes.record(self.proc.pid, f"fork server ({', '.join(self.preload)})")
         return self

@@ -50,6 +50,16 @@ class LocalImage:
     """Container path -> host path of the files the image provides."""
     path: tuple[str, ...] = ()
     """Host folders put first on ``PATH`` (the image's executables)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """The image's own environment (a Dockerfile's ``ENV``): what the container's ``env`` does not set."""
+
+
+#: The stand-in trainers' environment: OpenMP's idle threads sleep instead of spinning.  A stand-in rank
+#: trains on CPU cores it shares with the stack and other ranks; with OpenMP's default (active) wait, a
+#: thread between two parallel regions spins for its core, and with more threads than free cores the
+#: spinning was most of the work: two tests/train tests side by side on two cores took 161 CPU s in 90 s,
+#: against 25 CPU s in 21 s with OMP_WAIT_POLICY=PASSIVE (libgomp reads it as PyTorch loads it).
+STANDIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _launcher_dir(workdir: Path, standin: bool = False, fork_server: Path | None = None) -> str:
@@ -79,9 +89,9 @@ def local_images(
     (:mod:`retrain_local.forkserver`) when one is given (each rank's own import is as much again)."""
     launcher = (_launcher_dir(workdir, standin_launcher, fork_server),)
     train = REPO / "retrain_local" / "train"
-    nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher)
+    nemo_image = LocalImage(files={nemo.SCRIPT: str(train / "standin.py")}, path=launcher, env=STANDIN_ENV)
     bridge_image = LocalImage(
-        files={megatron_bridge.RUN_RECIPE: str(train / "bridge_standin.py")}, path=launcher
+        files={megatron_bridge.RUN_RECIPE: str(train / "bridge_standin.py")}, path=launcher, env=STANDIN_ENV
     )
     return {HOST: LocalImage(), NEMO_STANDIN: nemo_image, BRIDGE_STANDIN: bridge_image}
 

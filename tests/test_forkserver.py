@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from training_support import REPO, child_env, nemo_args, pattern_bucket
+from training_support import REPO, child_env, nemo_args, pattern_bucket, standin_env
 
 from retrain.tensorboard import read_scalars
 from retrain_local.forkserver import Child, ForkServer
-from retrain_local.images import local_images
+from retrain_local.images import STANDIN_ENV, local_images
 from retrain_local.processes import free_port
 from retrain_local.torchrun import RANK_PRELOAD
 from retrain_ops.deployment import NEMO_STANDIN
@@ -174,6 +174,26 @@ def test_a_caller_that_goes_takes_its_child_along(server: ForkServer, tmp_path: 
     assert gone_within(pid)
 
 
+def test_the_servers_own_environment_is_set_before_it_imports_its_preload(tmp_path: Path) -> None:
+    """What a library reads as it loads (OpenMP's wait policy, read as PyTorch loads libgomp) is in the
+    server's environment when it imports its preload: its children are forked with that library loaded."""
+    (tmp_path / "reads_at_load.py").write_text(
+        "import os, pathlib\npathlib.Path(os.environ['SEEN_AT']).write_text(os.environ.get('AT_LOAD', '-'))\n"
+    )
+    seen = tmp_path / "seen"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {"AT_LOAD": "set", "SEEN_AT": str(seen), "PYTHONPATH": path}
+    fs = ForkServer(("reads_at_load",), tmp_path / "server.log", env=env).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not seen.exists():
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.05)
+        assert seen.read_text() == "set"
+    finally:
+        fs.stop()
+
+
 def test_children_die_with_the_server(tmp_path: Path) -> None:
     sleeper = tmp_path / "sleep.py"
     sleeper.write_text("import time\ntime.sleep(120)\n")
@@ -218,7 +238,7 @@ def test_ranks_forked_from_a_warm_torch_train_exactly_as_fresh_ones(tmp_path: Pa
     """Two ranks of the NeMo stand-in, through the stand-in launcher with and without the server: the
     same scalars to the last bit (losses, validation loss, learning rate, samples), the same checkpoints."""
     pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
-    fs = ForkServer(RANK_PRELOAD, tmp_path / "server.log").start()
+    fs = ForkServer(RANK_PRELOAD, tmp_path / "server.log", env=STANDIN_ENV).start()
     ran: dict[bool, tuple[list[tuple[str, int, float]], list[str]]] = {}
     try:
         for warm in (False, True):
@@ -231,7 +251,7 @@ def test_ranks_forked_from_a_warm_torch_train_exactly_as_fresh_ones(tmp_path: Pa
             argv += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
             argv += [str(REPO / "retrain_local" / "train" / "standin.py")]
             argv += nemo_args(mount, [1.0, "gs://b/shards/p/data_text_document"], gpus=2, steps=8, run_id="r")
-            r = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+            r = subprocess.run(argv, cwd=REPO, env=standin_env(), capture_output=True, text=True, timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
             run = mount / "b" / "runs" / "r" / "megatron_gpt"
             (events,) = run.glob("events.out.tfevents.*")

@@ -53,6 +53,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def standin_env(**extra: str) -> dict[str, str]:
+    """A test's child environment with the stand-in image's own (``retrain_local.images.STANDIN_ENV``): a
+    rank started here runs as a pod of that image does."""
+    from retrain_local.images import STANDIN_ENV
+
+    return child_env(**STANDIN_ENV, **extra)
+
+
 def run_module(
     module: str, *args: object, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
@@ -140,7 +148,7 @@ def torchrun(
     argv = [str(launcher), "--nnodes=1", f"--nproc-per-node={nproc}", "--node-rank=0"]
     argv += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *args]
     return subprocess.run(
-        argv, cwd=REPO, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout
+        argv, cwd=REPO, env=standin_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout
     )
 
 

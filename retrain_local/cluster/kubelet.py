@@ -152,7 +152,7 @@ class Kubelet:
         paths = self._mount(pod, obj, c, cwd, identity, dict(image.files), raw)
         if paths is None or pod.forced_failure:  # the pod already failed (here or in an earlier container)
             return
-        env = {k: v for k, v in os.environ.items() if k in HOST_ENV}
+        env = {k: v for k, v in os.environ.items() if k in HOST_ENV} | dict(image.env)
         for e in c.get("env") or []:
             if "value" in e:
                 env[e["name"]] = translate(str(e["value"]), paths)

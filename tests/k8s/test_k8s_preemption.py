@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from training_support import REPO, child_env, nemo_args, pattern_documents, tiny_tokenizer, write_dataset
+from training_support import REPO, nemo_args, pattern_documents, standin_env, tiny_tokenizer, write_dataset
 
 from retrain.adapters import objects
 from retrain.k8s.render import GcsMounts, render_jobset, render_provisioning_request
@@ -64,7 +64,7 @@ def bucket(gcs_host: str, tmp_path: Path) -> str:
             str(REPO / "retrain_local" / "train" / "standin.py"),
             *nemo_args(local, BLEND, steps=10, run_id="base"),
         ],
-        env=child_env(),
+        env=standin_env(),
         capture_output=True,
         text=True,
         timeout=300,
