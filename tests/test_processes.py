@@ -44,6 +44,9 @@ def test_the_pubsub_emulator_is_started_again_on_another_port_when_its_port_was_
         (first, first_port), (_, second_port) = made
         assert first_port == held_port and host == f"127.0.0.1:{second_port}" != f"127.0.0.1:{held_port}"
         assert first.proc is not None and first.proc.poll() is not None, "the JVM that could not bind stopped"
+        # the JVM runs with the emulators' options (C1 only, the serial collector), as it says on start
+        log = (tmp_path / "1" / "pubsub.log").read_text()
+        assert f"Picked up JAVA_TOOL_OPTIONS: {emulators.JAVA_OPTIONS}" in log, log[:2000]
         monkeypatch.setenv("PUBSUB_EMULATOR_HOST", host)
         publisher = pubsub_v1.PublisherClient()
         topic = publisher.topic_path("port-taken", "served")
