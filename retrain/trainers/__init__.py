@@ -270,8 +270,8 @@ def profile(name: str) -> Profile:
 
 def check(trainer: Profile, command: Command) -> None:
     """``trainer.validate(command)``, whose verdict is kept for the same arguments: composing a config takes
-    Hydra half a second of CPU, and the same command is checked again wherever it is rendered again (the
-    workflow's steps render a run's plan at each step that needs it; a forecast, a plan, a retry)."""
+    Hydra a fifth of a second of CPU, and a process that renders the same plan again (a plan asked for
+    twice; the tests' many runs of one plan) need not compose it again."""
     problem = _verdict(trainer.name, tuple(command.command), tuple(command.args))
     if problem is not None:
         raise PlanError(problem)
