@@ -109,7 +109,7 @@ def _parse_tf(text: str, path: Path) -> tuple[set[str], bool]:
     """(declared variables, has a backend block) of one .tf file."""
     try:
         from retrain_ops import hcl  # python-hcl2's parse, kept by content (lark's parse is slow)
-    except ImportError:  # not a runtime dependency: fall back to the two block headers we need
+    except ImportError:  # python-hcl2 or lark missing: fall back to the two block headers we need
         return set(_VARIABLE_BLOCK.findall(text)), bool(_BACKEND_BLOCK.search(text))
     try:
         doc = hcl.parse(text)

@@ -174,11 +174,16 @@ def test_a_caller_that_goes_takes_its_child_along(server: ForkServer, tmp_path: 
     assert gone_within(pid)
 
 
-def test_the_servers_own_environment_is_set_before_it_imports_its_preload(tmp_path: Path) -> None:
+def test_the_servers_own_environment_is_set_before_it_imports_its_preload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What a library reads as it loads (OpenMP's wait policy, read as PyTorch loads libgomp) is in the
-    server's environment when it imports its preload: its children are forked with that library loaded."""
+    server's environment when it imports its preload, beside the environment it was started from: its
+    children are forked with that library loaded."""
+    monkeypatch.setenv("FROM_THE_PARENT", "kept")
     (tmp_path / "reads_at_load.py").write_text(
-        "import os, pathlib\npathlib.Path(os.environ['SEEN_AT']).write_text(os.environ.get('AT_LOAD', '-'))\n"
+        "import os, pathlib\npathlib.Path(os.environ['SEEN_AT']).write_text("
+        "os.environ.get('AT_LOAD', '-') + ' ' + os.environ.get('FROM_THE_PARENT', '-'))\n"
     )
     seen = tmp_path / "seen"
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
@@ -189,7 +194,7 @@ def test_the_servers_own_environment_is_set_before_it_imports_its_preload(tmp_pa
         while not seen.exists():
             assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.05)
-        assert seen.read_text() == "set"
+        assert seen.read_text() == "set kept"
     finally:
         fs.stop()
 

@@ -58,7 +58,7 @@ def standin_env(**extra: str) -> dict[str, str]:
     rank started here runs as a pod of that image does."""
     from retrain_local.images import STANDIN_ENV
 
-    return child_env(**STANDIN_ENV, **extra)
+    return child_env(**{**STANDIN_ENV, **extra})
 
 
 def run_module(

@@ -12,7 +12,7 @@ when the tokenized data is handed over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Protocol
@@ -220,8 +220,9 @@ class Command:
 MountPath = Callable[..., str]
 
 
-class Profile(Protocol):
-    """A trainer: how a plan becomes its container's command, and where its results land."""
+class Profile(Hashable, Protocol):
+    """A trainer: how a plan becomes its container's command, and where its results land; hashable (a frozen
+    dataclass), since :func:`check` keeps its verdicts by it."""
 
     @property
     def name(self) -> str:
@@ -272,18 +273,18 @@ def check(trainer: Profile, command: Command) -> None:
     """``trainer.validate(command)``, whose verdict is kept for the same arguments: composing a config takes
     Hydra a fifth of a second of CPU, and a process that renders the same plan again (a plan asked for
     twice; the tests' many runs of one plan) need not compose it again."""
-    problem = _verdict(trainer.name, tuple(command.command), tuple(command.args))
+    problem = _verdict(trainer, tuple(command.command), tuple(command.args))
     if problem is not None:
         raise PlanError(problem)
 
 
 @lru_cache(maxsize=64)
-def _verdict(name: str, command: tuple[str, ...], args: tuple[str, ...]) -> str | None:
-    """Why profile ``name`` refuses the command, or None.  A profile validates a command's arguments only
-    (its configuration files ship with retrain and never change under a process), so this is a pure
-    function of them."""
+def _verdict(trainer: Profile, command: tuple[str, ...], args: tuple[str, ...]) -> str | None:
+    """Why ``trainer`` (a frozen, hashable profile) refuses the command, or None.  A profile validates a
+    command's arguments only (its configuration files ship with retrain and never change under a
+    process), so this is a pure function of them."""
     try:
-        profile(name).validate(Command(list(command), list(args)))
+        trainer.validate(Command(list(command), list(args)))
     except PlanError as e:
         return str(e)
     return None

@@ -25,10 +25,8 @@ import gcloud_stand_in
 import pytest
 
 from retrain_local import processes
-from retrain_ops import builds, deploy, pins, targets
+from retrain_ops import builds, deploy, hcl, pins, targets  # hcl: python-hcl2's parse, kept by content
 from retrain_ops.deployment import Deployment
-
-hcl = pytest.importorskip("retrain_ops.hcl")  # python-hcl2's parse, kept by content (tests/test_hcl_cache.py)
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "acme-retrain-01"

@@ -258,24 +258,26 @@ def test_an_idle_twin_lists_less_often_and_a_request_wakes_it(cluster: Cluster, 
 
 
 def test_an_images_own_environment_is_under_what_the_pod_sets(cluster: Cluster, tmp_path: Path) -> None:
-    """A local image's ``env`` (a Dockerfile's ``ENV``) reaches its containers, and what the pod sets
-    wins; the stand-in trainers' images set OpenMP's passive wait (``retrain_local.images.STANDIN_ENV``)."""
+    """A local image's ``env`` (a Dockerfile's ``ENV``) reaches its containers, and what the container
+    (its spec's ``env``) or the pod sets wins; the stand-in trainers' images set OpenMP's passive wait
+    (``retrain_local.images.STANDIN_ENV``)."""
     from retrain_local.images import LocalImage, local_images
     from retrain_ops.deployment import BRIDGE_STANDIN, NEMO_STANDIN
 
     images = local_images(tmp_path / "images")
     assert images[NEMO_STANDIN].env == images[BRIDGE_STANDIN].env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    image = LocalImage(env={"IMAGE_ONLY": "i", "EXTRA": "the image's"})
+    # RETRAIN_RUN_ID is a value of the container's env (render_jobset), EXTRA the twin's pod environment
+    image = LocalImage(env={"IMAGE_ONLY": "i", "EXTRA": "the image's", "RETRAIN_RUN_ID": "the image's"})
     code = (
-        "import os, pathlib; "
-        "pathlib.Path('out.txt').write_text(os.environ['IMAGE_ONLY'] + os.environ['EXTRA'])"
+        "import os, pathlib; pathlib.Path('out.txt').write_text("
+        "os.environ['IMAGE_ONLY'] + os.environ['EXTRA'] + ' ' + os.environ['RETRAIN_RUN_ID'])"
     )
     with make_twin(cluster, tmp_path, images={"local": image}, pod_env={"EXTRA": "x"}) as twin:
         cluster.create_pr("image-env-1", nodes=1)
         wait_for(lambda: len(twin.node_names()) == 1)
         js = cluster.create_jobset("image-env-1", 1, code)
         assert wait_for(lambda: cluster.terminal(js)) == "Completed"
-    assert [p.read_text() for p in (tmp_path / "twin").rglob("out.txt")] == ["ix"]
+    assert [p.read_text() for p in (tmp_path / "twin").rglob("out.txt")] == ["ix image-env-1"]
 
 
 def test_the_ranks_a_pod_forked_from_the_warm_interpreter_go_with_its_jobset(
