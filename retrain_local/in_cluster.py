@@ -98,15 +98,10 @@ def cluster_twin(
     (Terraform's google_container_node_pool.gpu_dws).  GKE's own controllers (DWS, the JobSet controller,
     the kubelet) act as the cluster's admin: ``api``."""
     from retrain_local.cluster import ClusterTwin
-    from retrain_local.forkserver import ForkServer
-    from retrain_local.images import STANDIN_ENV, local_images
-    from retrain_local.torchrun import RANK_PRELOAD
+    from retrain_local.images import local_images
+    from retrain_local.torchrun import rank_fork_server
 
-    ranks = (
-        ForkServer(RANK_PRELOAD, workdir / "logs" / "fork-server.log", env=STANDIN_ENV)
-        if standin_launcher
-        else None
-    )
+    ranks = rank_fork_server(workdir / "logs" / "fork-server.log") if standin_launcher else None
     twin = ClusterTwin(
         api,
         scale_down_delay_s=s.scale_down_delay_s,

@@ -33,6 +33,15 @@ RANK_PRELOAD = (
 )
 
 
+def rank_fork_server(log_path: Path) -> forkserver.ForkServer:
+    """The fork server (not started) the stand-in images' ranks fork from: :data:`RANK_PRELOAD` imported
+    once, with the images' own environment (``retrain_local.images.STANDIN_ENV``) set before PyTorch
+    loads, since a forked rank inherits the OpenMP PyTorch loaded in the server."""
+    from retrain_local.images import STANDIN_ENV
+
+    return forkserver.ForkServer(RANK_PRELOAD, log_path, env=STANDIN_ENV)
+
+
 class _Process(Protocol):
     def wait(self) -> int: ...
 

@@ -19,9 +19,9 @@ from training_support import REPO, child_env, nemo_args, pattern_bucket, standin
 
 from retrain.tensorboard import read_scalars
 from retrain_local.forkserver import Child, ForkServer
-from retrain_local.images import STANDIN_ENV, local_images
+from retrain_local.images import local_images
 from retrain_local.processes import free_port
-from retrain_local.torchrun import RANK_PRELOAD
+from retrain_local.torchrun import rank_fork_server
 from retrain_ops.deployment import NEMO_STANDIN
 
 pytestmark = pytest.mark.integration
@@ -243,7 +243,10 @@ def test_ranks_forked_from_a_warm_torch_train_exactly_as_fresh_ones(tmp_path: Pa
     """Two ranks of the NeMo stand-in, through the stand-in launcher with and without the server: the
     same scalars to the last bit (losses, validation loss, learning rate, samples), the same checkpoints."""
     pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
-    fs = ForkServer(RANK_PRELOAD, tmp_path / "server.log", env=STANDIN_ENV).start()
+    fs = rank_fork_server(tmp_path / "server.log").start()  # the stack's (retrain_local.in_cluster)
+    assert fs.proc is not None
+    # OpenMP reads its wait policy as PyTorch loads it: in the server, before any rank forks
+    assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{fs.proc.pid}/environ").read_bytes().split(b"\0")
     ran: dict[bool, tuple[list[tuple[str, int, float]], list[str]]] = {}
     try:
         for warm in (False, True):
