@@ -41,6 +41,9 @@ from retrain_ops.cli import operator_identity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
+#: Longer than both syncs of a folder take (each phase's deadline is 300 s without progress).
+HOLD_TRAINING_S = 3600.0
+
 STRESS_SEEDS = [int(s) for s in os.environ.get("RETRAIN_STRESS_SEEDS", "1,2").split(",") if s.strip()]
 
 
@@ -152,13 +155,22 @@ def test_a_folder_synced_twice_trains_every_content_once(
 ) -> None:
     """200 files (179 distinct contents) dropped by concurrent droppers, each sealing; then the same files
     again under the same names (new generations, identical bytes): every distinct content trains exactly
-    once, in at most two runs, and no run fails."""
+    once, in at most two runs (the first seal's, and one for all that was sealed while it trained), and no
+    run fails.
+
+    The first run trains until both syncs were delivered (the twin holds its pods): a run ends in under a
+    minute on a fast machine, sooner than 32 droppers and their redeliveries finish, and a run that ended
+    mid-sync rightly started another for what had been sealed by then (three runs, seen in a full run)."""
     files = synced_folder(tmp_path / "folder", random.Random(droppers))
     expected = {content_hash(f.read_bytes()) for f in files}
     assert len(expected) == 179
     dataset = new_dataset()
+    stack.twin.faults = Faults(hold_training_s=HOLD_TRAINING_S)
     drops = drop_concurrently(stack, files, dataset, droppers)
     drops += drop_concurrently(stack, files, dataset, droppers)  # the folder synced again
+    held = runs_of(stack, dataset)
+    assert not [r for r in held if r.status.terminal], held  # no run ended during the syncs
+    stack.twin.faults = Faults()  # the first run's pods end now
     runs = settled(stack, dataset)
     assert 1 <= len(runs) <= 2 and [r.status for r in runs] == [RunStatus.SUCCEEDED] * len(runs), runs
     assert sum(r.objects for r in runs) == 179 and all(r.quarantined_objects == [] for r in runs)
