@@ -45,9 +45,12 @@ SHARED_PACKAGES = ("tests/k8s",)
 
 
 def xdist_group_of(nodeid: str, long: bool) -> str:
-    """A ``long`` test alone, a shared package's tests together, and otherwise a module's tests."""
+    """A ``long`` test apart from every other test, its parametrizations together (they share its module's
+    stack: tests/test_nothing_lost.py's two folders and two seeds booted four stacks, some 50 CPU s and a
+    minute of a worker's time each, where two serve); a shared package's tests together; otherwise a
+    module's tests."""
     if long:
-        return nodeid
+        return nodeid.split("[", 1)[0]
     module = nodeid.split("::")[0]
     return next((p for p in SHARED_PACKAGES if module.startswith(p + "/")), module)
 

@@ -125,3 +125,30 @@ def test_a_shared_packages_fixture_starts_once_over_several_workers(pytester: py
     result = pytester.runpytest_subprocess("-q", "-p", "xdist", "-n", "3", "--dist", "loadgroup")
     result.assert_outcomes(passed=22)
     assert len(started.read_text().split()) == 1, started.read_text()
+
+
+def test_a_long_tests_parametrizations_share_one_worker_and_its_modules_fixture(
+    pytester: pytest.Pytester,
+) -> None:
+    """A ``long`` test's parametrizations are one group (tests/test_nothing_lost.py's two folders shared
+    one stack instead of booting one each), apart from the module's other tests."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini(MARKERS + "  long\n")
+    started = pytester.path / "started.log"
+    tests = pytester.mkpydir("tests")
+    (tests / "test_long.py").write_text(
+        "import os\nimport pytest\n\n"
+        '@pytest.fixture(scope="module")\n'
+        "def stack():\n"
+        f"    with open({str(started)!r}, 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
+        "    yield\n\n"
+        "@pytest.mark.long\n@pytest.mark.e2e\n"
+        '@pytest.mark.parametrize("n", [1, 2, 3])\n'
+        "def test_long(stack, n):\n    pass\n"
+    )
+    for m in range(4):
+        (tests / f"test_other{m}.py").write_text("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-q", "-p", "xdist", "-n", "3", "--dist", "loadgroup")
+    result.assert_outcomes(passed=7)
+    assert len(started.read_text().split()) == 1, started.read_text()
