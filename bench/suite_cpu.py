@@ -47,7 +47,7 @@ KINDS = (
     ("test workers (pytest-xdist: tests and in-process stacks)", r"exec\(eval\(sys\.stdin|execnet"),
     ("pytest", r"pytest"),
     ("terraform, checkov", r"terraform|checkov"),
-    ("linters, type checker, set-up", r"\bruff\b|\bmypy\b|pip install"),
+    ("linters, type checker, set-up", r"\bruff\b|\bmypy\b|pip install|\buv\b"),
     ("Java (other)", r"\bjava\b"),
     ("Python (other)", r"python"),
 )
