@@ -46,9 +46,9 @@ SHARED_PACKAGES = ("tests/k8s",)
 
 def xdist_group_of(nodeid: str, long: bool) -> str:
     """A ``long`` test apart from every other test, its parametrizations together (they share its module's
-    stack: tests/test_nothing_lost.py's two folders and two seeds booted four stacks, some 50 CPU s and a
-    minute of a worker's time each, where two serve); a shared package's tests together; otherwise a
-    module's tests."""
+    stack: tests/test_nothing_lost.py's two folders and two seeds booted four stacks, each 42 to 57 s of a
+    worker's time to set up and tear down in a full run, where two serve); a shared package's tests
+    together; otherwise a module's tests."""
     if long:
         return nodeid.split("[", 1)[0]
     module = nodeid.split("::")[0]
