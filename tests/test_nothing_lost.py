@@ -32,7 +32,7 @@ from retrain.audit import Account, audit
 from retrain.cancel import request_cancel
 from retrain.contracts import RunManifest
 from retrain.domain.errors import Rejected
-from retrain.domain.runs import Run, RunStatus
+from retrain.domain.runs import BatchState, Run, RunStatus
 from retrain.ingest import Ingest
 from retrain_local.cluster import Faults
 from retrain_local.landing import drop
@@ -95,17 +95,20 @@ def drop_concurrently(stack: LocalStack, files: list[Path], dataset: str, droppe
             for chunk in chunks
         ]
         queued = sum(d.result().queued for d in done)
-    # Redelivery is one event after another, each waiting up to the function's answer: on two loaded
-    # cores 58 of them once took longer than 300 s in all.  What fails is a delivery loop that stalls.
+    wait_for_redelivery(stack, before + queued)
+    return len(chunks)
+
+
+def wait_for_redelivery(stack: LocalStack, delivered: int) -> None:
+    """Until the stack's redelivery has delivered ``delivered`` events in all.  Redelivery is one event
+    after another, each waiting up to the function's answer: on two loaded cores 58 of them once took
+    longer than 300 s in all.  What fails is a delivery loop that stalls."""
     progress, stalled_at = stack.redelivery.delivered, time.monotonic() + 300
-    while stack.redelivery.delivered < before + queued:
+    while stack.redelivery.delivered < delivered:
         if stack.redelivery.delivered > progress:
             progress, stalled_at = stack.redelivery.delivered, time.monotonic() + 300
-        assert time.monotonic() < stalled_at, (
-            f"{before + queued - progress} of {queued} queued event(s) not redelivered, none for 300 s"
-        )
+        assert time.monotonic() < stalled_at, f"{delivered - progress} event(s) not redelivered in 300 s"
         time.sleep(0.5)
-    return len(chunks)
 
 
 def runs_of(stack: LocalStack, dataset: str) -> list[Run]:
@@ -113,23 +116,41 @@ def runs_of(stack: LocalStack, dataset: str) -> list[Run]:
 
 
 def settled(stack: LocalStack, dataset: str, timeout_s: float = 600) -> list[Run]:
-    """The dataset's runs once nothing of it waits or runs: no arrival since its last seal, every run
-    ended, and it stayed so for a few quiet periods (a run's end starts the next)."""
+    """The dataset's runs once nothing of it waits or runs, and it stayed so for a quiet period (a sweep
+    ticks in it): no arrival since its last seal, no seal still joining its batch to a run, and every run
+    ended, its execution done (a failed run's finish step gives its content back after the record's end)
+    and its content given back if it did not succeed.  Each is a fact the ledger or the executions hold,
+    not a timer: this once waited three quiet periods of nothing, ten seconds more a settle."""
     ledger = FirestoreLedger(stack.settings.project)
     deadline, quiet_since = time.monotonic() + timeout_s, None
     while True:
         runs = runs_of(stack, dataset)
-        busy = ledger.pending(dataset) or any(not r.status.terminal for r in runs)
+        busy = (
+            bool(ledger.pending(dataset))
+            or any(not r.status.terminal or executing(stack, r) for r in runs)
+            or any(r.dataset == dataset for r in ledger.unsettled())
+            or any(b.get("dataset") == dataset for b in ledger.batches_in(BatchState.SEALED))
+        )
         if busy:
             quiet_since = None
         elif quiet_since is None:
             quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since > 3 * stack.settings.quiet_period_s:
+        elif time.monotonic() - quiet_since > stack.settings.quiet_period_s:
             return runs
         assert time.monotonic() < deadline, (
             f"dataset {dataset} did not settle: {[(r.run_id, r.status) for r in runs]}"
         )
         time.sleep(1)
+
+
+def executing(stack: LocalStack, run: Run) -> bool:
+    """Whether the run's workflow execution is still running (one the test made vanish is not)."""
+    if not run.execution:
+        return False
+    try:
+        return bool(stack.executions.get(run.execution)["state"] == "ACTIVE")
+    except KeyError:
+        return False
 
 
 def trained_contents(stack: LocalStack, runs: list[Run]) -> Counter[str]:
@@ -196,6 +217,7 @@ class Interleavings:
         self.bodies = [self._body() for _ in range(40)] + [b""]  # some content shared between names
         self.names = [f"o{i:03d}.jsonl" for i in range(120)]
         self.dropped: set[str] = set()
+        self.queued: list[int] = []  # each drop's events the function did not take at once (redelivered)
 
     def _body(self) -> bytes:
         return "".join(json.dumps({"text": f"{uuid.uuid4()} " * 20}) + "\n" for _ in range(3)).encode()
@@ -219,13 +241,14 @@ class Interleavings:
             path.write_bytes(body)
             files.append(path)
         if files:
-            drop(
+            dropped = drop(
                 self.stack.settings,
                 self.stack.endpoints.ingest_function,
                 files,
                 dataset=self.dataset,
                 seal=seal,
             )
+            self.queued.append(dropped.queued)  # bursts drop side by side: one list.append each
         self.dropped.update(name for name, _ in plan)
 
     def _new_bytes(self) -> bytes:
@@ -310,9 +333,11 @@ class Interleavings:
         if ending in ("cancel", "lost"):
             faults = Faults(hold_training_s=60)
         self.stack.twin.faults = faults
+        before, self.queued = self.stack.redelivery.delivered, []
         with ThreadPoolExecutor(4) as pool:
             for done in [pool.submit(a) for a in self.actions()]:
                 done.result()
+        wait_for_redelivery(self.stack, before + sum(self.queued))
         self.seal()
         if ending in ("cancel", "lost"):
             self.end_the_live_run(ending)
