@@ -35,6 +35,8 @@ ORDERING_KEY = "landing"
 #: (cloud.google.com/eventarc/docs/retry-events), locally sped up by LOCAL_TIME_FACTOR.
 MIN_BACKOFF_S, MAX_BACKOFF_S = 10 / LOCAL_TIME_FACTOR, 600 / LOCAL_TIME_FACTOR
 MAX_AGE_S = 24 * 3600 / LOCAL_TIME_FACTOR
+#: How long one pull of the redelivery loop waits for an event (the emulator holds it open until then).
+PULL_TIMEOUT_S = 5.0
 
 
 def post(function_url: str, headers: Mapping[str, str], body: bytes, timeout_s: float = 60) -> int:
@@ -102,7 +104,12 @@ class Redelivery:
         return self
 
     def stop(self) -> None:
+        """Stop delivering; a pull under way is cancelled (closing the channel ends it at once, where the
+        loop would otherwise wait out its 5 s).  An event whose delivery it cuts short stays unacknowledged
+        in the subscription: delivered again, as Eventarc's at-least-once delivery would."""
         self._stop.set()
+        with contextlib.suppress(Exception):
+            self._subscriber.close()
         if self._thread:
             self._thread.join(30)
 
@@ -111,14 +118,20 @@ class Redelivery:
         while not self._stop.is_set():
             try:
                 response = self._subscriber.pull(
-                    request={"subscription": self.subscription, "max_messages": 20}, timeout=5
+                    request={"subscription": self.subscription, "max_messages": 20}, timeout=PULL_TIMEOUT_S
                 )
             except Exception:  # nothing to pull (DeadlineExceeded) or the emulator going away
                 self._stop.wait(0.5)
                 continue
             received = list(response.received_messages)
             for i, item in enumerate(received):
-                if self._deliver(item):
+                try:
+                    delivered = self._deliver(item)
+                except Exception:
+                    if self._stop.is_set():  # its channel closed by stop(): not acknowledged, so kept
+                        return
+                    raise
+                if delivered:
                     backoff = MIN_BACKOFF_S
                     continue
                 # Not taken: this one and the rest go back, in order, after a backoff.

@@ -29,6 +29,11 @@ class LoopbackServer(ThreadingHTTPServer):
     def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0) -> None:
         super().__init__(("127.0.0.1", port), handler)
 
+    def serve_forever(self, poll_interval: float = 0.05) -> None:
+        """As the standard library's, looking for a shutdown every 50 ms instead of every 500: a stack
+        stops its servers one after another, and each stop waited out half a poll on average."""
+        super().serve_forever(poll_interval)
+
     def get_request(self) -> tuple[socket.socket, Any]:
         conn, address = super().get_request()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,15 +111,22 @@ class Lifetime:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        """Stop everything that started, newest first; never raises."""
+        """Close everything that started, newest first, then stop the processes; never raises."""
         while self._closers:
             closer = self._closers.pop()
             try:
                 closer()
             except Exception as e:  # keep stopping the rest
                 log.warning("while stopping: %s", e)
-        while self.procs:
-            self.procs.pop().stop()
+        # Nothing reaches the processes once the closers are done: they stop side by side (in turn, a
+        # stack's stop waited out each one's exit: the Firestore emulator's alone takes two seconds).
+        procs, self.procs = self.procs, []
+        with ThreadPoolExecutor(max(1, len(procs))) as pool:
+            for stopped in [pool.submit(p.stop) for p in procs]:
+                try:
+                    stopped.result()
+                except Exception as e:  # keep stopping the rest
+                    log.warning("while stopping: %s", e)
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

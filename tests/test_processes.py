@@ -5,13 +5,16 @@ JVM outlived its BindException and served nothing for the whole 90 s start deadl
 from __future__ import annotations
 
 import socket
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from google.cloud import pubsub_v1  # type: ignore[attr-defined]
 
-from retrain_local import emulators, processes
+from retrain_local import emulators, eventarc, processes
+from retrain_local.lifetime import Lifetime
 
 
 @pytest.fixture
@@ -85,3 +88,50 @@ def test_a_child_that_fails_for_another_reason_is_not_started_again(tmp_path: Pa
     with pytest.raises(processes.PortTaken):
         processes.start_on_a_free_port(always_taken, attempts=3)
     assert len(tried) == 3
+
+
+#: A child that says when SIGTERM reached it, takes a second to exit, and says so (into the file argv[1]).
+SLOW_TO_EXIT = """
+import os, signal, sys, time
+def bye(*_):
+    with open(sys.argv[1], "a") as f:
+        f.write(f"term {os.getpid()}\\n")
+    time.sleep(1)
+    with open(sys.argv[1], "a") as f:
+        f.write(f"exit {os.getpid()}\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
+@pytest.mark.integration
+def test_a_stacks_processes_stop_side_by_side(tmp_path: Path) -> None:
+    """A stack's stop signals every child before it waits for any: in turn, each child's exit was waited
+    out before the next heard of it (the Firestore emulator alone takes two seconds)."""
+
+    said, script = tmp_path / "said", tmp_path / "slow.py"
+    script.write_text(SLOW_TO_EXIT)
+    lifetime = Lifetime()
+    for i in range(3):
+        argv = [sys.executable, str(script), str(said)]
+        lifetime.spawn(processes.ManagedProcess(f"slow-{i}", argv, tmp_path / f"{i}.log", "ready"))
+    children = [p.proc for p in lifetime.procs]
+    lifetime.stop()
+    events = [line.split()[0] for line in said.read_text().splitlines()]
+    assert events == ["term"] * 3 + ["exit"] * 3, events
+    assert all(c is not None and c.returncode == 0 for c in children) and lifetime.procs == []
+
+
+@pytest.mark.emulators
+def test_the_redelivery_loop_stops_at_once_with_a_pull_under_way(
+    pubsub_host: str, project: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eventarc's twin stops without waiting out its pull: the stack's stop waited up to 5 s for it."""
+    monkeypatch.setattr(eventarc, "PULL_TIMEOUT_S", 600.0)  # longer than stop() waits for the loop
+    loop = eventarc.Redelivery(project, "http://127.0.0.1:9/never", f"projects/{project}/topics/dead").start()
+    time.sleep(1)  # its first pull is under way
+    loop.stop()
+    assert loop._thread is not None and not loop._thread.is_alive()
