@@ -123,28 +123,30 @@ class Redelivery:
             except Exception:  # nothing to pull (DeadlineExceeded) or the emulator going away
                 self._stop.wait(0.5)
                 continue
-            received = list(response.received_messages)
-            for i, item in enumerate(received):
-                try:
-                    delivered = self._deliver(item)
-                except Exception:
-                    if self._stop.is_set():  # its channel closed by stop(): not acknowledged, so kept
-                        return
-                    raise
-                if delivered:
-                    backoff = MIN_BACKOFF_S
-                    continue
-                # Not taken: this one and the rest go back, in order, after a backoff.
-                self._subscriber.modify_ack_deadline(
-                    request={
-                        "subscription": self.subscription,
-                        "ack_ids": [r.ack_id for r in received[i:]],
-                        "ack_deadline_seconds": 0,
-                    }
-                )
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-                break
+            try:
+                backoff = self._deliver_all(list(response.received_messages), backoff)
+            except Exception:
+                if self._stop.is_set():  # stop() closed the channel under it: the unacknowledged stay
+                    return
+                raise
+
+    def _deliver_all(self, received: list[Any], backoff: float) -> float:
+        """Deliver a pull's events in order; the backoff for the next round."""
+        for i, item in enumerate(received):
+            if self._deliver(item):
+                backoff = MIN_BACKOFF_S
+                continue
+            # Not taken: this one and the rest go back, in order, after a backoff.
+            self._subscriber.modify_ack_deadline(
+                request={
+                    "subscription": self.subscription,
+                    "ack_ids": [r.ack_id for r in received[i:]],
+                    "ack_deadline_seconds": 0,
+                }
+            )
+            self._stop.wait(backoff)
+            return min(backoff * 2, MAX_BACKOFF_S)
+        return backoff
 
     def _deliver(self, item: Any) -> bool:
         """True when the event is done with (delivered, or dead-lettered past the maximum age)."""

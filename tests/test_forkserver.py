@@ -247,8 +247,6 @@ def test_ranks_forked_from_a_warm_torch_train_exactly_as_fresh_ones(tmp_path: Pa
     pytest.importorskip("torch", reason="PyTorch is not installed: the stand-in trains with it")
     fs = rank_fork_server(tmp_path / "server.log").start()  # the stack's (retrain_local.in_cluster)
     assert fs.proc is not None
-    # OpenMP reads its wait policy as PyTorch loads it: in the server, before any rank forks
-    assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{fs.proc.pid}/environ").read_bytes().split(b"\0")
     ran: dict[bool, tuple[list[tuple[str, int, float]], list[str]]] = {}
     try:
         for warm in (False, True):
@@ -267,6 +265,11 @@ def test_ranks_forked_from_a_warm_torch_train_exactly_as_fresh_ones(tmp_path: Pa
             (events,) = run.glob("events.out.tfevents.*")
             scalars = [(s.tag, s.step, s.value) for s in read_scalars(events.read_bytes())]
             ran[warm] = (scalars, sorted(p.name for p in (run / "checkpoints").iterdir()))
+        # OpenMP reads its wait policy as PyTorch loads it: in the server's own environment, from its start.
+        # (Read once it has served: Popen returns before the kernel has finished the exec, and until then
+        # /proc/PID/environ reads empty, as it once did in a full run.)
+        environ = Path(f"/proc/{fs.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ, environ
     finally:
         fs.stop()
     tags = {tag for tag, _, _ in ran[False][0]}
