@@ -237,10 +237,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from retrain import composition
 
     with reach(args, running=True, local=local_settings) as settings:
-        return _seal_or_retry(args, composition.ingest(settings))
+        return seal_or_retry(args, composition.ingest(settings))
 
 
-def _seal_or_retry(args: argparse.Namespace, ingest: Any) -> int:
+def seal_or_retry(args: argparse.Namespace, ingest: Any) -> int:
+    """`retrain run`'s work on an Ingest: retry a run (``--retry``), or seal what is pending now."""
     if args.retry:
         from retrain.domain.errors import Rejected
 
@@ -253,10 +254,23 @@ def _seal_or_retry(args: argparse.Namespace, ingest: Any) -> int:
         return 0
     outcomes = ingest.seal_pending(args.dataset, Trigger.MANUAL)
     if not outcomes:
-        _say("nothing pending: no run started")
+        _say("nothing pending: no run started" + _sealed_already(ingest, args.dataset))
     for o in outcomes:
         _say(f"{o.action}: {o.run_id or ''} {o.detail}")
     return 0
+
+
+def _sealed_already(ingest: Any, dataset: str | None) -> str:
+    """Where a dataset's data went when nothing of it is pending: a timer (the sweeper once the batch was
+    quiet, the hourly seal) may have sealed it moments before, into a run that is still live."""
+    if not dataset:
+        return ""
+    live = (RunStatus.PENDING, RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING)
+    mine = [r for r in ingest.ledger.runs_in(*live) if r.dataset == dataset]
+    return "".join(
+        f"; {dataset}'s data is in run {r.run_id} ({r.status}, sealed by {r.trigger})"
+        for r in sorted(mine, key=lambda r: r.created_at)
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ functions-framework's own app."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import dataclasses
 import json
@@ -37,6 +38,7 @@ from retrain.ingest.outcomes import Outcome
 from retrain.plan import budget_month
 from retrain.ports import Ledger, ObjectStore
 from retrain.steps import Steps
+from retrain_ops import cli
 from retrain_ops.deployment import Deployment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,6 +119,23 @@ def test_sweeper_seals_after_the_quiet_period(ingest: Ingest) -> None:
     assert ingest.sweep() == []  # still within the quiet period
     (sealed,) = ingest.sweep(now=later(61))
     assert sealed.action == "started" and ingest.ledger.get_run(sealed.run_id).trigger == "quiet-period"
+
+
+def test_retrain_run_after_the_sweeper_sealed_first_names_the_run_that_has_the_data(
+    ingest: Ingest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`retrain run` just after a timer sealed the batch: nothing is pending, and it says which run holds
+    the data (CI once saw a bare "nothing pending" where the sweeper had just made the run)."""
+    arrive(ingest, "quiet", "1.txt")
+    (sealed,) = ingest.sweep(now=later(61))
+    assert cli.seal_or_retry(argparse.Namespace(retry=None, dataset="quiet"), ingest) == 0
+    said = capsys.readouterr().err
+    assert f"nothing pending: no run started; quiet's data is in run {sealed.run_id} (" in said, said
+    assert "sealed by quiet-period)" in said, said
+    arrive(ingest, "other", "1.txt")  # another dataset's pending data: sealed by the manual run
+    assert cli.seal_or_retry(argparse.Namespace(retry=None, dataset="other"), ingest) == 0
+    said = capsys.readouterr().err
+    assert "nothing pending" not in said and "started" in said, said
 
 
 def test_sweeper_seals_a_batch_at_max_age_while_data_keeps_arriving(ingest: Ingest) -> None:
