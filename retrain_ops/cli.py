@@ -265,7 +265,7 @@ def _sealed_already(ingest: Any, dataset: str | None) -> str:
     quiet, the hourly seal) may have sealed it moments before, into a run that is still live."""
     if not dataset:
         return ""
-    live = (RunStatus.PENDING, RunStatus.TOKENIZING, RunStatus.PROVISIONING, RunStatus.TRAINING)
+    live = [s for s in RunStatus if not s.terminal]
     mine = [r for r in ingest.ledger.runs_in(*live) if r.dataset == dataset]
     return "".join(
         f"; {dataset}'s data is in run {r.run_id} ({r.status}, sealed by {r.trigger})"
