@@ -119,8 +119,22 @@ def test_background_stack_round_trip(tmp_path: Path) -> None:
         assert shown.returncode == 0 and "succeeded" in shown.stdout and run["run_id"] in shown.stdout
         assert retrain(["status", "no-such-run"], state).returncode == 1
         assert run["checkpoint"] and run["metrics"]["steps"] == 4, run  # type: ignore[index]
-        # Bridge's weights-only pretrained checkpoint
-        assert first["profile"] == "megatron-bridge" and first["checkpoint"].endswith("/iter_0000004"), first
+        # Megatron-Bridge's run_recipe.py, in its stand-in image under PyTorch's torchrun, left Bridge's
+        # layout (its weights-only pretrained checkpoint), which the record and the report read
+        assert first["profile"] == "megatron-bridge", first
+        assert first["image"] == "retrain.local/megatron-bridge-standin", first
+        command = first["command"]
+        script = command.index("/opt/Megatron-Bridge/scripts/training/run_recipe.py")
+        assert command[script - 2 : script] == ["--nnodes=1", "--nproc-per-node=1"], command
+        assert command[script + 1 : script + 3] == ["--recipe", "vanilla_gpt_pretrain_config"], command
+        assert "train.train_iters=4" in command and first["base_checkpoint"] is None, first
+        assert str(first["checkpoint"]).endswith("/checkpoints/iter_0000004"), first
+        metrics = first["metrics"]
+        assert metrics["steps"] == 4 and metrics["final_loss"] > 0, metrics
+        assert metrics["consumed_samples"] == 4 * 2, metrics  # ``lm loss vs samples``, 2 a step
+        page = retrain(["report", str(first["run_id"])], state)
+        assert page.returncode == 0, page.stderr
+        assert "<polyline" in Path(page.stdout.strip()).read_text()  # its loss curve, Bridge's ``lm loss``
 
         # continual training: a different file makes a second run, which continues from the first's
         # checkpoint (NeMo's model.restore_from_ckpt) and trains on to its step plus this run's steps

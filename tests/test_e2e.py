@@ -166,32 +166,6 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
         assert key in listed
 
 
-def test_the_demo_with_the_megatron_bridge_profile(tmp_path: Path) -> None:
-    """The same demo with the profile a setting: Megatron-Bridge's run_recipe.py, in its stand-in image,
-    leaves Bridge's layout, which the record and the report read (a second run's continuation is
-    tests/test_cli_stack.py's)."""
-    state = tmp_path / "state"
-    demo = retrain(
-        ["demo", "--data", str(small_corpus(tmp_path / "data")), "--json"],
-        state,
-        RETRAIN_PROFILE="megatron-bridge",
-    )
-    assert demo.returncode == 0, demo.stderr[-4000:]
-    run = json.loads(demo.stdout)
-    assert run["status"] == "succeeded" and run["nodes_at_end"] == 0, run
-    assert run["image"] == "retrain.local/megatron-bridge-standin" and run["profile"] == "megatron-bridge"
-    command = run["command"]
-    script = command.index("/opt/Megatron-Bridge/scripts/training/run_recipe.py")
-    assert command[script - 2 : script] == ["--nnodes=1", "--nproc-per-node=8"]
-    assert command[script + 1 : script + 3] == ["--recipe", "vanilla_gpt_pretrain_config"]
-    assert "train.train_iters=10" in command and run["base_checkpoint"] is None
-    assert run["checkpoint"].endswith("/checkpoints/iter_0000010"), run
-    assert run["metrics"]["steps"] == 10 and run["metrics"]["final_loss"] > 0, run
-    assert run["metrics"]["consumed_samples"] == 10 * 8, run  # ``lm loss vs samples``
-    (page,) = re.findall(r"the run's report: (\S+)", demo.stderr)
-    assert "<polyline" in Path(page).read_text()  # the loss curve, from Bridge's ``lm loss``
-
-
 def test_failed_provisioning_still_ends_at_zero_nodes_with_a_reason(tmp_path: Path) -> None:
     state = tmp_path / "state"
     demo = retrain(

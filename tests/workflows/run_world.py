@@ -7,9 +7,9 @@ answers in the shape the local stack's real part answers (``retrain_local.connec
 headers}``, a 404 or 409 as an HttpError map).  What the cluster or an operator does happens at the
 virtual time the :class:`Scenario` gives it.
 
-The same paths run through the whole local stack in tests/test_workflow_failures.py (real emulators, the
-cluster twin, the run_step function): there the wiring is proven, here each branch's timing and
-accounting, exactly.
+The same paths run through the whole local stack in tests/shared_stack/test_workflow_failures.py (real
+emulators, the cluster twin, the run_step function): there the wiring is proven, here each branch's timing
+and accounting, exactly.
 """
 
 from __future__ import annotations

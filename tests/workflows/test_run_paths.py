@@ -134,9 +134,10 @@ def test_capacity_dws_refuses_fails_the_run_with_its_condition() -> None:
 
 
 def test_a_capacity_request_deleted_under_the_run_ends_it_with_a_capacity_error() -> None:
-    """Someone deletes the run's capacity request while it waits (and, in tests/test_workflow_failures.py,
-    makes it again, which the run may read between): the next poll reads a 404, and the run fails as it
-    does when the request was replaced, not with the connector's bare error."""
+    """Someone deletes the run's capacity request while it waits (and, in
+    tests/shared_stack/test_workflow_failures.py, makes it again, which the run may read between): the next
+    poll reads a 404, and the run fails as it does when the request was replaced, not with the connector's
+    bare error."""
     world = World(Scenario(provision_s=None, withdraw_request_s=60.0))
     error = ended(world)
     assert world.record["failure"] == "CapacityError" and error.value["tags"] == ["failed"]
@@ -272,7 +273,9 @@ PATHS = [
 RAISED_ELSEWHERE = {
     ("provision", "still_going"): "a withdrawn request that never goes: a cluster fault, not played here",
     ("kube_create", "not_ours"): "tests/k8s/test_k8s_workflow_calls.py (against envtest)",
-    ("kube_get_own", "same"): "tests/test_faults.py and tests/test_workflow_failures.py (objects replaced)",
+    ("kube_get_own", "same"): (
+        "tests/shared_stack/test_faults.py and test_workflow_failures.py (objects replaced)"
+    ),
 }
 
 

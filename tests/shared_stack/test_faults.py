@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from stack_support import (
     assert_released,
     drop_lines,
     finish,
-    module_stack,
     new_dataset,
     replace_under_its_name,
     unique_lines,
@@ -36,16 +34,6 @@ from retrain_local.stack import LocalStack
 from retrain_ops.cli import operator_identity
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    yield from module_stack(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def healthy_twin(stack: LocalStack) -> None:
-    stack.twin.faults = Faults()
 
 
 def report(fault: str, run: Run, started: float) -> None:
@@ -135,7 +123,7 @@ def test_a_cancel_while_tokenizing_stops_the_tokenize_job(stack: LocalStack, tmp
     s = stack.settings
     ledger, executions = FirestoreLedger(s.project), WorkflowsExecutions(s.project, s.region, s.workflow)
     started = time.monotonic()
-    corpus = sorted((Path(__file__).resolve().parents[2] / "shared" / "corpus").glob("*.txt"))
+    corpus = sorted((Path(__file__).resolve().parents[3] / "shared" / "corpus").glob("*.txt"))
     text = "".join(p.read_text(encoding="utf-8") for p in corpus)
     lines = [
         json.dumps({"text": f"{i} {text[j : j + 4000]}"}) for i, j in enumerate(range(0, len(text), 4000))

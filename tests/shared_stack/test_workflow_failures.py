@@ -8,7 +8,6 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from stack_support import (
     assert_released,
     drop_lines,
     finish,
-    module_stack,
     new_dataset,
     replace_under_its_name,
     run_with,
@@ -39,11 +37,6 @@ from retrain_local.stack import LocalStack
 from retrain_ops.cli import format_run, operator_identity
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    yield from module_stack(tmp_path_factory)
 
 
 def test_tokenization_without_tokens_fails_before_any_capacity(stack: LocalStack, tmp_path: Path) -> None:

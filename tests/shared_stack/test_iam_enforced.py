@@ -21,7 +21,6 @@ from stack_support import (
     drop_lines,
     finish,
     infra_copy,
-    module_stack,
     new_dataset,
     remove_resource,
     unique_lines,
@@ -39,11 +38,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
 FUNCTIONS = "serviceAccount:retrain-functions@retrain-local.iam.gserviceaccount.com"
 NOTIFIER = "serviceAccount:retrain-notifier@retrain-local.iam.gserviceaccount.com"
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    yield from module_stack(tmp_path_factory)
 
 
 @contextlib.contextmanager
