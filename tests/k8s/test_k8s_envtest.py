@@ -61,3 +61,19 @@ def test_ports_taken_between_choice_and_bind_are_chosen_again(
     with pytest.raises(envtest.EnvtestError, match="no such file"):
         other.start()
     assert calls == [1]
+
+
+@pytest.mark.envtest
+def test_the_apiserver_runs_the_launchers_flags_and_ours_as_the_pid_it_recorded(
+    control_plane: envtest.ControlPlane,
+) -> None:
+    """The launcher takes kube-apiserver from $KUBEBUILDER_ASSETS: the control plane points it at a
+    wrapper that execs the real binary with :data:`envtest.APISERVER_FLAGS` after the launcher's own, so
+    the PID the launcher recorded (and stop kills) is the apiserver itself, not a shell."""
+    pid = int((control_plane.run_dir / "apiserver.pid").read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode().split("\0")
+    assets = envtest.assets_dir()
+    assert assets is not None
+    assert Path(f"/proc/{pid}/exe").resolve() == (assets / "kube-apiserver").resolve()
+    assert "--authorization-mode=RBAC" in argv  # the launcher's
+    assert argv[-len(envtest.APISERVER_FLAGS) :] == list(envtest.APISERVER_FLAGS)
