@@ -1,8 +1,10 @@
 """One local stack for the end-to-end tests that run on its default settings (tests/stack_support's
-``module_stack``): the fault suite, the workflow's failure paths and the IAM the stack enforces.  Each
-test drives a fresh dataset; the stack boots before the package's first test and stops after its last
-(``tests/conftest.py`` runs the package's tests on one worker: ``SHARED_PACKAGES``), where each module
-once booted and stopped its own (some 25 CPU seconds and 30 s of a worker's time each)."""
+``module_stack``): the fault suite, the workflow's failure paths, the IAM the stack enforces and the CLI
+against a deployment target.  Each test drives a fresh dataset, and a test that needs a quiet stack
+pauses the Scheduler jobs it must not race (``paused_jobs``) instead of booting one with other settings.
+The stack boots before the package's first test and stops after its last (``tests/conftest.py`` runs the
+package's tests on one worker: ``SHARED_PACKAGES``), where each module once booted and stopped its own
+(some 25 CPU seconds and 30 s of a worker's time each)."""
 
 from __future__ import annotations
 

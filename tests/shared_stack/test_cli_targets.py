@@ -14,14 +14,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from stack_support import (
     assert_released,
     finish,
-    module_stack,
     new_dataset,
     unique_lines,
     wait_for_run,
@@ -36,13 +34,7 @@ from retrain_local.landing import drop
 from retrain_local.stack import LocalStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    # Only the CLI's `run` seals: no quiet-period or max-age seal gets there first.
-    yield from module_stack(tmp_path_factory, quiet_period_s=3600, max_batch_age_s=7200)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -84,19 +76,24 @@ def test_the_cli_acts_on_a_saved_deployment_target(
     assert cli(operator, "target", "list").stdout == "local\nprod\n"
     assert json.loads(cli(operator, "target", "show", "prod").stdout) == deployed
 
-    # Data lands (uploaded without a seal); the operator asks what sealing would do, then seals.
+    # Data lands (uploaded without a seal); the operator asks what sealing would do, then seals.  Only the
+    # CLI's `run` seals: the sweeper (quiet period, max age) and the hourly seal are paused meanwhile.
     dataset = new_dataset()
     data = tmp_path / "a.jsonl"
     data.write_text("\n".join(unique_lines()) + "\n")
-    drop(stack.settings, stack.endpoints.ingest_function, [data], dataset=dataset, seal=False)
-    planned = cli(operator, "--target", "prod", "plan", "--dataset", dataset, "--json")
-    assert planned.returncode == 0, planned.stderr
-    (forecast,) = json.loads(planned.stdout)
-    assert forecast["dataset"] == dataset and forecast["objects"] == 1 and forecast["would_run"]
+    stack.paused_jobs.update({"sweeper", "seal"})
+    try:
+        drop(stack.settings, stack.endpoints.ingest_function, [data], dataset=dataset, seal=False)
+        planned = cli(operator, "--target", "prod", "plan", "--dataset", dataset, "--json")
+        assert planned.returncode == 0, planned.stderr
+        (forecast,) = json.loads(planned.stdout)
+        assert forecast["dataset"] == dataset and forecast["objects"] == 1 and forecast["would_run"]
 
-    stack.twin.faults = Faults(hold_training_s=120)
-    sealed = cli(operator, "--target", "prod", "run", "--dataset", dataset)
-    assert sealed.returncode == 0, sealed.stderr
+        stack.twin.faults = Faults(hold_training_s=120)
+        sealed = cli(operator, "--target", "prod", "run", "--dataset", dataset)
+        assert sealed.returncode == 0, sealed.stderr
+    finally:
+        stack.paused_jobs.difference_update({"sweeper", "seal"})
     run = wait_for_run(stack, dataset)
     assert run.trigger == "manual" and run.run_id in sealed.stderr
     wait_for_status(stack, run, "training")
