@@ -40,7 +40,7 @@ TIER_ORDER = ("e2e", "integration", "unit")
 #: Packages whose tests share a package-scoped fixture: all their tests on one worker, so that it starts
 #: once and stops after their last test.  tests/k8s's control plane costs some 18 CPU s to start and
 #: 2.25 a minute while it idles (measured alone); held per worker for the session, three idled on
-#: through the whole suite.  tests/shared_stack's local stack served three modules that each booted
+#: through the whole suite.  tests/shared_stack's local stack serves four modules that each booted
 #: their own.
 SHARED_PACKAGES = ("tests/k8s", "tests/shared_stack")
 
