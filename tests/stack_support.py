@@ -54,6 +54,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> 
     # stand-in launcher (PyTorch's own launches the demo's, the round trip's and tests/train/'s runs).
     with LocalStack(settings, fresh=True, ledger_export_s=None, standin_launcher=True) as s:
         yield s
+        assert_accounted(s)  # every dataset once more: no later test lost what an earlier one dropped
 
 
 def unique_lines(n: int = 5) -> list[str]:
@@ -166,17 +167,34 @@ def assert_nothing_left(stack: LocalStack) -> None:
     assert [k for k, run in runs.items() if not (run and run.failure == FailureKind.EXECUTION_LOST)] == []
 
 
-def assert_accounted(stack: LocalStack, settle_s: float = 60.0) -> None:
+_ACCOUNTED: dict[Path, set[str]] = {}
+"""Per stack (its state folder): the datasets an audit after one of its tests found every object of
+accounted for."""
+
+
+def assert_accounted(stack: LocalStack, settle_s: float = 60.0, *, new_only: bool = False) -> None:
     """``retrain audit`` on the stack: every object that landed is trained, held, pending, given back by a
     run that failed, gone or refused with a reason; a finding that holds for ``settle_s`` (work still in
-    flight settles) fails the test, object by object."""
+    flight settles) fails the test, object by object.  ``new_only`` (the audit after each test) reads
+    only the datasets no earlier audit of this stack found accounted for: a stack shared by many tests
+    read every earlier test's runs again after each test; :func:`module_stack` audits the whole stack
+    once more before it stops."""
     from retrain.adapters import objects
-    from retrain.audit import audit
+    from retrain.audit import audit, landed
 
     s = stack.settings
-    report = audit(s, FirestoreLedger(s.project), objects, settle_s=settle_s)
-    lines = [f"{e.account} {e.uri}#{e.generation} ({e.detail}): {e.action}" for e in report.findings]
+    ledger = FirestoreLedger(s.project)
+    if new_only:
+        names = set(ledger.datasets()) | {n for n in landed(s, objects).by_dataset if n}
+        todo = sorted(names - _ACCOUNTED.get(stack.state_dir, set()))
+        reports = [audit(s, ledger, objects, dataset=name, settle_s=settle_s) for name in todo]
+    else:
+        todo, reports = [], [audit(s, ledger, objects, settle_s=settle_s)]
+    lines = [
+        f"{e.account} {e.uri}#{e.generation} ({e.detail}): {e.action}" for r in reports for e in r.findings
+    ]
     assert not lines, "objects not accounted for:\n" + "\n".join(lines)
+    _ACCOUNTED.setdefault(stack.state_dir, set()).update(todo)
 
 
 REPO = Path(__file__).resolve().parents[1]

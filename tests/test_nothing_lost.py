@@ -111,8 +111,11 @@ def wait_for_redelivery(stack: LocalStack, delivered: int) -> None:
         time.sleep(0.5)
 
 
-def runs_of(stack: LocalStack, dataset: str) -> list[Run]:
-    return [r for r in FirestoreLedger(stack.settings.project).list_runs(1000) if r.dataset == dataset]
+def runs_of(stack: LocalStack, dataset: str, ledger: FirestoreLedger | None = None) -> list[Run]:
+    """The dataset's runs; a wait that asks every second passes its ``ledger`` (one client and channel
+    for the whole wait, not one a poll)."""
+    ledger = ledger or FirestoreLedger(stack.settings.project)
+    return [r for r in ledger.list_runs(1000) if r.dataset == dataset]
 
 
 def settled(stack: LocalStack, dataset: str, timeout_s: float = 600) -> list[Run]:
@@ -124,7 +127,7 @@ def settled(stack: LocalStack, dataset: str, timeout_s: float = 600) -> list[Run
     ledger = FirestoreLedger(stack.settings.project)
     deadline, quiet_since = time.monotonic() + timeout_s, None
     while True:
-        runs = runs_of(stack, dataset)
+        runs = runs_of(stack, dataset, ledger)
         busy = (
             bool(ledger.pending(dataset))
             or any(not r.status.terminal or executing(stack, r) for r in runs)
@@ -306,10 +309,11 @@ class Interleavings:
         ledger = FirestoreLedger(s.project)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            live = [r for r in runs_of(self.stack, self.dataset) if r.status == RunStatus.TRAINING]
+            runs = runs_of(self.stack, self.dataset, ledger)
+            live = [r for r in runs if r.status == RunStatus.TRAINING]
             if live:
                 break
-            if not [r for r in runs_of(self.stack, self.dataset) if not r.status.terminal]:
+            if not [r for r in runs if not r.status.terminal]:
                 return  # nothing new reached a run: nothing to end
             time.sleep(0.5)
         else:
