@@ -26,8 +26,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 def healthy_twin(stack: LocalStack) -> Iterator[None]:
     """Each test starts on a healthy cluster twin with every Scheduler job ticking: a test that sets
     faults (``run_with``) or pauses a job leaves neither to the next.  The faults are set only when they
-    are not healthy already: setting them waits for the twin's pass under way, which in a full run took
-    7 s while the run just ended was being released."""
+    are not healthy already: setting them waits for the twin's pass under way."""
     if stack.twin.faults != Faults():
         stack.twin.faults = Faults()
     yield
