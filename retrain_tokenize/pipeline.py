@@ -5,17 +5,20 @@
 
 * ReadDocuments streams each split (a byte range of a JSONL object, or a whole text/Parquet object)
   into batches of documents; bad records go to a ``rejected`` output with their reason.
-* TokenizeDocuments runs the tokenizer's ``encode_batch`` over each batch and writes the batch's token
-  ids to a temporary *part* object, emitting only small metadata (its order key and per-document lengths).
+* TokenizeDocuments runs the tokenizer's ``encode_batch`` over each batch and emits a *part*: its order
+  key, per-document lengths and token ids.  A small shard's ids travel in the element; a large one's go to
+  a temporary object, so that no element holds more than a batch's ids (``INLINE_SHARD_BYTES``).
 * WriteIndexedDataset groups the metadata per output shard, orders parts by (input index, offset) and
   streams them into ``PREFIX_{key}_document.bin``, then writes the ``.idx``, ``PREFIX_quarantine.jsonl``
-  and finally ``PREFIX_report.json`` (the commit marker).  Memory is bounded by a batch plus a
-  shard's index, whatever the runner and the worker count; output bytes do not depend on either.
+  and finally ``PREFIX_report.json`` (the commit marker).  Memory is bounded by a batch (or a small
+  shard's ids) plus a shard's index, whatever the runner and the worker count; output bytes do not depend
+  on either.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -23,9 +26,10 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import apache_beam as beam
 import numpy as np
@@ -43,6 +47,11 @@ from retrain_tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerpri
 log = logging.getLogger("retrain_tokenize")
 
 ENCODE_BYTES = 1 << 20  # text per encode_batch call: enough documents for every core, bounded memory
+#: A shard whose inputs are at most this many bytes carries its token ids in the parts' elements, to the
+#: writer, instead of through temporary objects: a small object's shard otherwise took three more storage
+#: round trips (write, read, delete), one after another on the worker.  The writer holds a shard's parts
+#: at once, so the bound is on the shard, not the batch.
+INLINE_SHARD_BYTES = 4 << 20
 REJECTED = "rejected"
 STATS = "stats"
 
@@ -80,12 +89,18 @@ class Job:
 
 @dataclass
 class Part:
-    """Token ids of one batch, one temporary object per json key, plus per-document token counts."""
+    """Token ids of one batch per json key, in the element or in temporary objects, plus per-document
+    token counts."""
 
     input_index: int
     first_offset: int
-    uris: list[str]
+    uris: list[str]  # the temporary objects holding each key's ids; empty when ``inline``
     doc_lengths: list[np.ndarray]  # int32 per document (0: a document without tokens)
+    inline: list[bytes] = field(default_factory=list)  # each key's ids, for a small shard
+
+    def token_bytes(self, k: int) -> bytes:
+        """The ids of json key number ``k``."""
+        return self.inline[k] if self.inline else objects.read_bytes(self.uris[k])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,25 +198,29 @@ class _TokenizeFn(beam.DoFn):
 
     def process(self, batch: Batch) -> Iterator[tuple[int, tuple[str, Part]]]:
         shard = self.job.shard_of(batch.input_index)
-        uris, lens = [], []
+        inline = sum(size for _, _, size in self.job.shards[shard].inputs) <= INLINE_SHARD_BYTES
+        part = Part(batch.input_index, batch.first_offset, [], [])
         for key, texts in zip(self.job.json_keys, batch.texts, strict=True):
             flat, n = encode_batch(self.tok, texts, self.job.append_eod)
-            uri = objects.join(
-                self.job.tmp_root,
-                f"{shard:05d}",
-                key,
-                f"{batch.input_index:06d}-{batch.first_offset:016d}.bin",
-            )
-            objects.write_bytes(uri, flat.tobytes())
-            uris.append(uri)
-            lens.append(n)
+            if inline:
+                part.inline.append(flat.tobytes())
+            else:
+                uri = objects.join(
+                    self.job.tmp_root,
+                    f"{shard:05d}",
+                    key,
+                    f"{batch.input_index:06d}-{batch.first_offset:016d}.bin",
+                )
+                objects.write_bytes(uri, flat.tobytes())
+                part.uris.append(uri)
+            part.doc_lengths.append(n)
             self.tokens.inc(int(flat.size))
         self.documents.inc(batch.documents)
-        yield shard, ("part", Part(batch.input_index, batch.first_offset, uris, lens))
+        yield shard, ("part", part)
 
 
 class TokenizeDocuments(beam.PTransform):
-    """PCollection[Batch] -> PCollection[(shard, ("part", Part))]: ids written to temporary parts."""
+    """PCollection[Batch] -> PCollection[(shard, ("part", Part))]: ids inline or in a temporary object."""
 
     def __init__(self, job: Job) -> None:
         super().__init__()
@@ -294,12 +313,13 @@ def _concatenate(
     outputs: dict[str, str] = {}
     for k, key in enumerate(job.json_keys):
         out_prefix = f"{prefix}_{key}_document"
-        with objects.open_write(out_prefix + ".bin") as out:
+        with _bin_writer(out_prefix + ".bin", inline=all(p.inline for p in parts)) as out:
             for p in parts:
-                data = objects.read_bytes(p.uris[k])
+                data = p.token_bytes(k)
                 want = int(p.doc_lengths[k].astype(np.int64).sum()) * itemsize
                 if len(data) != want:
-                    raise RuntimeError(f"part {p.uris[k]} holds {len(data)} bytes, expected {want}")
+                    where = p.uris[k] if p.uris else f"{p.input_index}@{p.first_offset}"
+                    raise RuntimeError(f"part {where} holds {len(data)} bytes, expected {want}")
                 out.write(data)
         dl = np.concatenate([p.doc_lengths[k] for p in parts]) if parts else np.zeros(0, np.int32)
         objects.write_bytes(out_prefix + ".idx", document_index(dtype, dl))
@@ -310,6 +330,19 @@ def _concatenate(
         }
         outputs[key] = out_prefix
     return per_key, outputs
+
+
+@contextmanager
+def _bin_writer(uri: str, inline: bool) -> Iterator[IO[bytes]]:
+    """Where a shard's .bin is written: a small shard's (its parts inline) in one upload, a large one's
+    streamed (a resumable upload: two requests at the least, and memory bounded by its chunk)."""
+    if not inline:
+        with objects.open_write(uri) as out:
+            yield out
+        return
+    buf = io.BytesIO()
+    yield buf
+    objects.write_bytes(uri, buf.getvalue())
 
 
 def _write_quarantine(spec: ShardSpec, rejected: list[Rejected], stats: list[SplitStats]) -> dict[str, int]:
@@ -711,8 +744,10 @@ def tokenize_incremental(
         _run(job, splits, o, finalize=None if o.wait else finish)
         if not o.wait:
             return {"submitted": True, "run_id": run_id, "report": report_uri, "new_objects": len(plan.todo)}
-        for prefix in plan.todo:
-            plan.reports[prefix] = json.loads(objects.read_bytes(prefix + "_report.json"))
+        for prefix, report in zip(plan.todo, _read_reports(list(plan.todo)), strict=True):
+            if report is None:
+                raise RuntimeError(f"the job finished without writing {prefix}_report.json")
+            plan.reports[prefix] = report
     tables.unstage(staged)
     return finish([])
 
@@ -819,17 +854,21 @@ def _plan_shards(
     """Each object to its content's shard; a shard made with other tokenizer settings is an error (use
     another shard root), never reused."""
     plan = _ShardPlan()
-    for c, sha in zip(readable, shas, strict=True):
-        info = c.info
-        assert info is not None
-        # The same bytes make other documents as another format: the shard is keyed by both.
-        prefix = objects.join(shard_root, f"{records.detect_format(info.uri)}-{sha}", "data")
+    infos = [c.info for c in readable if c.info is not None]
+    # The same bytes make other documents as another format: the shard is keyed by both.
+    prefixes = [
+        objects.join(shard_root, f"{records.detect_format(info.uri)}-{sha}", "data")
+        for info, sha in zip(infos, shas, strict=True)
+    ]
+    unique = list(dict.fromkeys(prefixes))
+    existing = dict(zip(unique, _read_reports(unique), strict=True))
+    for c, info, sha, prefix in zip(readable, infos, shas, prefixes, strict=True):
         shown = source.get(info.uri, info.uri)  # a table's rows: named by the table, not the staged export
         if prefix in plan.todo or prefix in plan.reports:
             plan.entries.append((shown, c.wanted.generation, sha, prefix, True))
             continue
-        if objects.exists(prefix + "_report.json"):
-            r = json.loads(objects.read_bytes(prefix + "_report.json"))
+        r = existing[prefix]
+        if r is not None:
             if r.get("fingerprint") != fp:
                 raise ValueError(
                     f"{prefix} was tokenized with other settings ({r.get('fingerprint')} != {fp}); "
@@ -841,6 +880,20 @@ def _plan_shards(
             plan.todo[prefix] = (info.uri, info.size, c.read_generation, sha)
             plan.entries.append((shown, c.wanted.generation, sha, prefix, False))
     return plan
+
+
+def _read_reports(prefixes: Sequence[str]) -> list[dict[str, Any] | None]:
+    """Each shard's report (None: not written), read side by side: a run of many new objects asks for
+    as many reports, and each costs a round trip."""
+
+    def read(prefix: str) -> dict[str, Any] | None:
+        try:
+            return cast(dict[str, Any], json.loads(objects.read_bytes(prefix + "_report.json")))
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(min(16, max(1, len(prefixes)))) as pool:
+        return list(pool.map(read, prefixes))
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ def sha256_of(uri: str, generation: int | None = None) -> str:
     """sha256 of an object's bytes, streamed."""
     h = hashlib.sha256()
     with objects.open_read(uri, generation) as f:
-        while chunk := f.read(_READ_CHUNK):
+        for chunk in objects.chunks(f, _READ_CHUNK):
             h.update(chunk)
     return h.hexdigest()
 
@@ -378,9 +378,7 @@ class _Reader:
         with objects.open_read(self.split.uri, self.split.generation) as f:
             raw = f.read(self.max + 1)
             if len(raw) > self.max:
-                nbytes = len(raw)
-                while chunk := f.read(_READ_CHUNK):
-                    nbytes += len(chunk)
+                nbytes = len(raw) + sum(map(len, objects.chunks(f, _READ_CHUNK)))
                 yield self._reject(0, TOO_LARGE, f"{nbytes} bytes > max {self.max}", raw, nbytes, 0)
                 return
         try:
@@ -475,11 +473,12 @@ def _lines(f: IO[bytes], start: int, end: int, max_len: int) -> Iterator[tuple[i
     with its true length, and the rest is skipped without buffering it.
     """
     buf = bytearray()
+    reads = objects.chunks(f, _READ_CHUNK)  # a generator: it reads nothing before the first next()
     if start > 0:
         f.seek(start - 1)
         pos = start - 1
         while True:  # the line in progress at start-1 belongs to the previous split
-            chunk = f.read(_READ_CHUNK)
+            chunk = next(reads, b"")
             if not chunk:
                 return
             nl = chunk.find(b"\n")
@@ -495,7 +494,7 @@ def _lines(f: IO[bytes], start: int, end: int, max_len: int) -> Iterator[tuple[i
     while pos < end:
         nl = buf.find(b"\n", i)
         if nl < 0 and not eof and len(buf) - i <= max_len:
-            chunk = f.read(_READ_CHUNK)
+            chunk = next(reads, b"")
             if chunk:
                 del buf[:i]
                 i = 0
@@ -519,7 +518,7 @@ def _lines(f: IO[bytes], start: int, end: int, max_len: int) -> Iterator[tuple[i
         buf.clear()
         i = 0
         while True:
-            chunk = f.read(_READ_CHUNK)
+            chunk = next(reads, b"")
             if not chunk:
                 yield pos, head, n
                 return

@@ -3,6 +3,7 @@ create-only write is refused where the file exists, as Cloud Storage's ifGenerat
 
 from __future__ import annotations
 
+import io
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,3 +33,20 @@ def test_a_create_only_local_write_has_one_winner_among_racing_writers(tmp_path:
         objects.write_bytes(target, b"stale", if_generation_match=live + 1)
     objects.write_bytes(target, b"next", if_generation_match=live)
     assert objects.read_bytes(target) == b"next"
+
+
+class _CountingReader(io.BytesIO):
+    reads = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.reads += 1
+        return super().read(size)
+
+
+@pytest.mark.parametrize(("size", "reads"), [(0, 1), (3, 1), (4, 2), (9, 3)])
+def test_chunks_end_at_the_first_short_read(size: int, reads: int) -> None:
+    """A reader is not asked past a short read: for a Cloud Storage reader that would be one more
+    request (answered 416) for every object read to its end."""
+    reader = _CountingReader(bytes(range(size)))
+    assert b"".join(objects.chunks(reader, 4)) == bytes(range(size))
+    assert reader.reads == reads

@@ -97,6 +97,19 @@ def open_read(uri: str, generation: int | None = None) -> IO[bytes]:
     return open(uri, "rb")
 
 
+def chunks(reader: IO[bytes], size: int) -> Iterator[bytes]:
+    """A reader's bytes from where it stands, ``size`` at a time, ending at the first short read.
+
+    A short read is the end for both readers ``open_read`` returns (a ranged download of an object
+    answers with less than the range only at its end), and asking again would cost a Cloud Storage
+    reader one more request, answered 416 (google-cloud-storage's ``fileio.BlobReader.read``): one
+    round trip more for every object read to its end."""
+    while chunk := reader.read(size):
+        yield chunk
+        if len(chunk) < size:
+            return
+
+
 def write_bytes(
     uri: str,
     data: bytes,

@@ -11,7 +11,8 @@ import pytest
 from conftest import corpus_documents, megatron_bytes, read_pair, write_jsonl
 from test_records import BAD_LINES, bad_jsonl
 
-from retrain_tokenize import megatron, tokenize_to_prefix
+from retrain.adapters import objects
+from retrain_tokenize import megatron, pipeline, tokenize_to_prefix
 from retrain_tokenize.cli import main as cli_main
 from retrain_tokenize.options import TokenizeOptions
 
@@ -21,15 +22,31 @@ def docs() -> list[str]:
     return corpus_documents()
 
 
+def _tokenize_counting_parts(src: Path, out: Path, options: TokenizeOptions, inline_shard_bytes: int):
+    """``tokenize_to_prefix`` with ``INLINE_SHARD_BYTES`` set; its report and the temporary part
+    objects it wrote."""
+    written: list[str] = []
+    write = objects.write_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "INLINE_SHARD_BYTES", inline_shard_bytes)
+        mp.setattr(objects, "write_bytes", lambda uri, *a, **k: written.append(uri) or write(uri, *a, **k))
+        report = tokenize_to_prefix([str(src)], str(out), options)
+    return report, [u for u in written if f"/{out.name}_tmp/" in u]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, docs):
-    """The same JSONL with the default splits and batches, and with tiny ones (many parts)."""
+    """The same JSONL with the default splits and batches, its ids carried in the parts' elements (a small
+    shard), and with tiny ones (many parts), each part's ids through a temporary object (as a shard over
+    ``INLINE_SHARD_BYTES`` does)."""
     d = tmp_path_factory.mktemp("runs")
     src = write_jsonl(d / "good.jsonl", docs)
-    one = tokenize_to_prefix([str(src)], str(d / "w1" / "out"), TokenizeOptions(workers=1))
-    two = tokenize_to_prefix(
-        [str(src)], str(d / "w2" / "out"), TokenizeOptions(workers=2, split_bytes=7_000, batch_bytes=5_000)
-    )
+    size = src.stat().st_size
+    one, one_parts = _tokenize_counting_parts(src, d / "w1" / "out", TokenizeOptions(workers=1), size)
+    assert one_parts == []
+    tiny = TokenizeOptions(workers=2, split_bytes=7_000, batch_bytes=5_000)
+    two, two_parts = _tokenize_counting_parts(src, d / "w2" / "out", tiny, size - 1)
+    assert len(two_parts) >= size // 7_000, "a part per batch, at least one a split"
     return d, one, two
 
 
@@ -44,9 +61,10 @@ def test_exact_bytes_against_hand_packed_spec(runs, docs, gpt2):
     assert not list((d / "w1").glob("*_tmp*")), "temporary parts left behind"
 
 
-def test_deterministic_across_splits_and_batches(runs):
+def test_deterministic_across_splits_batches_and_part_transports(runs):
     d, one, two = runs
     assert read_pair(d / "w1" / "out_text_document") == read_pair(d / "w2" / "out_text_document")
+    assert not list((d / "w2").glob("*_tmp*")), "temporary parts left behind"
     assert {k: one[k] for k in ("documents", "tokens")} == {k: two[k] for k in ("documents", "tokens")}
 
 
