@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from retrain_local.iam import Decision
 from retrain_local.identities import Deployed
 from retrain_local.stack import LocalStack
 from retrain_ops.manifests import K8S_DIR, documents
+from retrain_tokenize import pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.emulators, pytest.mark.envtest]
 
@@ -113,6 +115,16 @@ class Removed:
     in_reason: str | None = None
     """What the run's reason must name (None: a pod's failure, which the JobSet's reason does not carry)."""
     replace_with: str = ""
+    object_bytes: int = 0
+    """The dropped object's least size: a shard over ``INLINE_SHARD_BYTES`` is the one whose ids go
+    through temporary parts under shards/ (a small one's travel in the pipeline's elements)."""
+
+    def lines(self) -> list[str]:
+        """The dropped object's lines: unique, and together over ``object_bytes``."""
+        lines = unique_lines()
+        while sum(len(line) + 1 for line in lines) <= self.object_bytes:
+            lines += [json.dumps({"text": " ".join(f"w{j % 997}" for j in range(2000))}), *unique_lines(1)]
+        return lines
 
 
 REMOVED = [
@@ -144,6 +156,7 @@ REMOVED = [
         "google_storage_managed_folder_iam_member",
         "dataflow_shards_admin",
         (DATAFLOW, "storage.objects.delete"),
+        object_bytes=pipeline.INLINE_SHARD_BYTES,
     ),
     # a run's pods (their own service account's principal) read the shards, the tokenizer and the
     # champion through their namespace's principal set: without it the FUSE mount lists nothing
@@ -175,7 +188,7 @@ def test_a_missing_grant_fails_the_run_at_the_call_that_needs_it(
     remove_resource(infra, removed.stage_file, removed.rtype, removed.name, removed.replace_with)
     since = len(stack.guard.refused())
     with deployed_from(stack, infra):
-        run = finish(stack, drop_lines(stack, tmp_path / "a.jsonl", unique_lines(), new_dataset()))
+        run = finish(stack, drop_lines(stack, tmp_path / "a.jsonl", removed.lines(), new_dataset()))
     assert_released(stack, run)
     wait_for_refusal(stack, *removed.refused, since, timeout_s=1)
     if removed.in_reason:
