@@ -148,7 +148,7 @@ REMOVED = [
         (WORKFLOW, "iam.serviceAccounts.actAs"),
         "Permission 'iam.serviceAccounts.actAs' denied on resource 'retrain-dataflow@",
     ),
-    # the tokenize job (as the Dataflow account) deletes its parts under shards/ once a shard is written
+    # the tokenize job (as the Dataflow account) deletes a large shard's parts under shards/ once written
     # (roles/dataflow.worker alone would let it create objects anywhere, but never delete one)
     Removed(
         "Dataflow job cleans up shards/",
