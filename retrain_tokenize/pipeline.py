@@ -24,12 +24,12 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import IO, Any, cast
+from typing import IO, Any, TypeVar, cast
 
 import apache_beam as beam
 import numpy as np
@@ -45,6 +45,8 @@ from retrain_tokenize.records import Batch, Rejected, Split, SplitStats
 from retrain_tokenize.tokenizer import LoadedTokenizer, TokenizerSpec, fingerprint, keep_tokenizer_files
 
 log = logging.getLogger("retrain_tokenize")
+T = TypeVar("T")
+R = TypeVar("R")
 
 ENCODE_BYTES = 1 << 20  # text per encode_batch call: enough documents for every core, bounded memory
 #: A shard whose inputs are at most this many bytes carries its token ids in the parts' elements, to the
@@ -66,6 +68,10 @@ class ShardSpec:
     prefix: str
     inputs: tuple[tuple[int, str, int], ...]  # (input index, uri, size in bytes)
     extra: tuple[tuple[str, Any], ...] = ()  # added to the shard report (object, sha256)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(size for _, _, size in self.inputs)
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,7 @@ class _TokenizeFn(beam.DoFn):
 
     def process(self, batch: Batch) -> Iterator[tuple[int, tuple[str, Part]]]:
         shard = self.job.shard_of(batch.input_index)
-        inline = sum(size for _, _, size in self.job.shards[shard].inputs) <= INLINE_SHARD_BYTES
+        inline = self.job.shards[shard].input_bytes <= INLINE_SHARD_BYTES
         part = Part(batch.input_index, batch.first_offset, [], [])
         for key, texts in zip(self.job.json_keys, batch.texts, strict=True):
             flat, n = encode_batch(self.tok, texts, self.job.append_eod)
@@ -281,7 +287,7 @@ def write_shard(
         "tokens": sum(v["tokens"] for v in per_key.values()),
         "quarantined": len(rejected),
         "input_records": input_records,
-        "bytes": sum(size for _, _, size in spec.inputs),
+        "bytes": spec.input_bytes,
         "seconds": round(time.time() - job.started_at, 3),
         "outputs": outputs,
         "per_key": per_key,
@@ -459,9 +465,14 @@ def _prepare(o: TokenizeOptions) -> tuple[TokenizerSpec, LoadedTokenizer]:
     return spec, tok
 
 
+def _side_by_side(fn: Callable[[T], R], items: Sequence[T], threads: int = 16) -> list[R]:
+    """``fn`` of each item, in order, on up to ``threads`` threads: each call is a storage round trip."""
+    with ThreadPoolExecutor(min(threads, max(1, len(items)))) as pool:
+        return list(pool.map(fn, items))
+
+
 def _stat_all(uris: Sequence[str]) -> list[objects.ObjectInfo]:
-    with ThreadPoolExecutor(min(16, max(1, len(uris)))) as pool:
-        return list(pool.map(objects.stat, uris))
+    return _side_by_side(objects.stat, uris)
 
 
 def _sizes(uris: Sequence[str]) -> list[int]:
@@ -488,8 +499,7 @@ def content_hashes(infos: Sequence[objects.ObjectInfo], index_root: str) -> list
         objects.write_bytes(entry, digest.encode(), "text/plain")
         return digest
 
-    with ThreadPoolExecutor(min(8, max(1, len(infos)))) as pool:
-        return list(pool.map(sha, infos))
+    return _side_by_side(sha, infos, threads=8)
 
 
 def tokenize_to_prefix(
@@ -759,8 +769,7 @@ def _survey(
     written, which reuse one, and the objects set aside whole."""
     if not wanted:
         raise ValueError("no inputs")
-    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
-        checked = list(pool.map(partial(_check, max_decompressed=o.max_decompressed_bytes), wanted))
+    checked = _side_by_side(partial(_check, max_decompressed=o.max_decompressed_bytes), wanted)
     quarantined_objects = _quarantined(checked, source)
     readable = [c for c in checked if c.problem is None and c.info is not None]
     shas = content_hashes(
@@ -892,8 +901,7 @@ def _read_reports(prefixes: Sequence[str]) -> list[dict[str, Any] | None]:
         except FileNotFoundError:
             return None
 
-    with ThreadPoolExecutor(min(16, max(1, len(prefixes)))) as pool:
-        return list(pool.map(read, prefixes))
+    return _side_by_side(read, prefixes)
 
 
 @dataclass(frozen=True)
