@@ -12,11 +12,17 @@ command's wall time, and the baseline: the CPU the machine could give in that ti
 share near 100% of the baseline means the suite waits on CPU, not on timers: fewer CPU seconds is then
 the way to a shorter run.  A process shorter than one period may be missed; the figures are lower bounds.
 Other processes on the machine are counted too (as ``other``): run it on a quiet machine.
+
+The same work costs more CPU seconds in a slow hour (a shared machine: the same suite at the same commit
+spent 1,502 CPU s in one hour and 1,951 in another, every kind of process alike), so it also times a fixed
+piece of Python work before and after COMMAND, and prints COMMAND's CPU in units of it, and the CPU the
+hypervisor gave other guests meanwhile (``steal``, /proc/stat): compare runs of different hours by these.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -75,6 +81,29 @@ def sample(seen: dict[str, list[object]]) -> None:
             seen[key] = [cpu, command]
 
 
+def reference_cpu_s(repeat: int = 5) -> float:
+    """CPU seconds of a fixed piece of work (hashing, an interpreter loop, JSON: what the suite's Python
+    processes do), the fastest of ``repeat`` runs: the machine's speed this hour (a slower run met a
+    neighbour)."""
+    times = []
+    for _ in range(repeat):
+        started = time.process_time()
+        digest, block = hashlib.sha256(), bytes(1 << 20)
+        for _ in range(192):
+            digest.update(block)
+        total = 0
+        for i in range(6_000_000):
+            total += i % 7
+        json.loads(json.dumps([{"k": i, "v": str(i)} for i in range(300_000)]))
+        times.append(time.process_time() - started)
+    return min(times)
+
+
+def steal_s() -> float:
+    """CPU seconds the hypervisor gave other guests since boot, all cores (/proc/stat's 8th column)."""
+    return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=1.0, help="seconds between samples")
@@ -84,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to measure after --")
+    reference_before, steal_before = reference_cpu_s(), steal_s()
     seen: dict[str, list[object]] = {}
     sample(seen)
     before = {k: float(v[0]) for k, v in seen.items()}  # what ran before the command counts from here
@@ -101,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     done.set()
     thread.join()
     sample(seen)
+    steal = steal_s() - steal_before
+    reference_after = reference_cpu_s()
+    reference = (reference_before + reference_after) / 2
     by_kind: Counter[str] = Counter()
     for key, (cpu, cmd) in seen.items():
         by_kind[kind_of(str(cmd))] += float(cpu) - before.get(key, 0.0)  # type: ignore[arg-type]
@@ -113,8 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'all':58} {total:8.0f}")
     baseline = wall * cores
     print(f"baseline: {baseline:.0f} CPU s the machine could give in that time; used {total / baseline:.0%}")
+    print(
+        f"machine: the reference work took {reference_before:.2f} CPU s before the command and "
+        f"{reference_after:.2f} after; the command took {total / reference:.0f} of it; "
+        f"steal {steal:.0f} CPU s"
+    )
     if args.json:
-        figures = {"wall_s": wall, "cores": cores, "cpu_s": dict(by_kind), "exit": code}
+        figures = {
+            "wall_s": wall,
+            "cores": cores,
+            "cpu_s": dict(by_kind),
+            "exit": code,
+            "reference_cpu_s": reference,
+            "steal_s": steal,
+        }
         Path(args.json).write_text(json.dumps(figures, indent=1))
     return code
 

@@ -3,6 +3,7 @@ quiet machine, never a test's): the storm's correctness half at test size, the t
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,19 @@ def test_any_size_bench_hands_the_trainer_the_same_bounds_at_every_size() -> Non
     for key in ("answer_bytes", "argument_bytes", "record_bytes"):
         assert f"{key}: 1,000 objects / 100 objects = 1.00x" in out.stdout, out.stdout
     assert "(one entry per object: 124," in out.stdout  # what the argument would be without packs
+
+
+def test_the_suite_cpu_bench_counts_a_command_by_kind_and_in_the_machine_s_reference_work(
+    tmp_path: Path,
+) -> None:
+    """A command that burns two CPU seconds is counted as what it is, and its CPU is also given in units of
+    the reference work timed in the same run (figures from different hours compare by it)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2: pass"
+    figures = tmp_path / "figures.json"
+    out = bench("suite_cpu.py", "--every", "0.2", "--json", str(figures), "--", sys.executable, "-c", burn)
+    got = json.loads(figures.read_text())
+    assert got["exit"] == 0
+    assert 1.7 <= got["cpu_s"]["Python (other)"] < 2.5  # sampled every 0.2 s: the last 0.2 s may be missed
+    assert 0 < got["reference_cpu_s"] < 30 and got["steal_s"] >= 0
+    references = sum(got["cpu_s"].values()) / got["reference_cpu_s"]
+    assert f"the command took {references:.0f} of it; steal {got['steal_s']:.0f} CPU s" in out.stdout
