@@ -20,6 +20,10 @@ standard output and error as file descriptors (``SCM_RIGHTS``): ``{"run": [scrip
 "cwd": "..."}``; the server answers ``{"pid": N}`` once forked and ``{"exit": code}`` when the child ended
 (a negative code: killed by that signal, as :attr:`subprocess.Popen.returncode`).  ``{"kill": [name,
 value]}`` answers ``{"killed": [pids]}`` once they are gone.
+
+``python -m retrain_local.forkserver --run SOCKET SCRIPT ARGS...`` (:func:`run_forked`) is such a caller
+as a process: a server started as a process of its own (a function of the local stack, supervised,
+stopped and restarted as any) is forked instead, and the caller stands for it.
 """
 
 from __future__ import annotations
@@ -462,11 +466,34 @@ def serve(path: Path, preload: list[str]) -> None:
     server.serve_forever()
 
 
+def run_forked(path: Path, argv: list[str]) -> int:
+    """This process as ``python script args`` would be, but forked from the server at ``path``: the child
+    has this process's environment, folder and output; SIGTERM and SIGINT are passed to the child's whole
+    group (a server it started, and that server's workers), and this process ends when the child has,
+    with its exit code (128 + the signal that killed it, as a shell reports it).  Killed outright, it
+    takes the child along (the server kills a child whose caller went)."""
+    child = Child(path, argv, dict(os.environ))
+
+    def forward(sig: int, _: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)  # the child leads its own session (``_become``)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    return code if code >= 0 else 128 - code
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--run"]:  # python -m retrain_local.forkserver --run SOCKET SCRIPT [ARGS...]
+        if len(args) < 3:
+            raise SystemExit("usage: python -m retrain_local.forkserver --run SOCKET SCRIPT [ARGS...]")
+        return run_forked(Path(args[1]), args[2:])
     p = argparse.ArgumentParser(prog="python -m retrain_local.forkserver", description=__doc__)
     p.add_argument("socket", type=Path)
     p.add_argument("preload", nargs="*")
-    a = p.parse_args(argv)
+    a = p.parse_args(args)
     serve(a.socket, a.preload)
     return 0
 

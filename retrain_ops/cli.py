@@ -350,6 +350,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _say(f"the run's report: {page}")
     _say(accounted)
     _say(privileges)
+    return demo_exit_code(run, accounted, refused)
+
+
+def demo_exit_code(run: Run, accounted: str, refused: int) -> int:
+    """0 only when the demo's run succeeded and gave back every node, every dropped object is accounted
+    for (``accounted``: :func:`_audit_line`) and the stack refused no call (``refused``); else 1."""
     ok = run.status == RunStatus.SUCCEEDED and run.nodes_at_end == 0 and accounted.startswith("audit: every")
     return 0 if ok and not refused else 1
 

@@ -164,22 +164,3 @@ def test_demo_trains_and_returns_every_node(tmp_path: Path) -> None:
         "reason",
     ):
         assert key in listed
-
-
-def test_failed_provisioning_still_ends_at_zero_nodes_with_a_reason(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    demo = retrain(
-        ["demo", "--data", str(small_corpus(tmp_path / "data")), "--json"],
-        state,
-        RETRAIN_TWIN_FAULTS="provisioning=fail",
-    )
-    assert demo.returncode == 1 and demo.stdout, demo.stderr[-4000:]
-    run = json.loads(demo.stdout)
-    assert run["status"] == "failed" and "DWS" in run["reason"], run
-    assert run["nodes_at_end"] == 0 and run["tokens"] > 0
-    # a subscriber of the run events topic was told its life and its failure, with the kind
-    told = re.findall(rf"run event: \S+ (\w+) +{run['run_id']} *(\S*)", demo.stderr)
-    assert [t for t, _ in told] == ["queued", "tokenizing", "provisioning", "releasing", "failed"], (
-        demo.stderr
-    )
-    assert told[-1][1] == "CapacityError:", told

@@ -8,6 +8,7 @@ import json
 import re
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,12 @@ from stack_support import (
     wait_for_status,
 )
 
+from retrain.adapters.events import read_events
 from retrain.adapters.ledger import FirestoreLedger
 from retrain.adapters.workflows import WorkflowsExecutions
 from retrain.caller import forwarded_id_token
 from retrain.cancel import request_cancel
+from retrain.contracts import RunEventType
 from retrain.domain.errors import Rejected
 from retrain.domain.runs import EVAL_SET, FailureKind
 from retrain_local.cluster import Faults
@@ -52,10 +55,26 @@ def test_tokenization_without_tokens_fails_before_any_capacity(stack: LocalStack
 
 
 def test_dws_failure(stack: LocalStack, tmp_path: Path) -> None:
+    """Capacity refused after tokenizing: the run ends failed with the reason and zero nodes, and a
+    subscriber of the run events topic (``retrain events``, what the demo prints) is told its whole life
+    and its failure's kind (this was tests/test_e2e.py's failed demo, which booted a stack of its own)."""
+    since = datetime.now(UTC)
     run = run_with(stack, tmp_path, Faults(provisioning="fail"))
     assert_released(stack, run)
     assert run.reason and "DWS did not provide capacity (Failed)" in run.reason
     assert run.failure == FailureKind.CAPACITY_ERROR
+    assert run.tokens > 0 and run.gpu_node_seconds == 0
+    told = []
+    deadline = time.monotonic() + 60
+    for event in read_events(
+        stack.settings.events_topic, since, True, stopped=lambda: time.monotonic() > deadline
+    ):
+        if event.run_id == run.run_id:
+            told.append(event)
+        if told and told[-1].type == RunEventType.FAILED:  # published just after the run is recorded
+            break
+    assert [str(e.type) for e in told] == ["queued", "tokenizing", "provisioning", "releasing", "failed"]
+    assert told[-1].failure == FailureKind.CAPACITY_ERROR and told[-1].reason == run.reason, told[-1]
 
 
 def test_dws_never_provisions(stack: LocalStack, tmp_path: Path) -> None:
