@@ -248,17 +248,14 @@ class LocalStack:
     def _start(self) -> None:
         """The phases, in dependency order: each names what it starts."""
         self._preflight()
-        # the functions' fork server imports their libraries while the emulators and the cluster start
-        function_forks = serverless.function_fork_server(self.state_dir / "function-fork-server.log").start()
-        self.lifetime.on_stop(function_forks.stop)
         gcs_host = self._start_emulators()
         deployed = self._start_iam_fronts(gcs_host)
+        functions = Functions(self, deployed)  # their fork server imports while the cluster starts
         control_plane, kube, kube_front, gke_api = self._start_control_plane()
         create_buckets(self.settings, self._deployment)
         child_env = {**self.endpoints.env(), **self.pod_env}  # a pod's or a Dataflow job's processes'
         values = self._start_cluster(control_plane.api_client(), gke_api, child_env)
         publisher, jobset_events = self._start_notifier(kube, values)
-        functions = Functions(self, deployed, function_forks)
         self._start_executions(deployed, kube, kube_front, functions, child_env)
         jobs = self._deployment.scheduler_jobs()
         ticks = self._start_functions(functions, jobs)
