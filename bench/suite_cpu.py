@@ -18,6 +18,9 @@ The same work costs more CPU seconds in a slow hour (a shared machine: the same 
 spent 1,502 CPU s in one hour and 1,951 in another, every kind of process alike), so it also times a fixed
 piece of Python work before and after COMMAND, and prints COMMAND's CPU in units of it, and the CPU the
 hypervisor gave other guests meanwhile (``steal``, /proc/stat): compare runs of different hours by these.
+
+It also prints how busy the whole machine was, minute by minute (/proc/stat): a suite whose minutes are all
+near 100% is shortened only by fewer CPU seconds, and the minutes well below it say when it waited instead.
 """
 
 from __future__ import annotations
@@ -106,6 +109,28 @@ def steal_s() -> float:
     return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) / os.sysconf("SC_CLK_TCK")
 
 
+def busy_and_total() -> tuple[int, int]:
+    """The machine's busy and total CPU time since boot, in clock ticks, all cores (/proc/stat's first
+    line: idle and iowait are its 4th and 5th columns, steal counts as busy: another guest had the core)."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def busy_by_minute(marks: list[tuple[float, int, int]]) -> list[int]:
+    """The busy share (percent) of each whole minute between the first and last of ``marks`` (monotonic
+    time, busy and total ticks), then of the part-minute left at the end if it is 5 s or more (or is all
+    there is)."""
+    shares: list[int] = []
+    start = marks[0]
+    for i, mark in enumerate(marks[1:], 1):
+        last, span = i == len(marks) - 1, mark[0] - start[0]
+        if span >= 60 or (last and (span >= 5 or not shares)):
+            if mark[2] > start[2]:
+                shares.append(round(100 * (mark[1] - start[1]) / (mark[2] - start[2])))
+            start = mark
+    return shares
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=1.0, help="seconds between samples")
@@ -120,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     sample(seen)
     before = {k: float(v[0]) for k, v in seen.items()}  # what ran before the command counts from here
     done = threading.Event()
+    marks = [(time.monotonic(), *busy_and_total())]
 
     def sampler() -> None:
         while not done.wait(args.every):
             sample(seen)
+            marks.append((time.monotonic(), *busy_and_total()))
 
     thread = threading.Thread(target=sampler, daemon=True)
     started = time.monotonic()
@@ -137,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     done.set()
     thread.join()
     sample(seen)
+    marks.append((time.monotonic(), *busy_and_total()))
+    busy = busy_by_minute(marks)
     steal = steal_s() - steal_before
     reference_after = reference_cpu_s()
     reference = (reference_before + reference_after) / 2
@@ -153,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     baseline = wall * cores
     print(f"baseline: {baseline:.0f} CPU s the machine could give in that time; used {total / baseline:.0%}")
     print(
+        f"machine busy, minute by minute (%): {' '.join(map(str, busy))}; "
+        f"{sum(b >= 90 for b in busy)} of {len(busy)} minutes at 90% or more"
+    )
+    print(
         f"machine: the reference work took {reference_before:.2f} CPU s before the command and "
         f"{reference_after:.2f} after; the command took {total / reference:.0f} of it; "
         f"steal {steal:.0f} CPU s"
@@ -166,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             "command_cpu_s": own,
             "reference_cpu_s": reference,
             "steal_s": steal,
+            "busy_by_minute": busy,
         }
         Path(args.json).write_text(json.dumps(figures, indent=1))
     return code

@@ -4,6 +4,7 @@ quiet machine, never a test's): the storm's correctness half at test size, the t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,5 +71,9 @@ def test_the_suite_cpu_bench_counts_a_command_by_kind_and_in_the_machine_s_refer
     assert got["cpu_s"]["Python (other)"] >= 1.7
     assert 2.0 <= got["command_cpu_s"] < 2.5
     assert 0 < got["reference_cpu_s"] < 30 and got["steal_s"] >= 0
+    # the burn kept one core of the machine busy the whole time: a part-minute at least half busy
+    (busy,) = got["busy_by_minute"]
+    assert (os.cpu_count() or 1) * busy >= 90 and busy <= 100, busy
+    assert f"machine busy, minute by minute (%): {busy}; {int(busy >= 90)} of 1 minutes" in out.stdout
     references = sum(got["cpu_s"].values()) / got["reference_cpu_s"]
     assert f"the command took {references:.0f} of it; steal {got['steal_s']:.0f} CPU s" in out.stdout
