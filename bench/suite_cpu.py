@@ -104,15 +104,21 @@ def reference_cpu_s(repeat: int = 5) -> float:
     return min(times)
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time since boot, all cores, in clock ticks: /proc/stat's first line (user, nice,
+    system, idle, iowait, irq, softirq, steal)."""
+    return [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
 def steal_s() -> float:
     """CPU seconds the hypervisor gave other guests since boot, all cores (/proc/stat's 8th column)."""
-    return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) / os.sysconf("SC_CLK_TCK")
+    return cpu_ticks()[7] / os.sysconf("SC_CLK_TCK")
 
 
 def busy_and_total() -> tuple[int, int]:
-    """The machine's busy and total CPU time since boot, in clock ticks, all cores (/proc/stat's first
-    line: idle and iowait are its 4th and 5th columns, steal counts as busy: another guest had the core)."""
-    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    """The machine's busy and total CPU ticks since boot (:func:`cpu_ticks`): all but idle and iowait;
+    steal counts as busy (another guest had the core)."""
+    ticks = cpu_ticks()
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
